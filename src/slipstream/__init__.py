@@ -1,0 +1,20 @@
+"""slipstream: a PyTorch-native training system that measures, explains, plans and applies
+performance optimizations as config switches."""
+
+__version__ = "0.1.0"
+
+
+def __getattr__(name):
+    # Lazy, so `slipstream --help` and config tools start without importing torch.
+    if name == "Trainer":
+        from slipstream.train.trainer import Trainer
+
+        return Trainer
+    if name in ("Config", "load_config"):
+        from slipstream import config
+
+        return getattr(config, name)
+    raise AttributeError(name)
+
+
+__all__ = ["Trainer", "Config", "load_config", "__version__"]

@@ -1,0 +1,1 @@
+"""Checkpoint save/load/resume (DCP-based, atomic)."""

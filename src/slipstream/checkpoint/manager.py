@@ -1,0 +1,216 @@
+"""Checkpoints: save, find, load; atomic and safe to read.
+
+Layout of one checkpoint (a folder under <run dir>/checkpoints/):
+
+    step_00000100/
+      model_optim/         torch.distributed.checkpoint (DCP) shards of {"model", "optim"}
+      trainer_state.json   step, scheduler, data-loader position, RNG states, counters
+      config.toml          the resolved config of the run
+      meta.json            format version, step, world size, tokenizer, versions
+      tokenizer.json       copy of a bpe tokenizer file, when one is used
+      COMPLETE             written last: a folder without it is ignored
+
+Model and optimizer go through DCP (each rank writes its own shard), so the same format
+serves single-process runs now and sharded/async/resharding runs later. Everything else
+is JSON: loading never unpickles arbitrary objects. A checkpoint is written into a
+temporary folder and renamed into place, so an interrupted save never looks complete.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import random
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from slipstream.errors import UserError
+
+FORMAT_VERSION = 1
+COMPLETE_MARKER = "COMPLETE"
+_PREFIX = "step_"
+
+
+def checkpoint_name(step: int) -> str:
+    return f"{_PREFIX}{step:08d}"
+
+
+@contextlib.contextmanager
+def _quiet_dcp():
+    # Single-process DCP warns that torch.distributed is not initialized; that is intended here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        yield
+
+
+# --- RNG state as JSON -------------------------------------------------------------------
+
+def _tensor_to_b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.cpu().numpy().tobytes()).decode("ascii")
+
+
+def _b64_to_tensor(s: str) -> torch.Tensor:
+    return torch.from_numpy(np.frombuffer(base64.b64decode(s), dtype=np.uint8).copy())
+
+
+def capture_rng_state() -> dict[str, Any]:
+    py_version, py_state, py_gauss = random.getstate()
+    np_state = np.random.get_state()
+    state = {
+        "python": [py_version, list(py_state), py_gauss],
+        "numpy": [np_state[0], np_state[1].tolist(), int(np_state[2]), int(np_state[3]), float(np_state[4])],
+        "torch": _tensor_to_b64(torch.get_rng_state()),
+    }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [_tensor_to_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    py_version, py_state, py_gauss = state["python"]
+    random.setstate((py_version, tuple(py_state), py_gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_b64_to_tensor(state["torch"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_b64_to_tensor(s) for s in state["cuda"]])
+
+
+# --- save ----------------------------------------------------------------------------------
+
+def save_checkpoint(checkpoints_dir: str | Path, step: int, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer | None, trainer_state: dict[str, Any],
+                    config_toml: str, meta: dict[str, Any] | None = None,
+                    extra_files: dict[str, str | Path] | None = None) -> Path:
+    """Write a complete checkpoint atomically; returns its final path."""
+    checkpoints_dir = Path(checkpoints_dir)
+    checkpoints_dir.mkdir(parents=True, exist_ok=True)
+    final = checkpoints_dir / checkpoint_name(step)
+    tmp = checkpoints_dir / f".{final.name}.tmp-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        payload = {"model": model_sd, "optim": optim_sd}
+    else:
+        payload = {"model": model.state_dict()}
+    with _quiet_dcp():
+        dcp.save(payload, checkpoint_id=str(tmp / "model_optim"))
+    _write_text(tmp / "trainer_state.json", json.dumps(trainer_state))
+    _write_text(tmp / "config.toml", config_toml)
+    full_meta = {
+        "format_version": FORMAT_VERSION, "step": step, "world_size": 1, "time": time.time(),
+        "torch": torch.__version__, "has_optimizer": optimizer is not None, **(meta or {}),
+    }
+    for name, src in (extra_files or {}).items():
+        shutil.copyfile(src, tmp / name)
+    _write_text(tmp / "meta.json", json.dumps(full_meta, indent=2))
+    _write_text(tmp / COMPLETE_MARKER, "")
+    if final.exists():  # re-saving the same step (e.g. final == last interval save)
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    return final
+
+
+def _write_text(path: Path, text: str) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def prune_checkpoints(checkpoints_dir: str | Path, keep_last: int, protect: Path | None = None) -> None:
+    """Delete all but the newest `keep_last` complete checkpoints (never `protect`)."""
+    complete = list_checkpoints(checkpoints_dir)
+    for path in complete[:-keep_last] if keep_last > 0 else []:
+        if protect is None or path.resolve() != Path(protect).resolve():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# --- find ----------------------------------------------------------------------------------
+
+def is_complete(path: Path) -> bool:
+    return (path / COMPLETE_MARKER).is_file() and (path / "meta.json").is_file()
+
+
+def list_checkpoints(checkpoints_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first. Incomplete (interrupted) ones are ignored."""
+    checkpoints_dir = Path(checkpoints_dir)
+    if not checkpoints_dir.is_dir():
+        return []
+    found = [p for p in checkpoints_dir.iterdir() if p.is_dir() and p.name.startswith(_PREFIX) and is_complete(p)]
+    return sorted(found, key=lambda p: p.name)
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """Accept a checkpoint folder, a run's checkpoints/ folder or a run folder; return a checkpoint."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise UserError(f"checkpoint '{path}' does not exist; pass a checkpoint folder or a run directory")
+    if (path / COMPLETE_MARKER).exists() or (path / "meta.json").exists():
+        if not is_complete(path):
+            raise UserError(f"checkpoint '{path}' is incomplete (no {COMPLETE_MARKER} marker: the save was "
+                            "interrupted); use an earlier checkpoint")
+        return path
+    for candidate_dir in (path, path / "checkpoints"):
+        found = list_checkpoints(candidate_dir)
+        if found:
+            return found[-1]
+    raise UserError(f"no complete checkpoint found in '{path}' (looked for checkpoints/{_PREFIX}*/ "
+                    f"with a {COMPLETE_MARKER} marker)")
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"checkpoint '{path}' has an unreadable meta.json ({e}); it is damaged") from None
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise UserError(f"checkpoint '{path}' has format version {meta.get('format_version')}, "
+                        f"this slipstream reads version {FORMAT_VERSION}")
+    return meta
+
+
+# --- load ----------------------------------------------------------------------------------
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+                    ) -> dict[str, Any]:
+    """Load model (and optimizer) in place; return the trainer state dict."""
+    meta = read_meta(path)
+    if optimizer is not None and not meta.get("has_optimizer", False):
+        raise UserError(f"checkpoint '{path}' holds no optimizer state, so training cannot resume from it")
+    try:
+        with _quiet_dcp():
+            _load_weights(path, model, optimizer)
+    except UserError:
+        raise
+    except Exception as e:  # DCP raises many types for missing/mismatched shards
+        raise UserError(f"could not load checkpoint '{path}': {type(e).__name__}: {str(e).splitlines()[0][:300]}. "
+                        "The checkpoint is damaged or was saved for a different model shape.") from None
+    try:
+        return json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"checkpoint '{path}' has an unreadable trainer_state.json ({e}); it is damaged") from None
+
+
+def _load_weights(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    if optimizer is not None:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        payload = {"model": model_sd, "optim": optim_sd}
+        dcp.load(payload, checkpoint_id=str(path / "model_optim"))
+        set_state_dict(model, optimizer, model_state_dict=payload["model"], optim_state_dict=payload["optim"])
+    else:
+        payload = {"model": model.state_dict()}
+        dcp.load(payload, checkpoint_id=str(path / "model_optim"))
+        model.load_state_dict(payload["model"])

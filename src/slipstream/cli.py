@@ -1,0 +1,177 @@
+"""`slipstream` command line: subcommands only; each delegates to a module function.
+
+    slipstream train [--config FILE] [--section.key=value ...]
+    slipstream generate --checkpoint PATH --prompt TEXT [--max-new-tokens N --temperature T --top-k K]
+    slipstream data prepare --input PATH... --tokenizer T --out DIR
+    slipstream data train-tokenizer --input PATH... --vocab-size N --out FILE
+    slipstream config show [--config FILE] [--section.key=value ...]
+    slipstream config reference
+    slipstream bench overhead [--config FILE] [--section.key=value ...] [--rounds N] [--out FILE]
+
+User errors print one line `error: ...` and exit with code 2 (no traceback).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from slipstream.errors import UserError
+
+EXIT_USER_ERROR = 2
+
+
+def _split_overrides(extra: list[str]) -> list[str]:
+    """Unknown argparse leftovers must be `--section.key=value` (or `--section.key value`)."""
+    overrides, i = [], 0
+    while i < len(extra):
+        arg = extra[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise UserError(f"unexpected argument '{arg}'; config overrides look like --section.key=value")
+        if "=" not in arg:
+            if i + 1 >= len(extra) or extra[i + 1].startswith("--"):
+                raise UserError(f"override '{arg}' has no value; write {arg}=VALUE")
+            arg = f"{arg}={extra[i + 1]}"
+            i += 1
+        overrides.append(arg)
+        i += 1
+    return overrides
+
+
+def _load(args, extra) -> "Config":  # noqa: F821
+    from slipstream.config import load_config
+
+    return load_config(args.config, _split_overrides(extra))
+
+
+def cmd_train(args, extra) -> int:
+    from slipstream.train.lm import train_lm
+
+    train_lm(_load(args, extra))
+    return 0
+
+
+def cmd_generate(args, extra) -> int:
+    from slipstream.train.lm import generate_text
+
+    if extra:
+        raise UserError(f"unexpected arguments: {' '.join(extra)}")
+    text = generate_text(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, top_k=args.top_k or None, seed=args.seed, device=args.device)
+    print(text)
+    return 0
+
+
+def cmd_config_show(args, extra) -> int:
+    from slipstream.config.load import config_to_toml
+
+    print(config_to_toml(_load(args, extra)), end="")
+    return 0
+
+
+def cmd_config_reference(args, extra) -> int:
+    from slipstream.config.load import reference_markdown
+
+    print(reference_markdown())
+    return 0
+
+
+def cmd_data_prepare(args, extra) -> int:
+    from slipstream.data import prepare_dataset
+
+    if extra:
+        raise UserError(f"unexpected arguments: {' '.join(extra)}")
+    manifest = prepare_dataset(args.input, args.tokenizer, args.out, text_field=args.text_field,
+                               val_fraction=args.val_fraction, num_workers=args.workers or None,
+                               progress=not args.quiet)
+    splits = manifest.get("splits", {})
+    counts = ", ".join(f"{name}: {info.get('tokens', 0):,} tokens" for name, info in splits.items())
+    print(f"prepared {args.out} ({manifest['tokenizer']}, vocab {manifest['vocab_size']}): {counts}")
+    return 0
+
+
+def cmd_data_train_tokenizer(args, extra) -> int:
+    from slipstream.data import train_bpe
+
+    if extra:
+        raise UserError(f"unexpected arguments: {' '.join(extra)}")
+    tok = train_bpe(args.input, args.out, vocab_size=args.vocab_size, text_field=args.text_field)
+    print(f"wrote {args.out} (vocab {tok.vocab_size}); use it with --tokenizer bpe:{args.out}")
+    return 0
+
+
+def cmd_bench_overhead(args, extra) -> int:
+    from slipstream.perf.overhead import run_overhead_bench
+
+    run_overhead_bench(_load(args, extra), rounds=args.rounds, steps_per_round=args.steps, out=args.out)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="slipstream", description="PyTorch-native high-performance training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def with_config(p):
+        p.add_argument("--config", help="TOML config file (may `extends` another)")
+        return p
+
+    p = with_config(sub.add_parser("train", help="train a language model (default: gpt-mini on the stdlib corpus)"))
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("generate", help="sample text from a checkpoint")
+    p.add_argument("--checkpoint", required=True, help="checkpoint folder or run directory (its latest checkpoint)")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=50, help="sample from the k most likely tokens; 0 = all")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="auto")
+    p.set_defaults(func=cmd_generate)
+
+    data = sub.add_parser("data", help="prepare token shards, train tokenizers").add_subparsers(dest="data_cmd", required=True)
+    p = data.add_parser("prepare", help="tokenize inputs into token shards + manifest")
+    p.add_argument("--input", nargs="+", required=True, help="files, folders, .jsonl files or `stdlib`")
+    p.add_argument("--tokenizer", default="byte", help="byte | bpe:FILE | tiktoken:NAME")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--text-field", default="text", help="JSONL field holding the text")
+    p.add_argument("--val-fraction", type=float, default=0.01)
+    p.add_argument("--workers", type=int, default=0, help="tokenizer processes; 0 = all cores")
+    p.add_argument("--quiet", action="store_true")
+    p.set_defaults(func=cmd_data_prepare)
+    p = data.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer on the inputs")
+    p.add_argument("--input", nargs="+", required=True)
+    p.add_argument("--vocab-size", type=int, default=4096)
+    p.add_argument("--out", required=True, help="tokenizer JSON file to write")
+    p.add_argument("--text-field", default="text")
+    p.set_defaults(func=cmd_data_train_tokenizer)
+
+    config = sub.add_parser("config", help="show the resolved config").add_subparsers(dest="config_cmd", required=True)
+    p = with_config(config.add_parser("show", help="print the resolved config as TOML"))
+    p.set_defaults(func=cmd_config_show)
+    p = config.add_parser("reference", help="print the config reference (markdown)")
+    p.set_defaults(func=cmd_config_reference)
+
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_cmd", required=True)
+    p = with_config(bench.add_parser("overhead", help="Trainer vs a hand-written loop, alternated"))
+    p.add_argument("--rounds", type=int, default=5, help="alternations of (trainer, hand loop)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per round and contender")
+    p.add_argument("--out", default="", help="JSON result file (default benchmarks/overhead-<machine>.json)")
+    p.set_defaults(func=cmd_bench_overhead)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    try:
+        return args.func(args, extra)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USER_ERROR
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

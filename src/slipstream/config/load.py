@@ -1,0 +1,250 @@
+"""Load a Config: TOML files with `extends` inheritance, then `section.key=value` overrides.
+
+Order of precedence (last wins): dataclass defaults < model preset < TOML chain (base
+first) < command-line overrides. Values are parsed by the declared field type; nothing is
+ever eval'd. Every user mistake raises `UserError` naming the key, the value and what is
+valid (with a "did you mean" for unknown keys).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from slipstream.config.schema import Config, sections
+from slipstream.errors import UserError
+
+EXTENDS_KEY = "extends"
+
+
+def _closest(name: str, valid: list[str]) -> str:
+    match = difflib.get_close_matches(name, valid, n=1, cutoff=0.5)
+    return f" Did you mean '{match[0]}'?" if match else f" Valid: {', '.join(valid)}."
+
+
+def read_toml_chain(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
+    """Read a TOML file, resolving `extends = "base.toml"` (relative to the file) recursively."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise UserError(f"config file '{path}' does not exist; pass an existing TOML file (see configs/).")
+    resolved = path.resolve()
+    if resolved in _seen:
+        chain = " -> ".join(str(p) for p in (*_seen, resolved))
+        raise UserError(f"config files extend each other in a cycle: {chain}")
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise UserError(f"config file '{path}' is not valid TOML: {e}") from None
+    base_name = data.pop(EXTENDS_KEY, None)
+    if base_name is None:
+        return data
+    if not isinstance(base_name, str):
+        raise UserError(f"'{EXTENDS_KEY}' in '{path}' must be a file name string, got {base_name!r}")
+    base = read_toml_chain(path.parent / base_name, (*_seen, resolved))
+    return deep_merge(base, data)
+
+
+def deep_merge(base: dict, top: dict) -> dict:
+    out = dict(base)
+    for key, value in top.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _field_types(section_cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(section_cls)
+
+
+def _parse_override_value(text: str, typ: Any, key: str) -> Any:
+    """Turn the string of `--section.key=value` into the field's type."""
+    if typ is bool:
+        lowered = text.strip().lower()
+        if lowered in ("true", "1", "yes", "on"):
+            return True
+        if lowered in ("false", "0", "no", "off"):
+            return False
+        raise UserError(f"--{key}={text}: expected a boolean (true/false)")
+    if typ is int:
+        try:
+            return int(text.replace("_", ""))
+        except ValueError:
+            try:  # allow 1e3-style integers
+                as_float = float(text)
+            except ValueError:
+                raise UserError(f"--{key}={text}: expected an integer") from None
+            if not as_float.is_integer():
+                raise UserError(f"--{key}={text}: expected an integer") from None
+            return int(as_float)
+    if typ is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise UserError(f"--{key}={text}: expected a number") from None
+    if typing.get_origin(typ) is list:
+        text = text.strip()
+        if text.startswith("["):
+            try:
+                return tomllib.loads(f"v = {text}")["v"]
+            except tomllib.TOMLDecodeError:
+                raise UserError(f"--{key}={text}: expected a list such as [\"a\", \"b\"] or a,b") from None
+        return [part for part in text.split(",") if part]
+    return text
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
+    """`["--train.max_steps=10", "model.preset=gpt2"]` -> {"train": {"max_steps": 10}, ...}."""
+    out: dict[str, dict[str, Any]] = {}
+    known = sections()
+    for raw in overrides:
+        item = raw[2:] if raw.startswith("--") else raw
+        if "=" not in item:
+            raise UserError(f"override '{raw}' must look like --section.key=value (e.g. --train.max_steps=100)")
+        dotted, value = item.split("=", 1)
+        if "." not in dotted:
+            raise UserError(f"override '{raw}' must name a section and a key, e.g. --train.{dotted}=...")
+        section, key = dotted.split(".", 1)
+        if section not in known:
+            raise UserError(f"unknown config section '{section}' in '{raw}'." + _closest(section, list(known)))
+        types = _field_types(known[section])
+        if key not in types:
+            raise UserError(f"unknown config key '{section}.{key}'." + _closest(key, list(types)))
+        out.setdefault(section, {})[key] = _parse_override_value(value, types[key], dotted)
+    return out
+
+
+def _check_type(value: Any, typ: Any, where: str) -> Any:
+    if typ is bool:
+        if not isinstance(value, bool):
+            raise UserError(f"{where} = {value!r}: expected true or false")
+        return value
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            if isinstance(value, float) and value.is_integer():
+                return int(value)
+            raise UserError(f"{where} = {value!r}: expected an integer")
+        return value
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise UserError(f"{where} = {value!r}: expected a number")
+        if not math.isfinite(value):
+            raise UserError(f"{where} = {value!r}: expected a finite number")
+        return float(value)
+    if typing.get_origin(typ) is list:
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise UserError(f"{where} = {value!r}: expected a list of strings")
+        return list(value)
+    if not isinstance(value, str):
+        raise UserError(f"{where} = {value!r}: expected a string")
+    return value
+
+
+def _check_rules(value: Any, f: dataclasses.Field, where: str) -> None:
+    meta = f.metadata
+    if meta.get("choices") and value not in meta["choices"]:
+        valid = ", ".join(str(c) for c in meta["choices"])
+        raise UserError(f"{where} = {value!r} is not valid; choose one of: {valid}")
+    lo, hi = meta.get("min"), meta.get("max")
+    if lo is not None and (value < lo or (meta.get("min_exclusive") and value == lo)):
+        bound = f"> {lo}" if meta.get("min_exclusive") else f">= {lo}"
+        raise UserError(f"{where} = {value!r} is out of range; it must be {bound}")
+    if hi is not None and value > hi:
+        raise UserError(f"{where} = {value!r} is out of range; it must be <= {hi}")
+
+
+def build_config(data: dict[str, Any]) -> Config:
+    """Validate a nested dict (from TOML + overrides) and build the Config."""
+    from slipstream.models.presets import apply_preset  # presets are plain dicts; no torch import
+
+    known = sections()
+    for section, values in data.items():
+        if section not in known:
+            raise UserError(f"unknown config section '{section}'." + _closest(section, list(known)))
+        if not isinstance(values, dict):
+            raise UserError(f"config section '{section}' must be a table like [{section}], got {values!r}")
+    model_values = apply_preset(dict(data.get("model", {})))
+    built = {}
+    for section, cls in known.items():
+        values = model_values if section == "model" else data.get(section, {})
+        types = _field_types(cls)
+        fields = {f.name: f for f in dataclasses.fields(cls)}
+        kwargs = {}
+        for key, value in values.items():
+            if key not in fields:
+                raise UserError(f"unknown config key '{section}.{key}'." + _closest(key, list(fields)))
+            where = f"{section}.{key}"
+            value = _check_type(value, types[key], where)
+            _check_rules(value, fields[key], where)
+            kwargs[key] = value
+        built[section] = cls(**kwargs)
+    cfg = Config(**built)
+    check_consistency(cfg)
+    return cfg
+
+
+def check_consistency(cfg: Config) -> None:
+    """Rules that involve several fields."""
+    m, t, o = cfg.model, cfg.train, cfg.optim
+    if m.d_model % m.n_head:
+        raise UserError(f"model.d_model = {m.d_model} must be divisible by model.n_head = {m.n_head}")
+    if (m.d_model // m.n_head) % 2 and m.position == "rope":
+        raise UserError(f"RoPE needs an even head size; d_model/n_head = {m.d_model // m.n_head}")
+    kv = m.n_kv_head or m.n_head
+    if m.n_head % kv:
+        raise UserError(f"model.n_head = {m.n_head} must be divisible by model.n_kv_head = {kv}")
+    if t.seq_len > m.max_seq_len:
+        raise UserError(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}; "
+                        f"lower train.seq_len or raise model.max_seq_len")
+    if o.min_lr > o.lr:
+        raise UserError(f"optim.min_lr = {o.min_lr} is larger than optim.lr = {o.lr}")
+    if cfg.checkpoint.resume not in ("none", "auto") and not cfg.checkpoint.resume:
+        raise UserError("checkpoint.resume must be none, auto or a checkpoint path")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    """The one entry point: defaults < preset < TOML chain < overrides, validated once."""
+    data = read_toml_chain(path) if path else {}
+    data = deep_merge(data, parse_overrides(overrides or []))
+    return build_config(data)
+
+
+def config_to_toml(cfg: Config) -> str:
+    return tomli_w.dumps(dataclasses.asdict(cfg))
+
+
+def config_from_toml_text(text: str) -> Config:
+    """Rebuild a Config from a resolved config.toml (e.g. one stored in a checkpoint)."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise UserError(f"stored config is not valid TOML: {e}") from None
+    return build_config(data)
+
+
+def reference_markdown() -> str:
+    """The README config reference, generated from the schema."""
+    lines = []
+    for section, cls in sections().items():
+        lines.append(f"### `[{section}]`\n")
+        lines.append(f"{(cls.__doc__ or '').strip().splitlines()[0]}\n")
+        lines.append("| key | default | description |")
+        lines.append("|---|---|---|")
+        for f in dataclasses.fields(cls):
+            default = f.default_factory() if f.default is dataclasses.MISSING else f.default
+            doc = f.metadata["doc"]
+            if f.metadata.get("choices"):
+                doc += " One of: " + ", ".join(f"`{c}`" for c in f.metadata["choices"]) + "."
+            lines.append(f"| `{section}.{f.name}` | `{tomli_w.dumps({'v': default})[4:].strip()}` | {doc} |")
+        lines.append("")
+    return "\n".join(lines)

@@ -1,0 +1,165 @@
+"""The typed configuration tree: every field has a default and a one-line doc string.
+
+Each field is declared with `option(default, doc, ...)`, which stores the doc string and
+the validation rules (minimum, maximum, allowed choices) in the dataclass field metadata.
+The loader (`load.py`) validates values against these rules, and the README config
+reference is generated from them (`slipstream config reference`), so code, errors and
+docs never disagree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def option(default: Any, doc: str, *, min: float | None = None, max: float | None = None,
+           choices: tuple | None = None, min_exclusive: bool = False) -> Any:
+    """A config field with its doc string and validation rules."""
+    meta = {"doc": doc, "min": min, "max": max, "choices": choices, "min_exclusive": min_exclusive}
+    if isinstance(default, list):
+        return field(default_factory=lambda: list(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+@dataclass
+class RunConfig:
+    """Where the run writes its files."""
+
+    name: str = option("quickstart", "Run name; used in the default run directory name and in loggers.")
+    dir: str = option("", "Run directory. Empty: runs/<name>-<timestamp> (runs/latest points at the newest).")
+
+
+@dataclass
+class ModelConfig:
+    """Decoder-only transformer shape: GPT-2 and Llama-style options.
+
+    `preset` fills every field the config does not set explicitly.
+    """
+
+    preset: str = option("gpt-mini", "Model preset (see `slipstream.models.PRESETS`); explicit fields override it.")
+    n_layer: int = option(6, "Number of transformer blocks.", min=1)
+    n_head: int = option(6, "Number of attention (query) heads.", min=1)
+    n_kv_head: int = option(0, "Key/value heads for grouped-query attention; 0 = n_head (plain multi-head).", min=0)
+    d_model: int = option(192, "Residual stream width; must be divisible by n_head.", min=1)
+    d_ff: int = option(0, "MLP hidden width; 0 = 4*d_model for gelu, ~8/3*d_model (multiple of 64) for swiglu.", min=0)
+    max_seq_len: int = option(512, "Longest sequence the model accepts (size of the learned position table).", min=1)
+    vocab_size: int = option(0, "Vocabulary size; 0 = take it from the prepared data's tokenizer.", min=0)
+    vocab_multiple: int = option(64, "Pad the embedding/head rows to a multiple of this (faster matmuls).", min=1)
+    position: str = option("learned", "Position encoding.", choices=("learned", "rope"))
+    rope_theta: float = option(10000.0, "RoPE base frequency (position=rope).", min=1.0)
+    norm: str = option("layernorm", "Normalization layer.", choices=("layernorm", "rmsnorm"))
+    norm_eps: float = option(1e-5, "Epsilon of the normalization layers.", min=0.0, min_exclusive=True)
+    mlp: str = option("gelu", "MLP type: GPT-2 GELU (tanh) or Llama SwiGLU.", choices=("gelu", "swiglu"))
+    bias: bool = option(True, "Biases in linear and norm layers (GPT-2: true, Llama: false).")
+    tie_embeddings: bool = option(True, "Share the token embedding with the output head.")
+    dropout: float = option(0.0, "Dropout probability (embeddings, attention output, MLP output).", min=0.0, max=0.99)
+    init_std: float = option(0.02, "Std of the normal init; residual projections get std/sqrt(2*n_layer).", min=0.0)
+
+
+@dataclass
+class DataConfig:
+    """What to train on and how to cut it into batches."""
+
+    inputs: list[str] = option(["stdlib"], "Text files, folders, .jsonl files, or `stdlib` (the embedded corpus: Python's standard-library sources).")
+    tokenizer: str = option("byte", "Tokenizer: `byte`, `bpe:FILE` (tokenizers JSON) or `tiktoken:NAME`.")
+    text_field: str = option("text", "Field holding the text in .jsonl inputs.")
+    dir: str = option("", "Prepared token-shard folder. Empty: data/<tokenizer>-<inputs> (prepared on first use).")
+    val_fraction: float = option(0.01, "Fraction of documents held out for validation.", min=0.0, max=0.5)
+    sampling: str = option("random", "Training windows: random (seeded) or sequential epochs (shuffled window order).",
+                           choices=("random", "sequential"))
+    prepare_workers: int = option(0, "Processes for tokenization; 0 = all cores.", min=0)
+
+
+@dataclass
+class TrainConfig:
+    """The training loop."""
+
+    max_steps: int = option(600, "Optimizer steps to train.", min=1)
+    micro_batch_size: int = option(16, "Sequences per forward/backward pass.", min=1)
+    seq_len: int = option(256, "Tokens per training sequence (<= model.max_seq_len).", min=1)
+    grad_accum_steps: int = option(1, "Micro-batches accumulated per optimizer step.", min=1)
+    seed: int = option(1337, "Seed for model init, data order and dropout.", min=0)
+    device: str = option("auto", "Device: auto (the accelerator if present, else cpu), cpu, cuda, cuda:N.")
+    deterministic: bool = option(False, "torch.use_deterministic_algorithms(True): bitwise repeatable (slower on GPU).")
+    eval_interval: int = option(200, "Evaluate on the val split every N steps (and at the end); 0 = only at the end.", min=0)
+    eval_steps: int = option(20, "Batches per evaluation; 0 disables evaluation.", min=0)
+    threads: int = option(0, "CPU threads for torch (torch.set_num_threads); 0 = all cores / local ranks.", min=0)
+
+
+@dataclass
+class OptimConfig:
+    """AdamW and the learning-rate schedule."""
+
+    lr: float = option(1e-3, "Peak learning rate.", min=0.0, min_exclusive=True)
+    min_lr: float = option(1e-4, "Learning rate at the end of the decay.", min=0.0)
+    weight_decay: float = option(0.1, "AdamW weight decay (applied to matrices only; biases, norms excluded).", min=0.0)
+    beta1: float = option(0.9, "AdamW beta1.", min=0.0, max=0.999999)
+    beta2: float = option(0.95, "AdamW beta2.", min=0.0, max=0.999999)
+    eps: float = option(1e-8, "AdamW epsilon.", min=0.0, min_exclusive=True)
+    grad_clip: float = option(1.0, "Clip the global gradient norm to this; 0 = no clipping (norm still logged).", min=0.0)
+    schedule: str = option("cosine", "LR schedule after warmup: cosine, wsd (warmup-stable-decay) or constant.",
+                           choices=("cosine", "wsd", "constant"))
+    warmup_steps: int = option(50, "Linear warmup steps from 0 to lr.", min=0)
+    decay_fraction: float = option(0.2, "wsd: fraction of max_steps spent in the final linear decay.", min=0.0, max=1.0)
+
+
+@dataclass
+class PrecisionConfig:
+    """Numerics of the forward/backward pass."""
+
+    autocast: str = option("none", "Autocast dtype for forward/backward: none (fp32) or bf16.", choices=("none", "bf16"))
+
+
+@dataclass
+class CheckpointConfig:
+    """Saving and resuming."""
+
+    interval: int = option(0, "Save every N steps (0 = only at the end).", min=0)
+    resume: str = option("none", "none, auto (latest complete checkpoint in the run dir, if any) or a checkpoint path.")
+    keep_last: int = option(3, "Keep the newest K checkpoints (the final one is always kept).", min=1)
+    save_final: bool = option(True, "Save a checkpoint when training ends.")
+
+
+@dataclass
+class LoggingConfig:
+    """Console, metrics.jsonl, TensorBoard and W&B."""
+
+    log_interval: int = option(10, "Log metrics every N steps (the only host-device sync points).", min=1)
+    progress: bool = option(True, "Show a progress bar (plain lines when not a terminal).")
+    tensorboard: bool = option(True, "Write TensorBoard events to <run dir>/tensorboard.")
+    wandb: bool = option(False, "Log to Weights & Biases (needs `pip install wandb`).")
+    wandb_project: str = option("slipstream", "W&B project name.")
+    wandb_mode: str = option("offline", "W&B mode.", choices=("online", "offline"))
+
+
+@dataclass
+class MetricsConfig:
+    """How MFU is computed."""
+
+    peak_tflops: float = option(0.0, "Device peak TFLOP/s for MFU; 0 = GPU table / measured CPU probe.", min=0.0)
+
+
+@dataclass
+class Config:
+    """The whole resolved configuration of a run."""
+
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+
+
+def sections() -> dict[str, type]:
+    """Section name -> dataclass type, in declaration order."""
+    return {f.name: f.default_factory().__class__ for f in dataclasses.fields(Config)}
+
+
+def to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)

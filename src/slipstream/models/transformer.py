@@ -1,0 +1,229 @@
+"""One decoder-only transformer: GPT-2 and Llama-style variants from the same code.
+
+GPT-2: learned positions, LayerNorm, GELU(tanh) MLP, biases, tied embeddings.
+Llama:  RoPE, RMSNorm, SwiGLU MLP, grouped-query attention, no biases, untied head.
+
+The model holds no parallelism, precision or checkpointing logic; those are applied from
+outside. It is built on the meta device (no memory), then `materialize()` allocates it on
+the target device and initializes every parameter deterministically from a seed.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from slipstream.config.schema import ModelConfig
+
+
+def padded_vocab_size(cfg: ModelConfig) -> int:
+    """Rows of the embedding/head: the vocabulary rounded up to `vocab_multiple`."""
+    return math.ceil(cfg.vocab_size / cfg.vocab_multiple) * cfg.vocab_multiple
+
+
+def kv_heads(cfg: ModelConfig) -> int:
+    return cfg.n_kv_head or cfg.n_head
+
+
+def mlp_hidden(cfg: ModelConfig) -> int:
+    if cfg.d_ff:
+        return cfg.d_ff
+    if cfg.mlp == "gelu":
+        return 4 * cfg.d_model
+    # SwiGLU has three matrices; 2/3 of 4*d keeps the parameter count of a GELU MLP.
+    return math.ceil(int(8 * cfg.d_model / 3) / 64) * 64
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def make_norm(cfg: ModelConfig) -> nn.Module:
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(cfg.d_model, cfg.norm_eps)
+    return nn.LayerNorm(cfg.d_model, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables in the "rotate half" layout used by Hugging Face Llama checkpoints."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head = cfg.n_head, kv_heads(cfg)
+        self.head_dim = cfg.d_model // cfg.n_head
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_head * self.head_dim, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.d_model, self.n_kv_head * self.head_dim, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.d_model, self.n_kv_head * self.head_dim, bias=cfg.bias)
+        self.o_proj = nn.Linear(cfg.n_head * self.head_dim, cfg.d_model, bias=cfg.bias)
+        self.dropout = cfg.dropout
+
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        if rope is not None:
+            cos, sin = rope[0][:T], rope[1][:T]
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
+            enable_gqa=self.n_kv_head != self.n_head)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        hidden = mlp_hidden(cfg)
+        self.swiglu = cfg.mlp == "swiglu"
+        self.up_proj = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
+        self.gate_proj = nn.Linear(cfg.d_model, hidden, bias=cfg.bias) if self.swiglu else None
+        self.down_proj = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = make_norm(cfg)
+        self.attn = Attention(cfg)
+        self.mlp_norm = make_norm(cfg)
+        self.mlp = MLP(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), rope))
+        return x + self.dropout(self.mlp(self.mlp_norm(x)))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.vocab_size <= 0:
+            raise ValueError("ModelConfig.vocab_size must be set (resolve it from the data first)")
+        self.cfg = cfg
+        vocab = padded_vocab_size(cfg)
+        self.tok_emb = nn.Embedding(vocab, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
+        self.emb_dropout = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.final_norm = make_norm(cfg)
+        self.lm_head = nn.Linear(cfg.d_model, vocab, bias=False)
+        if cfg.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        if cfg.position == "rope":
+            cos, sin = rope_tables(cfg.d_model // cfg.n_head, cfg.max_seq_len, cfg.rope_theta)
+            # Non-persistent: derived from the config, recomputed by init_weights after to_empty().
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+        else:
+            self.rope_cos = self.rope_sin = None
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, padded vocab)."""
+        T = idx.shape[1]
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
+        x = self.tok_emb(idx)
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(torch.arange(T, device=idx.device))
+        x = self.emb_dropout(x)
+        rope = (self.rope_cos, self.rope_sin) if self.rope_cos is not None else None
+        for block in self.blocks:
+            x = block(x, rope)
+        return self.lm_head(self.final_norm(x))
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        """Deterministic init from `seed`, independent of the global RNG and of device.
+
+        Parameters are drawn on CPU in name order from one generator, then copied, so the
+        same seed gives the same weights on every device and world size.
+        """
+        gen = torch.Generator(device="cpu").manual_seed(seed)
+        std = self.cfg.init_std
+        residual_std = std / math.sqrt(2 * self.cfg.n_layer)
+        for name, param in self.named_parameters():
+            if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+                values = torch.randn(param.shape, generator=gen) * residual_std
+            elif name.endswith(".bias"):
+                values = torch.zeros(param.shape)
+            elif "norm" in name:
+                values = torch.ones(param.shape)
+            else:
+                values = torch.randn(param.shape, generator=gen) * std
+            param.copy_(values)
+        if self.rope_cos is not None:
+            cos, sin = rope_tables(self.cfg.d_model // self.cfg.n_head, self.cfg.max_seq_len, self.cfg.rope_theta)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+
+def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:
+    """Build on the meta device (no allocation), then materialize on `device` and init."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    return materialize(model, device, seed)
+
+
+def materialize(model: Transformer, device: str | torch.device, seed: int) -> Transformer:
+    model.to_empty(device=device)
+    if model.cfg.tie_embeddings:  # to_empty() re-creates parameters; re-tie them
+        model.lm_head.weight = model.tok_emb.weight
+    model.init_weights(seed)
+    return model
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy (fp32 for stability under autocast)."""
+    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+
+
+@torch.inference_mode()
+def generate(model: Transformer, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Sample continuations of `idx` (B, T). temperature 0 = greedy. Padded vocab rows are never sampled."""
+    model.eval()
+    vocab = model.cfg.vocab_size
+    for _ in range(max_new_tokens):
+        context = idx[:, -model.cfg.max_seq_len:]
+        logits = model(context)[:, -1, :vocab].float()
+        if temperature <= 0:
+            next_id = logits.argmax(dim=-1, keepdim=True)
+        else:
+            logits = logits / temperature
+            if top_k:
+                kth = torch.topk(logits, min(top_k, vocab)).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            probs = torch.softmax(logits, dim=-1)
+            next_id = torch.multinomial(probs, 1, generator=generator)
+        idx = torch.cat([idx, next_id], dim=1)
+    return idx

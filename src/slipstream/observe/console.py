@@ -1,0 +1,231 @@
+"""Console output: a live progress bar during training and a summary table at the end.
+
+On a terminal the bar (rich) shows step count, elapsed time, ETA and the latest metrics;
+rich redraws it from its own thread, so the training loop only records the step number.
+When stdout is not a terminal (CI, cluster job logs, pipes) or the bar is disabled, we
+print plain lines instead: progress-bar escape codes make log files unreadable.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from typing import Any
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+# Redraws per second of the bar. Low on purpose: the bar is for humans, and each redraw
+# costs CPU time that a CPU training run would rather spend on the model.
+REFRESH_PER_SECOND = 2
+
+
+def human_bytes(n: float | None) -> str:
+    """1536 -> '1.5 KiB' (binary units, as memory is counted)."""
+    if n is None:
+        return "n/a"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            break
+        value /= 1024
+    return f"{int(value)} B" if unit == "B" else f"{value:.1f} {unit}"
+
+
+def human_count(n: float | None) -> str:
+    """1234 -> '1.23k', 5.6e9 -> '5.6B' (decimal units, as tokens and parameters are counted)."""
+    if n is None:
+        return "n/a"
+    if isinstance(n, float) and not math.isfinite(n):
+        return str(n)
+    value = float(n)
+    for suffix in ("", "k", "M", "B", "T"):
+        # 999.5 and above would print as "1e+03" at 3 significant digits: move up a unit.
+        if abs(value) < 999.5 or suffix == "T":
+            break
+        value /= 1000
+    if suffix == "" and isinstance(n, int):
+        return str(n)
+    return f"{value:.3g}{suffix}"
+
+
+def human_duration(seconds: float | None) -> str:
+    """3723 -> '1h 02m 03s'."""
+    if seconds is None or not math.isfinite(seconds):
+        return "n/a"
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    s = int(round(seconds))
+    days, s = divmod(s, 86400)
+    hours, s = divmod(s, 3600)
+    minutes, s = divmod(s, 60)
+    if days:
+        return f"{days}d {hours:02d}h {minutes:02d}m"
+    if hours:
+        return f"{hours}h {minutes:02d}m {s:02d}s"
+    return f"{minutes}m {s:02d}s"
+
+
+def format_metrics(metrics: dict[str, Any]) -> str:
+    """{'loss': 3.21456, 'tok/s': 123456} -> 'loss=3.215 tok/s=123k'."""
+    parts = []
+    for key, value in metrics.items():
+        if isinstance(value, float):
+            text = human_count(value) if abs(value) >= 1e4 else f"{value:.4g}"
+        elif isinstance(value, int) and not isinstance(value, bool):
+            text = human_count(value)
+        else:
+            text = str(value)
+        parts.append(f"{key}={text}")
+    return " ".join(parts)
+
+
+class TrainProgress:
+    """Progress display for the training loop.
+
+    with TrainProgress(total_steps=1000) as progress:
+        for step in range(1000):
+            ...
+            progress.advance(step + 1)
+            if step % log_interval == 0:
+                progress.set_metrics({"loss": loss, "tok/s": tps})
+                progress.print_line(f"step {step} loss {loss:.4f}")
+    """
+
+    def __init__(self, total_steps: int, start_step: int = 0, enabled: bool = True, description: str = "train"):
+        self.total_steps = total_steps
+        self.step = start_step
+        self.metrics_text = ""
+        console = Console()
+        self.use_bar = enabled and console.is_terminal
+        self._progress: Progress | None = None
+        if self.use_bar:
+            self._progress = Progress(
+                TextColumn("[bold]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[metrics]}"),
+                console=console,
+                refresh_per_second=REFRESH_PER_SECOND,
+            )
+            self._task = self._progress.add_task(description, total=total_steps, completed=start_step, metrics="")
+
+    def __enter__(self) -> TrainProgress:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def start(self) -> None:
+        if self._progress is not None:
+            self._progress.start()
+
+    def advance(self, step: int) -> None:
+        """Record that `step` steps are done. Called every step, so it only stores a number
+        (no formatting, no device sync); rich's refresh thread does the drawing."""
+        self.step = step
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step)
+
+    def set_metrics(self, metrics: dict[str, Any]) -> None:
+        """Update the metrics shown in the bar (call at the logging interval, with host numbers)."""
+        self.metrics_text = format_metrics(metrics)
+        if self._progress is not None:
+            self._progress.update(self._task, metrics=self.metrics_text)
+
+    def print_line(self, text: str) -> None:
+        """Print a line above the bar (or as a plain line when there is no bar)."""
+        if self._progress is not None:
+            # markup=False: a line like "[step 100]" must not be parsed as rich markup.
+            self._progress.console.print(text, markup=False, highlight=False)
+        else:
+            print(text, flush=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+# Keys understood by format_summary, in display order, with how to show each value.
+SUMMARY_FIELDS: list[tuple[str, str]] = [
+    ("final_loss", "final loss"),
+    ("val_loss", "val loss"),
+    ("steps", "steps"),
+    ("tokens", "tokens"),
+    ("tokens_per_sec", "tokens/s"),
+    ("mfu", "MFU"),
+    ("peak_memory_bytes", "peak memory"),
+    ("wall_time_s", "wall time"),
+    ("run_dir", "run directory"),
+    ("checkpoint", "checkpoint"),
+]
+
+
+def _format_summary_value(key: str, value: Any) -> str:
+    if value is None:
+        return "n/a"
+    if key in ("final_loss", "val_loss"):
+        return f"{value:.4f}"
+    if key == "steps":
+        return f"{value:,}"
+    if key in ("tokens", "tokens_per_sec"):
+        return human_count(value)
+    if key == "mfu":
+        return f"{100 * value:.1f}%"
+    if key == "peak_memory_bytes":
+        return human_bytes(value)
+    if key == "wall_time_s":
+        return human_duration(value)
+    return str(value)
+
+
+def _summary_rows(summary: dict[str, Any]) -> list[tuple[str, str]]:
+    rows = [(label, _format_summary_value(key, summary.get(key))) for key, label in SUMMARY_FIELDS]
+    known = {key for key, _ in SUMMARY_FIELDS}
+    rows += [(key, _format_summary_value(key, v)) for key, v in summary.items() if key not in known]
+    return rows
+
+
+def _summary_table(rows: list[tuple[str, str]]) -> Table:
+    table = Table(title="run summary", show_header=False)
+    table.add_column("metric", style="bold")
+    table.add_column("value", overflow="fold")
+    for label, value in rows:
+        table.add_row(label, value)
+    return table
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """The end-of-run summary table as plain text.
+
+    Keys: final_loss, val_loss, steps, tokens, tokens_per_sec, mfu (a fraction, 0.42 ->
+    "42.0%"), peak_memory_bytes, wall_time_s, run_dir, checkpoint. Missing or None
+    values show as "n/a"; any other keys are appended as extra rows.
+    """
+    rows = _summary_rows(summary)
+    # Wide enough that paths are never wrapped: this text also goes into log files.
+    width = max(80, max(len(label) + len(value) for label, value in rows) + 10)
+    buffer = io.StringIO()
+    Console(file=buffer, width=width, color_system=None, force_terminal=False).print(_summary_table(rows))
+    return buffer.getvalue()
+
+
+def print_summary(summary: dict[str, Any]) -> None:
+    """Print the summary table: styled on a terminal, plain text otherwise."""
+    console = Console()
+    if console.is_terminal:
+        console.print(_summary_table(_summary_rows(summary)))
+    else:
+        print(format_summary(summary), end="", flush=True)

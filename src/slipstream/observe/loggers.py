@@ -1,0 +1,176 @@
+"""Metric loggers: JSON lines (always on), TensorBoard, Weights & Biases, and a fan-out.
+
+A record is a flat dict of metrics for one step, e.g. {"step": 100, "loss": 3.2, "lr": 6e-4}.
+Every logger has `log(record, step)` and `close()`. TensorBoard and wandb get tags
+grouped by split: "loss" -> "train/loss", "val_loss" -> "val/loss", and a key that
+already contains "/" is used as is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from slipstream.errors import UserError
+from slipstream.observe.env import to_jsonable
+
+
+class Logger(Protocol):
+    def log(self, record: dict[str, Any], step: int | None = None) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def metric_tag(key: str) -> str:
+    """TensorBoard/wandb tag for a record key."""
+    if "/" in key:
+        return key
+    if key.startswith("val_"):
+        return "val/" + key[len("val_") :]
+    return "train/" + key
+
+
+def _as_number(value: Any) -> float | None:
+    """A Python number for a numeric scalar (incl. 1-element tensors, numpy scalars), else None."""
+    if isinstance(value, bool):
+        return None  # flags are not curves
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool:
+            return None
+        value = value.item()
+    elif type(value).__module__ == "numpy" and hasattr(value, "item") and getattr(value, "size", 1) == 1:
+        value = value.item()
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return value
+    return None
+
+
+def _numeric_items(record: dict[str, Any]) -> dict[str, float]:
+    """Numeric fields of a record keyed by tag; the step itself is the x-axis, not a curve."""
+    out = {}
+    for key, value in record.items():
+        if key == "step":
+            continue
+        number = _as_number(value)
+        if number is not None:
+            out[metric_tag(key)] = number
+    return out
+
+
+class JsonlLogger:
+    """Appends one JSON object per line to `path`, flushed at once so a crash loses nothing.
+
+    Non-finite floats (nan, inf) are written as null: bare NaN/Infinity are not valid
+    JSON and break readers such as jq or JavaScript; pandas reads null back as NaN.
+    Appending (not truncating) lets a resumed run continue the same file.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def log(self, record: dict[str, Any], step: int | None = None) -> None:
+        if step is not None and "step" not in record:
+            record = {"step": step, **record}
+        line = json.dumps(to_jsonable(record), allow_nan=False)
+        self._file.write(line + "\n")
+        # Flush to the OS on every record: a killed process then loses nothing.
+        self._file.flush()
+
+    def close(self) -> None:
+        if not self._file.closed:
+            self._file.close()
+
+
+class TensorBoardLogger:
+    """Writes every numeric field of a record as a TensorBoard scalar at `step`."""
+
+    def __init__(self, log_dir: str | os.PathLike, flush_secs: int = 30):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as e:
+            raise UserError(
+                f"TensorBoard logging is enabled but tensorboard is not importable ({e}). "
+                "Run `pip install tensorboard` or disable TensorBoard logging."
+            ) from e
+        self.log_dir = Path(log_dir)
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=flush_secs)
+
+    def log(self, record: dict[str, Any], step: int | None = None) -> None:
+        if step is None:
+            step = record.get("step")
+        for tag, value in _numeric_items(record).items():
+            self._writer.add_scalar(tag, value, global_step=step)
+
+    def flush(self) -> None:
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.flush()
+        self._writer.close()
+
+
+class WandbLogger:
+    """Logs numeric fields to Weights & Biases. mode="offline" needs no network or account;
+    sync later with `wandb sync <dir>`."""
+
+    def __init__(
+        self,
+        project: str,
+        run_name: str | None,
+        config: dict[str, Any],
+        mode: str = "offline",
+        dir: str | os.PathLike | None = None,
+    ):
+        if mode not in ("online", "offline", "disabled"):
+            raise UserError(f"wandb mode must be 'online', 'offline' or 'disabled', got {mode!r}.")
+        try:
+            import wandb
+        except ImportError as e:
+            raise UserError(
+                "Weights & Biases logging is enabled but wandb is not installed. "
+                "Run `pip install wandb` or disable wandb logging."
+            ) from e
+        if dir is not None:
+            Path(dir).mkdir(parents=True, exist_ok=True)
+        self._run = wandb.init(
+            project=project,
+            name=run_name,
+            config=to_jsonable(config),
+            mode=mode,
+            dir=None if dir is None else str(dir),
+        )
+
+    def log(self, record: dict[str, Any], step: int | None = None) -> None:
+        if step is None:
+            step = record.get("step")
+        self._run.log(_numeric_items(record), step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class MultiLogger:
+    """Sends each record to every logger; close() closes all of them even if one fails."""
+
+    def __init__(self, loggers: list[Logger]):
+        self.loggers = list(loggers)
+
+    def log(self, record: dict[str, Any], step: int | None = None) -> None:
+        for logger in self.loggers:
+            logger.log(record, step)
+
+    def close(self) -> None:
+        first_error: BaseException | None = None
+        for logger in self.loggers:
+            try:
+                logger.close()
+            except Exception as e:  # keep closing the others, then report the first failure
+                first_error = first_error or e
+        if first_error is not None:
+            raise first_error

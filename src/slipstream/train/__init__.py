@@ -1,0 +1,1 @@
+"""The training loop (Trainer), schedules, and the language-model job."""

@@ -1,0 +1,143 @@
+"""The language-model job behind `slipstream train` and `slipstream generate`.
+
+config -> data (prepared once, cached) -> model (meta -> materialize -> init) -> Trainer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from slipstream.config.schema import Config, ModelConfig
+from slipstream.errors import UserError
+
+
+def default_data_dir(cfg: Config) -> Path:
+    """data/<tokenizer>-<inputs>-<hash>: one cached folder per (inputs, tokenizer) pair."""
+    key = repr((sorted(cfg.data.inputs), cfg.data.tokenizer, cfg.data.text_field, cfg.data.val_fraction))
+    digest = hashlib.sha256(key.encode()).hexdigest()[:8]
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", f"{cfg.data.tokenizer.split('/')[-1]}-{'-'.join(Path(i).name for i in cfg.data.inputs)}")
+    return Path("data") / f"{slug.strip('-')[:60]}-{digest}"
+
+
+def ensure_data(cfg: Config) -> tuple[Path, dict[str, Any]]:
+    """Prepare the token shards on first use; later runs reuse them (prepare is idempotent)."""
+    from slipstream.data import prepare_dataset
+
+    data_dir = Path(cfg.data.dir) if cfg.data.dir else default_data_dir(cfg)
+    manifest = prepare_dataset(cfg.data.inputs, cfg.data.tokenizer, str(data_dir), text_field=cfg.data.text_field,
+                               val_fraction=cfg.data.val_fraction, num_workers=cfg.data.prepare_workers or None,
+                               progress=cfg.logging.progress)
+    return data_dir, manifest
+
+
+def resolve_vocab(model_cfg: ModelConfig, data_vocab: int) -> ModelConfig:
+    if model_cfg.vocab_size == 0:
+        return dataclasses.replace(model_cfg, vocab_size=data_vocab)
+    if model_cfg.vocab_size < data_vocab:
+        raise UserError(f"model.vocab_size = {model_cfg.vocab_size} is smaller than the tokenizer's vocabulary "
+                        f"({data_vocab}); set model.vocab_size = 0 to take it from the data")
+    return model_cfg
+
+
+def lm_loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    from slipstream.models.transformer import lm_loss
+
+    x, y = batch
+    return lm_loss(model(x), y)
+
+
+def describe_model(cfg: Config) -> str:
+    from slipstream.observe.flops import flops_per_token, param_count
+
+    m = cfg.model
+    n = param_count(m)
+    return (f"model {m.preset}: {n.total / 1e6:.2f}M parameters ({n.matmul / 1e6:.2f}M in matmuls), "
+            f"{m.n_layer} layers, {m.n_head} heads, width {m.d_model}, vocab {m.vocab_size}; "
+            f"{flops_per_token(m, cfg.train.seq_len) / 1e6:.1f} MFLOPs/token")
+
+
+def build_lm_trainer(cfg: Config):
+    """Everything `slipstream train` needs, assembled in the one documented order."""
+    from slipstream.data import TokenLoader
+    from slipstream.models.transformer import Transformer, materialize
+    from slipstream.observe.flops import flops_per_token
+    from slipstream.train.trainer import Trainer, resolve_device, seed_everything
+
+    device = resolve_device(cfg.train.device)
+    data_dir, manifest = ensure_data(cfg)
+    cfg = dataclasses.replace(cfg, model=resolve_vocab(cfg.model, manifest["vocab_size"]),
+                              data=dataclasses.replace(cfg.data, dir=str(data_dir)))
+    seed_everything(cfg.train.seed)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    model = materialize(model, device, cfg.train.seed)
+
+    t = cfg.train
+    train_loader = TokenLoader(str(data_dir), "train", t.micro_batch_size, t.seq_len, seed=t.seed,
+                               mode=cfg.data.sampling, device=device)
+    val_loader = None
+    if t.eval_steps:
+        val_loader = TokenLoader(str(data_dir), "val", t.micro_batch_size, t.seq_len, seed=t.seed,
+                                 mode="sequential", device=device)
+    tokenizer = manifest["tokenizer"]
+    meta, files = {"tokenizer": tokenizer}, {}
+    if tokenizer.startswith("bpe:"):  # ship the tokenizer with the checkpoint so generate works anywhere
+        files["tokenizer.json"] = tokenizer[4:]
+        meta["tokenizer"] = "bpe:tokenizer.json"
+    return Trainer(model, train_loader, lm_loss_fn, config=cfg, val_data=val_loader,
+                   tokens_per_batch=t.micro_batch_size * t.seq_len,
+                   flops_per_token=flops_per_token(cfg.model, t.seq_len), device=device,
+                   checkpoint_meta=meta, checkpoint_files=files, model_summary=describe_model(cfg))
+
+
+def train_lm(cfg: Config) -> dict[str, Any]:
+    return build_lm_trainer(cfg).fit()
+
+
+def load_lm_from_checkpoint(path: str | Path, device: str = "auto"):
+    """(model, tokenizer, config) from a checkpoint folder or run directory; weights only."""
+    from slipstream.checkpoint import manager as ckpt
+    from slipstream.config.load import config_from_toml_text
+    from slipstream.data import get_tokenizer
+    from slipstream.models.transformer import Transformer, materialize
+    from slipstream.train.trainer import resolve_device
+
+    ckpt_dir = ckpt.resolve_checkpoint(path)
+    meta = ckpt.read_meta(ckpt_dir)
+    cfg = config_from_toml_text((ckpt_dir / "config.toml").read_text(encoding="utf-8"))
+    target = resolve_device(device)
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    model = materialize(model, target, seed=0)
+    ckpt.load_checkpoint(ckpt_dir, model)
+    spec = meta.get("tokenizer", cfg.data.tokenizer)
+    if spec.startswith("bpe:") and not Path(spec[4:]).is_absolute():
+        spec = f"bpe:{ckpt_dir / spec[4:]}"
+    return model, get_tokenizer(spec), cfg
+
+
+def generate_text(checkpoint: str, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
+                  top_k: int | None = 50, seed: int = 0, device: str = "auto") -> str:
+    from slipstream.models.transformer import generate
+
+    if max_new_tokens < 1:
+        raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if temperature < 0:
+        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise UserError(f"--top-k must be >= 1, got {top_k}")
+    model, tokenizer, _cfg = load_lm_from_checkpoint(checkpoint, device)
+    ids = tokenizer.encode(prompt) or [tokenizer.eot_id]
+    if max(ids) >= model.cfg.vocab_size:
+        raise UserError("the prompt encodes to ids outside the model's vocabulary; wrong tokenizer for this checkpoint")
+    device_ = next(model.parameters()).device
+    idx = torch.tensor([ids], dtype=torch.long, device=device_)
+    gen = torch.Generator(device=device_).manual_seed(seed)
+    out = generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=gen)
+    return tokenizer.decode(out[0].tolist())

@@ -1,0 +1,51 @@
+"""Learning-rate schedules as multipliers of the peak lr (used through LambdaLR, so the
+scheduler state is the standard `state_dict` of a torch scheduler)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from slipstream.config.schema import OptimConfig
+
+
+def lr_multiplier(step: int, cfg: OptimConfig, max_steps: int) -> float:
+    """lr(step) / peak lr for the step about to be taken (step counts from 0)."""
+    floor = cfg.min_lr / cfg.lr
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.schedule == "constant":
+        return 1.0
+    if cfg.schedule == "cosine":
+        span = max(1, max_steps - cfg.warmup_steps)
+        progress = min(1.0, (step - cfg.warmup_steps) / span)
+        return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    # wsd: hold the peak, then decay linearly to min_lr over the last decay_fraction of training.
+    decay_steps = max(1, round(cfg.decay_fraction * max_steps))
+    decay_start = max(cfg.warmup_steps, max_steps - decay_steps)
+    if step < decay_start:
+        return 1.0
+    progress = min(1.0, (step - decay_start + 1) / max(1, max_steps - decay_start))
+    return 1.0 + (floor - 1.0) * progress
+
+
+class _Multiplier:
+    """A picklable-free callable: LambdaLR stores only plain state for it."""
+
+    def __init__(self, cfg: OptimConfig, max_steps: int):
+        self.cfg, self.max_steps = cfg, max_steps
+
+    def __call__(self, step: int) -> float:
+        return lr_multiplier(step, self.cfg, self.max_steps)
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int):
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, _Multiplier(cfg, max_steps))
+
+
+def scheduler_state(scheduler) -> dict:
+    """JSON-safe scheduler state (LambdaLR would otherwise include the callable's __dict__)."""
+    state = scheduler.state_dict()
+    state["lr_lambdas"] = [None] * len(state["lr_lambdas"])
+    return state

@@ -1,0 +1,422 @@
+"""The training loop: one process, CPU or one accelerator.
+
+    batch -> forward/backward x grad_accum -> clip -> optimizer -> schedule
+          -> metrics (synced only every log_interval) -> eval -> checkpoint
+
+`Trainer` trains any `nn.Module`: the language-model job (`train/lm.py`) uses it, and so
+can a user with their own model, loss and dataset:
+
+    trainer = Trainer(model, train_data=my_dataset, loss_fn=lambda m, b: F.mse_loss(m(b[0]), b[1]),
+                      config=load_config(None, ["--train.max_steps=100"]))
+    summary = trainer.fit()
+
+Host-device syncs happen only at the logging interval: losses and the gradient norm stay
+on the device as tensors between logs, so a GPU never waits for the host inside a step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import random
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from slipstream.checkpoint import manager as ckpt
+from slipstream.config.load import config_to_toml
+from slipstream.config.schema import Config
+from slipstream.errors import UserError
+from slipstream.train.schedule import build_scheduler, scheduler_state
+
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+# --- set-up helpers ------------------------------------------------------------------------
+
+def resolve_device(spec: str) -> torch.device:
+    """`auto` -> the current accelerator if there is one, else cpu; validates explicit devices."""
+    if spec == "auto":
+        accel = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+        return torch.device(accel) if accel is not None else torch.device("cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise UserError(f"train.device = '{spec}' is not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type != "cpu":
+        accel = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+        if accel is None or accel.type != device.type:
+            raise UserError(f"train.device = '{spec}' but this machine has no {device.type} device; "
+                            "use --train.device=cpu or auto")
+    return device
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def configure_runtime(cfg: Config, device: torch.device) -> None:
+    """Threads, determinism and TF32 settings: process-wide, so done once per run."""
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    if cfg.train.deterministic:
+        if device.type == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Matrices (dim >= 2: linear and embedding weights) decay; biases and norm gains don't."""
+    decay, no_decay = [], []
+    for param in model.parameters():  # parameters() yields tied weights once
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
+    o = cfg.optim
+    params = param_groups(model, o.weight_decay)
+    if not params[0]["params"] and len(params) == 1:
+        raise UserError("the model has no trainable parameters")
+    # The fused implementation is the fastest on both CPU and CUDA (see shared notes).
+    devices = {p.device.type for g in params for p in g["params"]}
+    fused = devices <= {"cpu", "cuda"} and all(p.is_floating_point() for g in params for p in g["params"])
+    return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused or None)
+
+
+def make_run_dir(cfg: Config) -> Path:
+    if cfg.run.dir:
+        return Path(cfg.run.dir).expanduser()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"{cfg.run.name}-{stamp}"
+
+
+def _point_latest(run_dir: Path) -> None:
+    """runs/latest -> the newest run (only for runs under the default runs/ folder)."""
+    if run_dir.parent.name != "runs":
+        return
+    link = run_dir.parent / "latest"
+    tmp = run_dir.parent / f".latest.tmp-{os.getpid()}"
+    with contextlib.suppress(OSError):
+        if tmp.is_symlink():
+            tmp.unlink()
+        os.symlink(run_dir.name, tmp)
+        os.replace(tmp, link)
+
+
+# --- data ------------------------------------------------------------------------------------
+
+def _as_loader(data: Any, cfg: Config, device: torch.device, shuffle: bool, collate_fn=None):
+    """Wrap a map-style Dataset in our stateful loader; pass stateful loaders through."""
+    if data is None or (hasattr(data, "state_dict") and hasattr(data, "load_state_dict") and hasattr(data, "__iter__")
+                        and not isinstance(data, torch.utils.data.Dataset)):
+        return data
+    if isinstance(data, torch.utils.data.Dataset):
+        from slipstream.data.loader import DatasetLoader
+
+        return DatasetLoader(data, batch_size=cfg.train.micro_batch_size, shuffle=shuffle, seed=cfg.train.seed,
+                             drop_last=shuffle, collate_fn=collate_fn, device=device)
+    raise UserError(f"train_data must be a torch Dataset or a stateful loader (state_dict/load_state_dict), "
+                    f"got {type(data).__name__}")
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_size(batch[0])
+    if isinstance(batch, dict) and batch:
+        return _batch_size(next(iter(batch.values())))
+    raise UserError(f"cannot tell the batch size of a {type(batch).__name__} batch; pass tokens_per_batch=")
+
+
+# --- the trainer -------------------------------------------------------------------------------
+
+class Trainer:
+    """Trains `model` on `train_data` with `loss_fn(model, batch) -> mean loss`.
+
+    tokens_per_batch: tokens in one micro-batch (LMs: batch x seq); None counts samples.
+    flops_per_token: training FLOPs per token (or per sample) for MFU; None -> mfu null.
+    """
+
+    def __init__(self, model: nn.Module, train_data: Any, loss_fn: LossFn, config: Config | None = None,
+                 val_data: Any = None, tokens_per_batch: int | None = None, flops_per_token: float | None = None,
+                 collate_fn=None, device: torch.device | None = None, checkpoint_meta: dict | None = None,
+                 checkpoint_files: dict[str, str] | None = None, model_summary: str = ""):
+        self.cfg = config or Config()
+        self.device = device or resolve_device(self.cfg.train.device)
+        configure_runtime(self.cfg, self.device)
+        self.model = model.to(self.device)
+        self.loss_fn = loss_fn
+        self.train_loader = _as_loader(train_data, self.cfg, self.device, shuffle=True, collate_fn=collate_fn)
+        self.val_loader = _as_loader(val_data, self.cfg, self.device, shuffle=False, collate_fn=collate_fn)
+        self.tokens_per_batch = tokens_per_batch
+        self.flops_per_token = flops_per_token
+        self.checkpoint_meta = checkpoint_meta or {}
+        self.checkpoint_files = checkpoint_files or {}
+        self.model_summary = model_summary
+        self.optimizer = build_optimizer(self.model, self.cfg)
+        self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.cfg.train.max_steps)
+        self.step = 0
+        self.tokens_seen = 0
+        self.run_dir = make_run_dir(self.cfg)
+        self._autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
+                          if self.cfg.precision.autocast == "bf16" else contextlib.nullcontext())
+        self._val_start_state = self.val_loader.state_dict() if self.val_loader is not None else None
+
+    # --- state ---
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "scheduler": scheduler_state(self.scheduler),
+            "train_loader": self.train_loader.state_dict(),
+            "rng": ckpt.capture_rng_state(),
+        }
+
+    def save_checkpoint(self) -> Path:
+        path = ckpt.save_checkpoint(
+            self.run_dir / "checkpoints", self.step, self.model, self.optimizer, self.trainer_state(),
+            config_to_toml(self.cfg), meta=self.checkpoint_meta, extra_files=self.checkpoint_files)
+        ckpt.prune_checkpoints(self.run_dir / "checkpoints", self.cfg.checkpoint.keep_last, protect=path)
+        return path
+
+    def _resume_target(self) -> Path | None:
+        resume = self.cfg.checkpoint.resume
+        existing = ckpt.list_checkpoints(self.run_dir / "checkpoints")
+        if resume == "none":
+            if existing:
+                raise UserError(f"run directory '{self.run_dir}' already has checkpoints; continue it with "
+                                "--checkpoint.resume=auto or choose a new --run.dir")
+            return None
+        if resume == "auto":
+            return existing[-1] if existing else None
+        return ckpt.resolve_checkpoint(resume)
+
+    def _resume(self, path: Path) -> None:
+        state = ckpt.load_checkpoint(path, self.model, self.optimizer)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.train_loader.load_state_dict(state["train_loader"])
+        ckpt.restore_rng_state(state["rng"])
+        self.step = state["step"]
+        self.tokens_seen = state["tokens_seen"]
+
+    # --- the loop ---
+
+    def _prepare_run_dir(self, resume_from: Path | None) -> None:
+        from slipstream.observe.env import collect_env, write_json_atomic
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        _point_latest(self.run_dir)
+        tmp = self.run_dir / "config.toml.tmp"
+        tmp.write_text(config_to_toml(self.cfg), encoding="utf-8")
+        os.replace(tmp, self.run_dir / "config.toml")
+        write_json_atomic(self.run_dir / "env.json", collect_env())
+        metrics = self.run_dir / "metrics.jsonl"
+        if resume_from is not None and metrics.exists():
+            # Drop records logged after the checkpoint: the resumed run logs those steps again.
+            kept = [line for line in metrics.read_text(encoding="utf-8").splitlines()
+                    if line.strip() and json.loads(line).get("step", 0) <= self.step]
+            tmp = metrics.with_suffix(".jsonl.tmp")
+            tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
+            os.replace(tmp, metrics)
+        elif metrics.exists():
+            metrics.unlink()
+
+    def _make_loggers(self):
+        from slipstream.observe.loggers import JsonlLogger, MultiLogger, TensorBoardLogger, WandbLogger
+
+        loggers = [JsonlLogger(self.run_dir / "metrics.jsonl")]
+        if self.cfg.logging.tensorboard:
+            loggers.append(TensorBoardLogger(self.run_dir / "tensorboard"))
+        if self.cfg.logging.wandb:
+            loggers.append(WandbLogger(project=self.cfg.logging.wandb_project, run_name=self.run_dir.name,
+                                       config=dataclasses.asdict(self.cfg), mode=self.cfg.logging.wandb_mode,
+                                       dir=str(self.run_dir)))
+        return MultiLogger(loggers)
+
+    def _peak_flops(self) -> float | None:
+        from slipstream.observe.peaks import device_peak_flops
+
+        if self.flops_per_token is None:
+            return None
+        dtype_key = "bf16" if self.cfg.precision.autocast == "bf16" else ("tf32" if self.device.type == "cuda" else "fp32")
+        peak, _source = device_peak_flops(self.device, dtype_key, self.cfg.metrics.peak_tflops or None)
+        return peak
+
+    def _next_batch(self, it: Iterator) -> Any:
+        try:
+            return next(it)
+        except StopIteration:
+            raise UserError("the training data ran out; use an infinite/stateful loader or fewer train.max_steps") from None
+
+    def train_step(self, it: Iterator) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+        """One optimizer step. Returns (summed loss, grad norm) as device tensors, data wait, items."""
+        accum = self.cfg.train.grad_accum_steps
+        loss_sum = torch.zeros((), device=self.device)
+        data_wait = 0.0
+        items = 0
+        for _ in range(accum):
+            t0 = time.perf_counter()
+            batch = self._next_batch(it)
+            data_wait += time.perf_counter() - t0
+            items += self.tokens_per_batch or _batch_size(batch)
+            with self._autocast:
+                loss = self.loss_fn(self.model, batch)
+            # Each micro-batch loss is a mean, so dividing by accum makes the summed
+            # gradient equal the gradient of the mean over the whole (big) batch.
+            (loss / accum).backward()
+            loss_sum += loss.detach()
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        clip = self.cfg.optim.grad_clip
+        if clip > 0:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+        else:
+            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return loss_sum / accum, grad_norm, data_wait, items
+
+    @torch.inference_mode()
+    def evaluate(self) -> float | None:
+        if self.val_loader is None or self.cfg.train.eval_steps == 0:
+            return None
+        self.model.eval()
+        self.val_loader.load_state_dict(self._val_start_state)  # same val batches every time
+        it = iter(self.val_loader)
+        total = torch.zeros((), device=self.device)
+        n = 0
+        for _ in range(self.cfg.train.eval_steps):
+            try:
+                batch = next(it)
+            except StopIteration:
+                break
+            with self._autocast:
+                total += self.loss_fn(self.model, batch).float()
+            n += 1
+        self.model.train()
+        return (total / max(n, 1)).item()
+
+    def fit(self) -> dict[str, Any]:
+        """Train to train.max_steps (resuming if configured); returns the run summary."""
+        from slipstream.observe.console import TrainProgress, print_summary
+        from slipstream.observe.flops import mfu
+        from slipstream.observe.memory import peak_memory_bytes, reset_peak_memory
+
+        cfg = self.cfg
+        resume_from = self._resume_target()
+        if resume_from is not None:
+            self._resume(resume_from)
+        self._prepare_run_dir(resume_from)
+        loggers = self._make_loggers()
+        peak = self._peak_flops()
+        reset_peak_memory(self.device)
+        if resume_from is not None:
+            print(f"resumed from {resume_from} at step {self.step}")
+        if self.model_summary:
+            print(self.model_summary)
+
+        self.model.train()
+        it = iter(self.train_loader)
+        log_every = cfg.logging.log_interval
+        eval_every = cfg.train.eval_interval
+        last_ckpt: Path | None = resume_from
+        start_step, wall_start = self.step, time.perf_counter()
+        train_time, train_items = 0.0, 0
+        final_loss = val_loss = None
+        mfu_values: list[float] = []
+        # Interval accumulators: device tensors, read only at the logging interval.
+        loss_acc = torch.zeros((), device=self.device)
+        interval_steps, interval_items, interval_wait = 0, 0, 0.0
+        interval_start = loop_start = time.perf_counter()
+        loop_side_time = 0.0
+
+        with TrainProgress(cfg.train.max_steps, start_step=self.step, enabled=cfg.logging.progress) as progress:
+            while self.step < cfg.train.max_steps:
+                loss, grad_norm, wait, items = self.train_step(it)
+                self.step += 1
+                self.tokens_seen += items
+                loss_acc += loss
+                interval_steps += 1
+                interval_items += items
+                interval_wait += wait
+                progress.advance(self.step)
+
+                last = self.step == cfg.train.max_steps
+                if self.step % log_every == 0 or last:
+                    # The one host-device sync point of the loop.
+                    mean_loss = (loss_acc / interval_steps).item()
+                    norm = grad_norm.item()
+                    now = time.perf_counter()
+                    elapsed = now - interval_start
+                    train_time += elapsed
+                    train_items += interval_items
+                    tokens_per_s = interval_items / elapsed if elapsed > 0 else 0.0
+                    util = mfu(tokens_per_s, self.flops_per_token, peak) if self.flops_per_token else None
+                    if util is not None:
+                        mfu_values.append(util)
+                    record = {
+                        "step": self.step, "loss": mean_loss, "lr": self.optimizer.param_groups[0]["lr"],
+                        "grad_norm": norm, "step_time_s": elapsed / interval_steps,
+                        "data_wait_s": interval_wait / interval_steps, "tokens_per_s": tokens_per_s,
+                        "mfu": util, "mem_peak_bytes": peak_memory_bytes(self.device),
+                        "tokens": self.tokens_seen,
+                    }
+                    if not math.isfinite(mean_loss):
+                        loggers.log(record, self.step)
+                        loggers.close()
+                        raise UserError(f"loss became {mean_loss} at step {self.step}; lower optim.lr, "
+                                        "raise optim.warmup_steps or check the data")
+                    loggers.log(record, self.step)
+                    progress.set_metrics(record)
+                    final_loss = mean_loss
+                    loss_acc.zero_()
+                    interval_steps, interval_items, interval_wait = 0, 0, 0.0
+                    interval_start = now  # logging time counts towards the next interval
+
+                side_start = time.perf_counter()
+                if (eval_every and self.step % eval_every == 0) or last:
+                    val_loss = self.evaluate()
+                    if val_loss is not None:
+                        loggers.log({"step": self.step, "val_loss": val_loss}, self.step)
+                        progress.print_line(f"step {self.step}: val_loss {val_loss:.4f}")
+                interval_save = cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0
+                if interval_save or (last and cfg.checkpoint.save_final):
+                    last_ckpt = self.save_checkpoint()
+                side_time = time.perf_counter() - side_start
+                interval_start += side_time  # eval/checkpoint time is not step time
+                loop_side_time += side_time
+
+        loop_time = time.perf_counter() - loop_start - loop_side_time
+        loggers.close()
+        summary = {
+            "final_loss": final_loss, "val_loss": val_loss, "steps": self.step,
+            "steps_this_run": self.step - start_step, "tokens": self.tokens_seen,
+            "tokens_per_s": train_items / train_time if train_time > 0 else None,
+            "mfu": sum(mfu_values) / len(mfu_values) if mfu_values else None,
+            "mem_peak_bytes": peak_memory_bytes(self.device),
+            "wall_time_s": time.perf_counter() - wall_start, "loop_time_s": loop_time,
+            "run_dir": str(self.run_dir), "checkpoint": str(last_ckpt) if last_ckpt else None,
+            "device": str(self.device),
+        }
+        from slipstream.observe.env import write_json_atomic
+
+        write_json_atomic(self.run_dir / "summary.json", summary)
+        print_summary(summary)
+        return summary
