@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: train test venv clean
+.PHONY: train test venv clean readme-reference
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
@@ -22,3 +22,7 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build src/*.egg-info .pytest_cache
+
+# Regenerate the README config reference from the schema (a test checks it is current).
+readme-reference: $(STAMP)
+	$(PY) -c "import re,pathlib; from slipstream.config.load import reference_markdown as r; p=pathlib.Path('README.md'); s=p.read_text(); p.write_text(re.sub(r'(<!-- config-reference:start -->\n).*?(<!-- config-reference:end -->)', lambda m: m.group(1)+r()+'\n'+m.group(2), s, flags=re.S))"

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from slipstream.errors import UserError
@@ -195,7 +196,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
             _load_weights(path, model, optimizer)
     except UserError:
         raise
-    except Exception as e:  # DCP raises many types for missing/mismatched shards
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         raise UserError(f"could not load checkpoint '{path}': {type(e).__name__}: {str(e).splitlines()[0][:300]}. "
                         "The checkpoint is damaged or was saved for a different model shape.") from None
     try:

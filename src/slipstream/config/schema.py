@@ -65,7 +65,7 @@ class DataConfig:
     inputs: list[str] = option(["stdlib"], "Text files, folders, .jsonl files, or `stdlib` (the embedded corpus: Python's standard-library sources).")
     tokenizer: str = option("byte", "Tokenizer: `byte`, `bpe:FILE` (tokenizers JSON) or `tiktoken:NAME`.")
     text_field: str = option("text", "Field holding the text in .jsonl inputs.")
-    dir: str = option("", "Prepared token-shard folder. Empty: data/<tokenizer>-<inputs> (prepared on first use).")
+    dir: str = option("", "Prepared token-shard folder (from `slipstream data prepare`), used as is. Empty: prepare `inputs` on first use into data/<tokenizer>-<inputs>-<hash>.")
     val_fraction: float = option(0.01, "Fraction of documents held out for validation.", min=0.0, max=0.5)
     sampling: str = option("random", "Training windows: random (seeded) or sequential epochs (shuffled window order).",
                            choices=("random", "sequential"))
@@ -128,7 +128,7 @@ class LoggingConfig:
 
     log_interval: int = option(10, "Log metrics every N steps (the only host-device sync points).", min=1)
     progress: bool = option(True, "Show a progress bar (plain lines when not a terminal).")
-    tensorboard: bool = option(True, "Write TensorBoard events to <run dir>/tensorboard.")
+    tensorboard: bool = option(True, "Write TensorBoard events into the run directory's tensorboard/ folder.")
     wandb: bool = option(False, "Log to Weights & Biases (needs `pip install wandb`).")
     wandb_project: str = option("slipstream", "W&B project name.")
     wandb_mode: str = option("offline", "W&B mode.", choices=("online", "offline"))

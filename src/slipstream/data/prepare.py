@@ -336,7 +336,12 @@ def prepare_dataset(
 
     existing = _existing_manifest(out_dir)
     if existing is not None and _same_build(existing, fingerprint, tok, settings, out_dir):
-        console.print(f"[data] {out_dir}: cached, inputs and tokenizer unchanged ({existing['splits']['train']['tokens']:,} train tokens)")
+        console.print(
+            f"[data] {out_dir}: cached, inputs and tokenizer unchanged ({existing['splits']['train']['tokens']:,} train tokens)",
+            markup=False,
+            highlight=False,
+            soft_wrap=True,
+        )
         return existing
 
     parent, name = os.path.split(os.path.abspath(out_dir))
@@ -352,7 +357,10 @@ def prepare_dataset(
     console.print(
         f"[data] wrote {out_dir}: {s['train']['tokens']:,} train + {s['val']['tokens']:,} val tokens "
         f"({manifest['dtype']}, {manifest['documents']:,} documents, {manifest['replaced_chars']:,} replaced chars) "
-        f"in {manifest['seconds']:.1f}s"
+        f"in {manifest['seconds']:.1f}s",
+        markup=False,
+        highlight=False,
+        soft_wrap=True,
     )
     return manifest
 
@@ -386,7 +394,7 @@ def _build(inputs, tok, dtype, folder, text_field, val_fraction, shard_tokens, n
 
     writer = _ShardWriter(folder, shard_tokens)
     doc_lengths = []
-    columns = [TextColumn("[data] tokenizing"), BarColumn(), DownloadColumn(), TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[tokens]:,} tokens")]
+    columns = [TextColumn("[data] tokenizing", markup=False), BarColumn(), DownloadColumn(), TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[tokens]:,} tokens")]
     try:
         with Progress(*columns, disable=not progress) as bar:
             task = bar.add_task("tokenize", total=fingerprint["bytes"] or None, tokens=0)

@@ -210,8 +210,17 @@ def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 @torch.inference_mode()
 def generate(model: Transformer, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
              top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
-    """Sample continuations of `idx` (B, T). temperature 0 = greedy. Padded vocab rows are never sampled."""
+    """Sample continuations of `idx` (B, T). temperature 0 = greedy. Padded vocab rows are never sampled.
+    `generator` must live on the model's device."""
+    was_training = model.training
     model.eval()
+    try:
+        return _sample(model, idx, max_new_tokens, temperature, top_k, generator)
+    finally:
+        model.train(was_training)
+
+
+def _sample(model, idx, max_new_tokens, temperature, top_k, generator):
     vocab = model.cfg.vocab_size
     for _ in range(max_new_tokens):
         context = idx[:, -model.cfg.max_seq_len:]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import math
+import time
 from typing import Any
 
 from rich.console import Console
@@ -75,17 +76,21 @@ def human_duration(seconds: float | None) -> str:
 
 
 def format_metrics(metrics: dict[str, Any]) -> str:
-    """{'loss': 3.21456, 'tok/s': 123456} -> 'loss=3.215 tok/s=123k'."""
+    """The few numbers worth watching live, from a training log record:
+    {'loss': 3.21456, 'tokens_per_s': 123456.0, 'mfu': 0.41, 'lr': ...} -> 'loss 3.2146 | 123k tok/s | mfu 41.0%'.
+
+    Other fields are left out on purpose (they are in the metric logs): the bar has one line.
+    """
     parts = []
-    for key, value in metrics.items():
-        if isinstance(value, float):
-            text = human_count(value) if abs(value) >= 1e4 else f"{value:.4g}"
-        elif isinstance(value, int) and not isinstance(value, bool):
-            text = human_count(value)
-        else:
-            text = str(value)
-        parts.append(f"{key}={text}")
-    return " ".join(parts)
+    if metrics.get("loss") is not None:
+        parts.append(f"loss {metrics['loss']:.4f}")
+    if metrics.get("val_loss") is not None:
+        parts.append(f"val_loss {metrics['val_loss']:.4f}")
+    if metrics.get("tokens_per_s") is not None:
+        parts.append(f"{human_count(metrics['tokens_per_s'])} tok/s")
+    if metrics.get("mfu") is not None:
+        parts.append(f"mfu {100 * metrics['mfu']:.1f}%")
+    return " | ".join(parts)
 
 
 class TrainProgress:
@@ -95,15 +100,23 @@ class TrainProgress:
         for step in range(1000):
             ...
             progress.advance(step + 1)
-            if step % log_interval == 0:
-                progress.set_metrics({"loss": loss, "tok/s": tps})
-                progress.print_line(f"step {step} loss {loss:.4f}")
+            if (step + 1) % log_interval == 0:
+                progress.set_metrics({"loss": loss, "tokens_per_s": tps, "mfu": mfu})
+            if (step + 1) % eval_interval == 0:
+                progress.print_line(f"step {step + 1}: val_loss {val_loss:.4f}")
+
+    On a terminal, set_metrics updates the text in the bar. Without a bar (not a terminal,
+    or enabled=False) set_metrics prints one plain line instead, with step and ETA, so job
+    logs still show progress.
     """
 
     def __init__(self, total_steps: int, start_step: int = 0, enabled: bool = True, description: str = "train"):
         self.total_steps = total_steps
+        self.start_step = start_step
         self.step = start_step
+        self.description = description
         self.metrics_text = ""
+        self._start_time = time.perf_counter()
         console = Console()
         self.use_bar = enabled and console.is_terminal
         self._progress: Progress | None = None
@@ -129,6 +142,7 @@ class TrainProgress:
         self.close()
 
     def start(self) -> None:
+        self._start_time = time.perf_counter()
         if self._progress is not None:
             self._progress.start()
 
@@ -139,11 +153,25 @@ class TrainProgress:
         if self._progress is not None:
             self._progress.update(self._task, completed=step)
 
+    def eta_seconds(self) -> float | None:
+        """Remaining time at the average speed since start(); None before the first step."""
+        done = self.step - self.start_step
+        if done <= 0:
+            return None
+        elapsed = time.perf_counter() - self._start_time
+        return elapsed / done * max(self.total_steps - self.step, 0)
+
     def set_metrics(self, metrics: dict[str, Any]) -> None:
-        """Update the metrics shown in the bar (call at the logging interval, with host numbers)."""
+        """Show the latest loss, tokens/s and MFU (host numbers; call at the logging interval)."""
         self.metrics_text = format_metrics(metrics)
         if self._progress is not None:
             self._progress.update(self._task, metrics=self.metrics_text)
+        else:
+            parts = [f"{self.description} step {self.step}/{self.total_steps}"]
+            if self.metrics_text:
+                parts.append(self.metrics_text)
+            parts.append(f"eta {human_duration(self.eta_seconds())}")
+            print(" | ".join(parts), flush=True)
 
     def print_line(self, text: str) -> None:
         """Print a line above the bar (or as a plain line when there is no bar)."""
@@ -164,9 +192,9 @@ SUMMARY_FIELDS: list[tuple[str, str]] = [
     ("val_loss", "val loss"),
     ("steps", "steps"),
     ("tokens", "tokens"),
-    ("tokens_per_sec", "tokens/s"),
+    ("tokens_per_s", "tokens/s"),
     ("mfu", "MFU"),
-    ("peak_memory_bytes", "peak memory"),
+    ("mem_peak_bytes", "peak memory"),
     ("wall_time_s", "wall time"),
     ("run_dir", "run directory"),
     ("checkpoint", "checkpoint"),
@@ -178,16 +206,21 @@ def _format_summary_value(key: str, value: Any) -> str:
         return "n/a"
     if key in ("final_loss", "val_loss"):
         return f"{value:.4f}"
-    if key == "steps":
-        return f"{value:,}"
-    if key in ("tokens", "tokens_per_sec"):
+    if key in ("tokens", "tokens_per_s"):
         return human_count(value)
     if key == "mfu":
         return f"{100 * value:.1f}%"
-    if key == "peak_memory_bytes":
+    # By naming convention, for the listed keys and any extra ones alike.
+    if key.endswith("_bytes"):
         return human_bytes(value)
-    if key == "wall_time_s":
+    if key.endswith("_s"):
         return human_duration(value)
+    if isinstance(value, bool):
+        return str(value)
+    if isinstance(value, int):
+        return f"{value:,}"
+    if isinstance(value, float):
+        return f"{value:.4g}"
     return str(value)
 
 
@@ -210,9 +243,10 @@ def _summary_table(rows: list[tuple[str, str]]) -> Table:
 def format_summary(summary: dict[str, Any]) -> str:
     """The end-of-run summary table as plain text.
 
-    Keys: final_loss, val_loss, steps, tokens, tokens_per_sec, mfu (a fraction, 0.42 ->
-    "42.0%"), peak_memory_bytes, wall_time_s, run_dir, checkpoint. Missing or None
-    values show as "n/a"; any other keys are appended as extra rows.
+    Keys: final_loss, val_loss, steps, tokens, tokens_per_s, mfu (a fraction, 0.42 ->
+    "42.0%"), mem_peak_bytes, wall_time_s, run_dir, checkpoint (the trainer's summary
+    names). Missing or None values show as "n/a"; any other keys are appended as extra
+    rows, "*_s" as durations and "*_bytes" in binary units.
     """
     rows = _summary_rows(summary)
     # Wide enough that paths are never wrapped: this text also goes into log files.

@@ -95,6 +95,8 @@ def cpu_model() -> str:
             with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
                 fields = {}
                 for line in f:
+                    if not line.strip() and fields:
+                        break  # end of the first processor's block; the others repeat it
                     key, sep, value = line.partition(":")
                     if sep and key.strip() not in fields:
                         fields[key.strip()] = value.strip()

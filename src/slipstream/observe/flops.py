@@ -3,9 +3,10 @@
 Metrics (MFU), docs and the planner all call these functions.
 
 Training FLOPs per token = 6 * N_matmul + 12 * n_layer * d_model * seq_len, where
-N_matmul counts the parameters used in matrix multiplies (every block weight plus the
-output head; embedding lookups and position tables are not matmuls) and 6 = 2 (multiply
-+ add) x 3 (forward + backward for inputs and weights). The second term is the
+N_matmul is every parameter of the transformer blocks plus the output head (embedding
+lookups and position tables are not matmuls; block biases and norm gains are included,
+as in the usual "6N" convention, which overcounts by well under 0.1%) and 6 = 2
+(multiply + add) x 3 (forward + backward for inputs and weights). The second term is the
 attention score/value matmuls (QK^T and AV: 2 x 2 x T x d per layer forward, x3 for
 backward), counted without discounting the causal mask, as PaLM and nanoGPT do.
 """

@@ -181,7 +181,12 @@ def _measure_matmul_flops(dtype: torch.dtype) -> float:
     """Best observed FLOP/s of square matmuls in `dtype` on this CPU, within ~PROBE_BUDGET_S."""
     start = time.perf_counter()
     best = 0.0
+    last, last_n = 0.0, 0
     for n in PROBE_SIZES:
+        # Skip a bigger size whose warm-up plus one timing (~2 matmuls, scaled by n^3)
+        # would blow the budget: a slow CPU still gets an answer in about the budget.
+        if best > 0 and time.perf_counter() - start + 2 * last * (n / last_n) ** 3 > PROBE_BUDGET_S:
+            break
         a = torch.randn(n, n).to(dtype)
         b = torch.randn(n, n).to(dtype)
         # The first call pays for thread-pool start-up and weight packing: not timed.
@@ -196,6 +201,7 @@ def _measure_matmul_flops(dtype: torch.dtype) -> float:
             torch.mm(a, b, out=out)
             last = time.perf_counter() - t0
             best = max(best, 2 * n**3 / last)
+        last_n = n
     return best
 
 

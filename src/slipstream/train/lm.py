@@ -26,10 +26,16 @@ def default_data_dir(cfg: Config) -> Path:
 
 
 def ensure_data(cfg: Config) -> tuple[Path, dict[str, Any]]:
-    """Prepare the token shards on first use; later runs reuse them (prepare is idempotent)."""
-    from slipstream.data import prepare_dataset
+    """The prepared token shards of this run.
 
-    data_dir = Path(cfg.data.dir) if cfg.data.dir else default_data_dir(cfg)
+    data.dir set: use that prepared folder as it is (from `slipstream data prepare`).
+    data.dir empty: prepare data.inputs on first use into a cache folder; later runs reuse it.
+    """
+    from slipstream.data import load_manifest, prepare_dataset
+
+    if cfg.data.dir:
+        return Path(cfg.data.dir), load_manifest(cfg.data.dir)
+    data_dir = default_data_dir(cfg)
     manifest = prepare_dataset(cfg.data.inputs, cfg.data.tokenizer, str(data_dir), text_field=cfg.data.text_field,
                                val_fraction=cfg.data.val_fraction, num_workers=cfg.data.prepare_workers or None,
                                progress=cfg.logging.progress)

@@ -266,7 +266,13 @@ class Trainer:
             raise UserError("the training data ran out; use an infinite/stateful loader or fewer train.max_steps") from None
 
     def train_step(self, it: Iterator) -> tuple[torch.Tensor, torch.Tensor, float, int]:
-        """One optimizer step. Returns (summed loss, grad norm) as device tensors, data wait, items."""
+        """One optimizer step. Returns (mean loss, grad norm) as device tensors, data wait, items."""
+        loss, data_wait, items = self.accumulate_gradients(it)
+        grad_norm = self.optimizer_step()
+        return loss, grad_norm, data_wait, items
+
+    def accumulate_gradients(self, it: Iterator) -> tuple[torch.Tensor, float, int]:
+        """forward/backward over grad_accum_steps micro-batches; returns (mean loss, data wait, items)."""
         accum = self.cfg.train.grad_accum_steps
         loss_sum = torch.zeros((), device=self.device)
         data_wait = 0.0
@@ -282,6 +288,10 @@ class Trainer:
             # gradient equal the gradient of the mean over the whole (big) batch.
             (loss / accum).backward()
             loss_sum += loss.detach()
+        return loss_sum / accum, data_wait, items
+
+    def optimizer_step(self) -> torch.Tensor:
+        """clip -> step -> schedule -> zero grads; returns the pre-clip gradient norm (device tensor)."""
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         clip = self.cfg.optim.grad_clip
         if clip > 0:
@@ -291,7 +301,7 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return loss_sum / accum, grad_norm, data_wait, items
+        return grad_norm
 
     @torch.inference_mode()
     def evaluate(self) -> float | None:

@@ -1,0 +1,436 @@
+"""Batches for training: prepared token shards (TokenLoader) and any map-style dataset (DatasetLoader).
+
+Both loaders are infinite iterators whose position is a single counter, which makes
+them resumable: `state_dict()` is a few plain ints, and after `load_state_dict()` the
+next batch is exactly the batch the original loader would have produced next.
+
+TokenLoader treats the shards of a split as one continuous token stream (shards are
+just storage), so windows may cross shard boundaries; a window never reads past the
+end of the split. Every window holds seq_len + 1 tokens: x is the first seq_len, y the
+last seq_len (x shifted by one).
+
+  mode="random":     each batch draws window starts uniformly with a numpy Generator
+                     seeded by (seed, rank, batch index). The stream is cut into
+                     world_size contiguous regions; rank r samples only inside region r,
+                     so ranks never see the same tokens.
+  mode="sequential": the split is cut into non-overlapping windows (window i starts at
+                     token i * seq_len). Each epoch visits them in an order shuffled by
+                     (seed, epoch); the i-th window of that order goes to rank
+                     i % world_size (leftovers that would make ranks uneven are skipped
+                     that epoch). A rank's batches take consecutive windows of its list
+                     and simply run on into the next epoch.
+
+On CUDA the batch is assembled in pinned host memory by a background thread one step
+ahead, and copied with non_blocking=True, so data loading overlaps the current step.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import weakref
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from slipstream.data.prepare import load_manifest
+from slipstream.errors import UserError
+
+MODES = ("random", "sequential")
+PREFETCH_DEPTH = 2
+
+
+def _seed_key(seed: int) -> int:
+    # numpy SeedSequence needs non-negative entropy; keep negative seeds distinct and valid.
+    return int(seed) % 2**64
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
+            raise UserError(f"{name}={value!r} must be a positive integer")
+
+
+def _check_rank(rank: int, world_size: int) -> None:
+    _check_positive(world_size=world_size)
+    if not 0 <= rank < world_size:
+        raise UserError(f"rank={rank} must be in [0, world_size={world_size})")
+
+
+def _check_state(kind: str, state: dict, expected: dict) -> None:
+    """Refuse to resume from a state saved with different data settings: the batches would silently differ."""
+    if not isinstance(state, dict) or state.get("kind") != kind:
+        got = state.get("kind") if isinstance(state, dict) else type(state).__name__
+        raise UserError(f"cannot load a {got!r} data loader state into a {kind}; the checkpoint belongs to a different kind of run")
+    diffs = [f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in expected.items() if state.get(k) != v]
+    if diffs:
+        raise UserError(
+            f"{kind} state does not match this loader ({'; '.join(diffs)}); resume with the same data "
+            f"settings as the saved run, or start a fresh run"
+        )
+
+
+class TokenLoader:
+    """Infinite, resumable (x, y) batches from a prepared split (see module doc)."""
+
+    def __init__(
+        self,
+        data_dir: str,
+        split: str,
+        batch_size: int,
+        seq_len: int,
+        seed: int = 0,
+        mode: str = "random",
+        rank: int = 0,
+        world_size: int = 1,
+        device: str | torch.device = "cpu",
+        prefetch: bool = True,
+    ) -> None:
+        _check_positive(batch_size=batch_size, seq_len=seq_len)
+        _check_rank(rank, world_size)
+        if mode not in MODES:
+            raise UserError(f"unknown data loader mode {mode!r}; use one of {', '.join(MODES)}")
+        manifest = load_manifest(data_dir)
+        if split not in manifest["splits"]:
+            raise UserError(f"split {split!r} not found in {data_dir!r}; available: {', '.join(manifest['splits'])}")
+
+        self.data_dir, self.split, self.mode = data_dir, split, mode
+        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        self.rank, self.world_size = rank, world_size
+        self.device = torch.device(device)
+        self.vocab_size: int = manifest["vocab_size"]
+        self.eot_id: int = manifest["eot_id"]
+        self.manifest = manifest
+
+        # Memory-map every non-empty shard; the OS page cache does the buffering.
+        dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
+        self._shards = []
+        for shard in manifest["splits"][split]["shards"]:
+            path = os.path.join(data_dir, shard["file"])
+            expected = shard["tokens"] * dtype.itemsize
+            if not os.path.isfile(path) or os.path.getsize(path) != expected:
+                raise UserError(f"shard {path} is missing or has the wrong size; run `slipstream data prepare` again")
+            if shard["tokens"] > 0:
+                self._shards.append(np.memmap(path, dtype=dtype, mode="r", shape=(shard["tokens"],)))
+        self._shard_ends = np.cumsum([len(m) for m in self._shards], dtype=np.int64)
+        self.total_tokens = int(self._shard_ends[-1]) if self._shards else 0
+
+        window = seq_len + 1
+        if mode == "random":
+            self._lo = rank * self.total_tokens // world_size
+            self._hi = (rank + 1) * self.total_tokens // world_size
+            available, needed = self._hi - self._lo, window
+        else:
+            self._n_windows = max(self.total_tokens - 1, 0) // seq_len
+            self._per_rank = self._n_windows // world_size
+            available, needed = self.total_tokens, world_size * seq_len + 1
+        if available < needed:
+            who = f"rank {rank} of {world_size} gets {available:,} of its {self.total_tokens:,} tokens" if world_size > 1 else f"it has {available:,} tokens"
+            raise UserError(
+                f"split {split!r} in {data_dir!r} is too small: {who}, but one window of seq_len + 1 = {window} "
+                f"tokens per rank needs {needed:,}; use a smaller seq_len or prepare more data"
+            )
+
+        self._batch_index = 0  # batches handed out so far: the whole loader state
+        self._epoch_cache: dict[int, np.ndarray] = {}
+        self._cuda = self.device.type == "cuda"
+        self._prefetch = prefetch and self._cuda
+        self._thread: threading.Thread | None = None
+        self._stop: threading.Event | None = None
+        self._queue: queue.Queue | None = None
+
+    # -- properties
+
+    @property
+    def tokens_per_batch(self) -> int:
+        """Input tokens per batch on this rank (multiply by world_size for the global batch)."""
+        return self.batch_size * self.seq_len
+
+    # -- batch construction (pure functions of the batch index)
+
+    def _epoch_windows(self, epoch: int) -> np.ndarray:
+        """Window numbers this rank visits in `epoch`, in order."""
+        if epoch not in self._epoch_cache:
+            order = np.random.default_rng([_seed_key(self.seed), epoch]).permutation(self._n_windows)
+            mine = order[self.rank :: self.world_size][: self._per_rank]
+            self._epoch_cache = {k: v for k, v in self._epoch_cache.items() if k >= epoch - 1}  # keep it small
+            self._epoch_cache[epoch] = mine
+        return self._epoch_cache[epoch]
+
+    def _batch_starts(self, index: int) -> np.ndarray:
+        if self.mode == "random":
+            rng = np.random.default_rng([_seed_key(self.seed), self.rank, index])
+            return rng.integers(self._lo, self._hi - self.seq_len, size=self.batch_size)  # high is exclusive
+        positions = index * self.batch_size + np.arange(self.batch_size)
+        epochs, offsets = positions // self._per_rank, positions % self._per_rank
+        windows = np.array([self._epoch_windows(int(e))[o] for e, o in zip(epochs, offsets)], dtype=np.int64)
+        return windows * self.seq_len
+
+    def _read(self, start: int, out: np.ndarray) -> None:
+        """Copy tokens [start, start + len(out)) of the split into out, across shard boundaries."""
+        pos, k = 0, int(np.searchsorted(self._shard_ends, start, side="right"))
+        while pos < len(out):
+            shard = self._shards[k]
+            offset = start + pos - (int(self._shard_ends[k]) - len(shard))
+            take = min(len(out) - pos, len(shard) - offset)
+            out[pos : pos + take] = shard[offset : offset + take]
+            pos += take
+            k += 1
+
+    def _fill(self, index: int, out: np.ndarray) -> None:
+        """Write batch `index` into out of shape (2, batch_size, seq_len): out[0] = x, out[1] = y."""
+        window = np.empty(self.seq_len + 1, dtype=np.int64)
+        for b, start in enumerate(self._batch_starts(index).tolist()):
+            self._read(start, window)
+            out[0, b] = window[:-1]
+            out[1, b] = window[1:]
+
+    def _host_batch(self, index: int) -> torch.Tensor:
+        # pin_memory only on CUDA: CPU-only builds raise on pinned allocations.
+        host = torch.empty((2, self.batch_size, self.seq_len), dtype=torch.int64, pin_memory=self._cuda)
+        self._fill(index, host.numpy())
+        return host
+
+    # -- iteration
+
+    def __iter__(self) -> "TokenLoader":
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._prefetch:
+            host = self._next_prefetched()
+        else:
+            host = self._host_batch(self._batch_index)
+        self._batch_index += 1
+        if self.device.type != "cpu":
+            # The caching host allocator keeps the pinned block alive until this copy is done.
+            host = host.to(self.device, non_blocking=self._cuda)
+        return host[0], host[1]
+
+    def _next_prefetched(self) -> torch.Tensor:
+        if self._thread is None:
+            self._start_thread()
+        item = self._queue.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        index, host = item
+        assert index == self._batch_index, "prefetch thread out of step"
+        return host
+
+    def _start_thread(self) -> None:
+        self._stop = threading.Event()
+        self._queue = queue.Queue(maxsize=PREFETCH_DEPTH)
+        # The thread holds only a weak reference, so a dropped loader is collected and its thread ends.
+        weakref.finalize(self, self._stop.set)
+        self._thread = threading.Thread(
+            target=_prefetch_worker,
+            args=(weakref.ref(self), self._batch_index, self._stop, self._queue, self.device),
+            name="slipstream-token-prefetch",
+            daemon=True,
+        )
+        self._thread.start()
+
+    def close(self) -> None:
+        """Stop the prefetch thread (if any). Iterating again restarts it."""
+        if self._thread is not None:
+            self._stop.set()
+            self._thread.join()
+            self._thread = self._stop = self._queue = None
+
+    # -- resume
+
+    def _identity(self) -> dict:
+        return {
+            "split": self.split,
+            "mode": self.mode,
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "world_size": self.world_size,
+            "tokens": self.total_tokens,
+        }
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable position. Ranks advance in lockstep, so any rank's state resumes every rank."""
+        return {"kind": "TokenLoader", **self._identity(), "rank": self.rank, "batch_index": self._batch_index}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_state("TokenLoader", state, self._identity())
+        self.close()  # drop batches prefetched from the old position
+        self._batch_index = int(state["batch_index"])
+
+
+def _prefetch_worker(loader_ref: Callable, index: int, stop: threading.Event, out: queue.Queue, device: torch.device) -> None:
+    if device.index is not None:
+        torch.cuda.set_device(device)
+    while not stop.is_set():
+        loader = loader_ref()
+        if loader is None:
+            return
+        try:
+            item = (index, loader._host_batch(index))
+        except BaseException as e:  # hand the error to the training thread instead of dying silently
+            item = e
+        del loader
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)
+                break
+            except queue.Full:
+                continue
+        if isinstance(item, BaseException):
+            return
+        index += 1
+
+
+# ----------------------------------------------------------------------------- generic datasets
+
+
+class _EpochBatchSampler(torch.utils.data.Sampler):
+    """Yields this rank's index batches for one epoch, starting at a given batch.
+
+    The DatasetLoader sets `epoch` and `start` before each pass; the DataLoader (and its
+    workers) only ever see the indices still to be loaded, so resuming never loads the
+    skipped samples.
+    """
+
+    def __init__(self, plan: Callable[[int], list[list[int]]]) -> None:
+        self.plan = plan
+        self.epoch = 0
+        self.start = 0
+
+    def __iter__(self):
+        yield from self.plan(self.epoch)[self.start :]
+
+    def __len__(self) -> int:
+        return len(self.plan(self.epoch)) - self.start
+
+
+def _to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device, non_blocking) for k, v in batch.items()}
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(_to_device(v, device, non_blocking) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(v, device, non_blocking) for v in batch)
+    return batch
+
+
+class DatasetLoader:
+    """Infinite, resumable batches from any map-style Dataset, sharded across ranks.
+
+    Each epoch shuffles all indices with a permutation seeded by (seed, epoch); rank r
+    takes every world_size-th index of it, truncated so all ranks get the same count
+    (up to world_size - 1 samples sit out each epoch, different ones every epoch).
+    """
+
+    def __init__(
+        self,
+        dataset,
+        batch_size: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = True,
+        collate_fn: Callable | None = None,
+        num_workers: int = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        device: str | torch.device = "cpu",
+        pin_memory: bool | None = None,
+    ) -> None:
+        _check_positive(batch_size=batch_size)
+        _check_rank(rank, world_size)
+        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
+            raise UserError("DatasetLoader needs a map-style dataset (with __len__ and __getitem__); wrap streaming data in one")
+        if num_workers < 0:
+            raise UserError(f"num_workers={num_workers} must be >= 0")
+        self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
+        self.drop_last, self.rank, self.world_size = drop_last, rank, world_size
+        self.device = torch.device(device)
+        self._n = len(dataset)
+        self._per_rank = self._n // world_size
+        if self.batches_per_epoch == 0:
+            raise UserError(
+                f"dataset too small: {self._n} samples over {world_size} rank(s) is {self._per_rank} per rank, "
+                f"less than batch_size={batch_size}; lower batch_size{' or set drop_last=False' if drop_last else ''}"
+            )
+        cuda = self.device.type == "cuda"
+        self._pin = cuda if pin_memory is None else (pin_memory and cuda)
+        self._sampler = _EpochBatchSampler(self._epoch_batches)
+        self._plan_cache: tuple[int, list[list[int]]] | None = None
+        self._loader = torch.utils.data.DataLoader(
+            dataset,
+            batch_sampler=self._sampler,
+            collate_fn=collate_fn,
+            num_workers=num_workers,
+            pin_memory=self._pin,
+            persistent_workers=num_workers > 0,
+            # Our own generator: worker seeds must not consume (or depend on) the global torch RNG.
+            generator=torch.Generator().manual_seed(_seed_key(seed) % 2**63 + rank),
+        )
+        self._epoch = 0
+        self._batch_in_epoch = 0
+        self._it = None
+
+    @property
+    def batches_per_epoch(self) -> int:
+        full, rest = divmod(self._per_rank, self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def _epoch_batches(self, epoch: int) -> list[list[int]]:
+        if self._plan_cache is None or self._plan_cache[0] != epoch:
+            if self.shuffle:
+                order = np.random.default_rng([_seed_key(self.seed), epoch]).permutation(self._n)
+            else:
+                order = np.arange(self._n)
+            mine = order[self.rank : self._per_rank * self.world_size : self.world_size].tolist()
+            batches = [mine[i : i + self.batch_size] for i in range(0, len(mine), self.batch_size)]
+            self._plan_cache = (epoch, batches[: self.batches_per_epoch])
+        return self._plan_cache[1]
+
+    def __iter__(self) -> "DatasetLoader":
+        return self
+
+    def __next__(self) -> Any:
+        while True:
+            if self._it is None:
+                self._sampler.epoch, self._sampler.start = self._epoch, self._batch_in_epoch
+                self._it = iter(self._loader)
+            try:
+                batch = next(self._it)
+                break
+            except StopIteration:
+                self._it = None
+                self._epoch += 1
+                self._batch_in_epoch = 0
+        self._batch_in_epoch += 1
+        return _to_device(batch, self.device, non_blocking=self._pin)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def _identity(self) -> dict:
+        return {
+            "seed": self.seed,
+            "batch_size": self.batch_size,
+            "shuffle": self.shuffle,
+            "drop_last": self.drop_last,
+            "world_size": self.world_size,
+            "dataset_len": self._n,
+        }
+
+    def state_dict(self) -> dict:
+        """JSON-serialisable position; as with TokenLoader, ranks are in lockstep so any rank's state fits all."""
+        return {"kind": "DatasetLoader", **self._identity(), "rank": self.rank, "epoch": self._epoch, "batch_in_epoch": self._batch_in_epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        _check_state("DatasetLoader", state, self._identity())
+        self._epoch = int(state["epoch"])
+        self._batch_in_epoch = int(state["batch_in_epoch"])
+        self._it = None  # the next __next__ restarts the DataLoader at the saved batch
