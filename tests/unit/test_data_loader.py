@@ -197,6 +197,9 @@ def test_dataset_loader_workers_match_in_process():
     expected = indices(next(loader) for _ in range(3))
     loader.load_state_dict(state)
     assert indices(next(loader) for _ in range(3)) == expected
+    assert indices(next(in_process) for _ in range(3)) == expected
+    loader.close()  # stops the worker processes; iterating again restarts them
+    assert indices([next(loader)]) == indices([next(in_process)])
 
 
 def test_dataset_loader_leaves_global_rng_alone():

@@ -238,3 +238,23 @@ def test_non_finite_loss_stops_with_clear_error(tmp_path):
     trainer = Trainer(SmallCNN(), _image_dataset(), lambda m, b: m(b[0]).sum() * math.inf, config=cfg)
     with pytest.raises(UserError, match="loss became"):
         trainer.fit()
+
+
+def test_host_syncs_only_at_logging_interval(tiny_overrides, monkeypatch):
+    """Reading a tensor's value on the host (.item/.tolist/float) is a device sync on GPUs;
+    the loop may do that only when it logs (and evaluates), never inside a plain step."""
+    cfg = load_config(None, tiny_overrides + ["--train.max_steps=10", "--logging.log_interval=5",
+                                              "--train.eval_steps=0", "--checkpoint.save_final=false"])
+    trainer = build_lm_trainer(cfg)
+    reads = []
+    for name in ("item", "tolist", "__float__", "__bool__"):
+        original = getattr(torch.Tensor, name)
+
+        def counting(self, *a, _original=original, _name=name, **k):
+            reads.append((trainer.step, _name))
+            return _original(self, *a, **k)
+
+        monkeypatch.setattr(torch.Tensor, name, counting)
+    trainer.fit()
+    assert reads, "the loop must read the loss at the logging interval"
+    assert {step for step, _ in reads} <= {5, 10}, reads

@@ -290,23 +290,40 @@ def _prefetch_worker(loader_ref: Callable, index: int, stop: threading.Event, ou
 
 
 class _EpochBatchSampler(torch.utils.data.Sampler):
-    """Yields this rank's index batches for one epoch, starting at a given batch.
+    """This rank's index batches for one epoch, starting at a given batch.
 
     The DatasetLoader sets `epoch` and `start` before each pass; the DataLoader (and its
     workers) only ever see the indices still to be loaded, so resuming never loads the
-    skipped samples.
+    skipped samples. It holds no reference back to the DatasetLoader: a reference cycle
+    would leave worker shutdown to the garbage collector, which stalls for seconds.
     """
 
-    def __init__(self, plan: Callable[[int], list[list[int]]]) -> None:
-        self.plan = plan
+    def __init__(self, n: int, batch_size: int, shuffle: bool, seed: int, drop_last: bool, rank: int, world_size: int) -> None:
+        self.n, self.batch_size, self.shuffle, self.seed = n, batch_size, shuffle, seed
+        self.drop_last, self.rank, self.world_size = drop_last, rank, world_size
+        self.per_rank = n // world_size  # equal for all ranks, so they stay in lockstep
+        full, rest = divmod(self.per_rank, batch_size)
+        self.batches_per_epoch = full + (1 if rest and not drop_last else 0)
         self.epoch = 0
         self.start = 0
+        self._cache: tuple[int, list[list[int]]] | None = None
+
+    def epoch_batches(self, epoch: int) -> list[list[int]]:
+        if self._cache is None or self._cache[0] != epoch:
+            if self.shuffle:
+                order = np.random.default_rng([_seed_key(self.seed), epoch]).permutation(self.n)
+            else:
+                order = np.arange(self.n)
+            mine = order[self.rank : self.per_rank * self.world_size : self.world_size].tolist()
+            batches = [mine[i : i + self.batch_size] for i in range(0, len(mine), self.batch_size)]
+            self._cache = (epoch, batches[: self.batches_per_epoch])
+        return self._cache[1]
 
     def __iter__(self):
-        yield from self.plan(self.epoch)[self.start :]
+        yield from self.epoch_batches(self.epoch)[self.start :]
 
     def __len__(self) -> int:
-        return len(self.plan(self.epoch)) - self.start
+        return self.batches_per_epoch - self.start
 
 
 def _to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
@@ -353,16 +370,14 @@ class DatasetLoader:
         self.drop_last, self.rank, self.world_size = drop_last, rank, world_size
         self.device = torch.device(device)
         self._n = len(dataset)
-        self._per_rank = self._n // world_size
+        self._sampler = _EpochBatchSampler(self._n, batch_size, shuffle, seed, drop_last, rank, world_size)
         if self.batches_per_epoch == 0:
             raise UserError(
-                f"dataset too small: {self._n} samples over {world_size} rank(s) is {self._per_rank} per rank, "
+                f"dataset too small: {self._n} samples over {world_size} rank(s) is {self._sampler.per_rank} per rank, "
                 f"less than batch_size={batch_size}; lower batch_size{' or set drop_last=False' if drop_last else ''}"
             )
         cuda = self.device.type == "cuda"
         self._pin = cuda if pin_memory is None else (pin_memory and cuda)
-        self._sampler = _EpochBatchSampler(self._epoch_batches)
-        self._plan_cache: tuple[int, list[list[int]]] | None = None
         self._loader = torch.utils.data.DataLoader(
             dataset,
             batch_sampler=self._sampler,
@@ -379,19 +394,7 @@ class DatasetLoader:
 
     @property
     def batches_per_epoch(self) -> int:
-        full, rest = divmod(self._per_rank, self.batch_size)
-        return full + (1 if rest and not self.drop_last else 0)
-
-    def _epoch_batches(self, epoch: int) -> list[list[int]]:
-        if self._plan_cache is None or self._plan_cache[0] != epoch:
-            if self.shuffle:
-                order = np.random.default_rng([_seed_key(self.seed), epoch]).permutation(self._n)
-            else:
-                order = np.arange(self._n)
-            mine = order[self.rank : self._per_rank * self.world_size : self.world_size].tolist()
-            batches = [mine[i : i + self.batch_size] for i in range(0, len(mine), self.batch_size)]
-            self._plan_cache = (epoch, batches[: self.batches_per_epoch])
-        return self._plan_cache[1]
+        return self._sampler.batches_per_epoch
 
     def __iter__(self) -> "DatasetLoader":
         return self
@@ -414,6 +417,11 @@ class DatasetLoader:
     @property
     def epoch(self) -> int:
         return self._epoch
+
+    def close(self) -> None:
+        """Stop DataLoader worker processes now (dropping the loader does it too). Iterating restarts them."""
+        self._it = None
+        self._loader._iterator = None  # persistent workers live on the DataLoader's cached iterator
 
     def _identity(self) -> dict:
         return {

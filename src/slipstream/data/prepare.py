@@ -298,7 +298,11 @@ def _swap_into_place(tmp_dir: str, out_dir: str) -> None:
     parent, name = os.path.split(os.path.abspath(out_dir))
     old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
     os.rename(out_dir, old)
-    os.rename(tmp_dir, out_dir)
+    try:
+        os.rename(tmp_dir, out_dir)
+    except BaseException:
+        os.rename(old, out_dir)  # put the previous data back rather than leave nothing
+        raise
     shutil.rmtree(old, ignore_errors=True)
 
 

@@ -118,7 +118,7 @@ def _iter_jsonl(path: str, text_field: str, stats: SourceStats) -> Iterator[str]
             except json.JSONDecodeError as e:
                 raise UserError(
                     f"{path}, line {line_no}: not valid JSON ({e.msg}); each line of a .jsonl file "
-                    f"must be one JSON object with a {text_field!r} field"
+                    f"must be one JSON object with a {text_field!r} field (choose the field with --text-field)"
                 ) from None
             if not isinstance(obj, dict) or text_field not in obj:
                 keys = sorted(obj) if isinstance(obj, dict) else type(obj).__name__

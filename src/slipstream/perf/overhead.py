@@ -10,7 +10,9 @@ result is the ratio of median step times; the target on CPU is <= 1.02.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import statistics
 import tempfile
 import time
@@ -73,7 +75,9 @@ def hand_loop(cfg: Config, steps: int) -> float:
 def trainer_loop(cfg: Config) -> float:
     from slipstream.train.lm import build_lm_trainer
 
-    summary = build_lm_trainer(cfg).fit()
+    trainer = build_lm_trainer(cfg)
+    with contextlib.redirect_stdout(io.StringIO()):  # keep the bench output to one line per round
+        summary = trainer.fit()
     return summary["loop_time_s"]
 
 
