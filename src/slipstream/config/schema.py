@@ -76,7 +76,7 @@ class DataConfig:
 class TrainConfig:
     """The training loop."""
 
-    max_steps: int = option(600, "Optimizer steps to train.", min=1)
+    max_steps: int = option(500, "Optimizer steps to train.", min=1)
     micro_batch_size: int = option(16, "Sequences per forward/backward pass.", min=1)
     seq_len: int = option(256, "Tokens per training sequence (<= model.max_seq_len).", min=1)
     grad_accum_steps: int = option(1, "Micro-batches accumulated per optimizer step.", min=1)
