@@ -103,6 +103,9 @@ def cmd_data_train_tokenizer(args, extra) -> int:
 def cmd_bench_overhead(args, extra) -> int:
     from slipstream.perf.overhead import run_overhead_bench
 
+    if args.rounds < 1 or args.steps < 1:
+        raise UserError(f"--rounds and --steps must be >= 1 (got {args.rounds} and {args.steps})")
+
     run_overhead_bench(_load(args, extra), rounds=args.rounds, steps_per_round=args.steps, out=args.out)
     return 0
 

@@ -216,3 +216,27 @@ def test_prepare_with_trained_bpe(tmp_path):
     assert m["tokenizer"] == tok.spec and m["eot_id"] == tok.eot_id
     assert get_tokenizer(m["tokenizer"]).decode(all_tokens(out, m)) == "".join(d + EOT_TEXT for d in docs)
     assert json.loads((out / "manifest.json").read_text())["vocab_size"] == tok.vocab_size
+
+
+def test_bpe_tokenizer_travels_with_the_data(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("the quick brown fox jumps over the lazy dog\n" * 50)
+    tok = tmp_path / "tok.json"
+    train_bpe([str(corpus)], str(tok), vocab_size=280)
+    out = tmp_path / "out"
+    manifest = prepare_dataset([str(corpus)], f"bpe:{tok}", str(out), progress=False)
+    assert manifest["tokenizer_file"] == "tokenizer.json"
+    assert (out / "tokenizer.json").read_bytes() == tok.read_bytes()
+    assert prep.tokenizer_spec_for(str(out), manifest) == f"bpe:{out / 'tokenizer.json'}"
+    assert prepare_dataset([str(corpus)], "byte", str(tmp_path / "b"), progress=False)["tokenizer_file"] is None
+
+
+def test_unwritable_output_and_tokenizer_folder_errors(tmp_path):
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("hello world\n" * 20)
+    blocker = tmp_path / "blocker"
+    blocker.write_text("a file, not a folder")
+    with pytest.raises(UserError, match="choose a writable --out"):
+        prepare_dataset([str(corpus)], "byte", str(blocker / "out"), progress=False)
+    with pytest.raises(UserError, match="is a folder"):
+        train_bpe([str(corpus)], str(tmp_path), vocab_size=300)

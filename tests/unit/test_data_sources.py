@@ -96,3 +96,13 @@ def test_fingerprint_changes_with_content(tmp_path):
     assert fingerprint_inputs([str(tmp_path)]) == before
     write(f, "one two")
     assert fingerprint_inputs([str(tmp_path)])["sha256"] != before["sha256"]
+
+
+def test_jsonl_lone_surrogates_are_replaced_and_counted(tmp_path):
+    p = tmp_path / "s.jsonl"
+    p.write_text('{"text": "a\\ud800b"}\n{"text": "fine"}\n', encoding="utf-8")
+    stats = SourceStats()
+    docs = list(iter_documents([str(p)], stats=stats))
+    assert docs == ["a\ufffdb", "fine"]
+    assert stats.replaced_chars == 1
+    docs[0].encode("utf-8")  # encodable now: tokenizers won't fail

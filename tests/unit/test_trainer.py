@@ -4,6 +4,7 @@ and the generic Python API on a non-transformer model."""
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,33 +87,37 @@ class Crash(RuntimeError):
     pass
 
 
-def test_resume_is_bitwise_identical(tiny_overrides, tmp_path):
+@pytest.mark.parametrize("log_interval, ckpt_interval, crash_step", [(1, 5, 8), (5, 4, 9)])
+def test_resume_is_bitwise_identical(tiny_overrides, tmp_path, log_interval, ckpt_interval, crash_step):
+    """Kill a run mid-step, resume it: it logs the same losses as the uninterrupted run,
+    also when the checkpoint falls inside a logging interval."""
+    extra = [f"--logging.log_interval={log_interval}", f"--checkpoint.interval={ckpt_interval}"]
     straight = tmp_path / "straight"
-    train_lm(load_config(None, tiny_overrides + [f"--run.dir={straight}", "--checkpoint.interval=5"]))
+    train_lm(load_config(None, tiny_overrides + extra + [f"--run.dir={straight}"]))
 
-    # Same run, killed during step 8: the last checkpoint is step 5.
     crashed = tmp_path / "crashed"
-    cfg = load_config(None, tiny_overrides + [f"--run.dir={crashed}", "--checkpoint.interval=5"])
+    cfg = load_config(None, tiny_overrides + extra + [f"--run.dir={crashed}"])
     trainer = build_lm_trainer(cfg)
     calls = {"n": 0}
     real_loss = trainer.loss_fn
 
     def crashing_loss(model, batch):
         calls["n"] += model.training  # count training micro-batches only (not eval)
-        if calls["n"] == 8 and model.training:
+        if calls["n"] == crash_step and model.training:
             raise Crash()
         return real_loss(model, batch)
 
     trainer.loss_fn = crashing_loss
     with pytest.raises(Crash):
         trainer.fit()
-    assert [p.name for p in ckpt.list_checkpoints(crashed / "checkpoints")] == ["step_00000005"]
+    last_saved = (crash_step - 1) // ckpt_interval * ckpt_interval
+    assert ckpt.list_checkpoints(crashed / "checkpoints")[-1].name == f"step_{last_saved:08d}"
 
-    resumed = train_lm(load_config(None, tiny_overrides + [f"--run.dir={crashed}", "--checkpoint.interval=5",
-                                                           "--checkpoint.resume=auto"]))
-    assert resumed["steps_this_run"] == 7
+    resumed = train_lm(load_config(None, tiny_overrides + extra + [f"--run.dir={crashed}",
+                                                                   "--checkpoint.resume=auto"]))
+    assert resumed["steps_this_run"] == 12 - last_saved
     a, b = train_losses(straight), train_losses(crashed)
-    assert a.keys() == b.keys() == set(range(1, 13))
+    assert a.keys() == b.keys() and max(a) == 12
     assert all(a[s] == b[s] for s in a), {s: (a[s], b[s]) for s in a if a[s] != b[s]}
     final_a = ckpt.resolve_checkpoint(straight)
     final_b = ckpt.resolve_checkpoint(crashed)
@@ -122,6 +127,45 @@ def test_resume_is_bitwise_identical(tiny_overrides, tmp_path):
     ckpt.load_checkpoint(final_b, model_b)
     for (name, pa), pb in zip(model_a.state_dict().items(), model_b.state_dict().values()):
         assert torch.equal(pa, pb), name
+
+
+def test_resume_edge_cases(tiny_overrides, tmp_path):
+    run = tmp_path / "run"
+    train_lm(load_config(None, tiny_overrides + ["--checkpoint.interval=4"]))  # checkpoints 4, 8, 12
+    # nothing left to train: a clear error, not a silent no-op
+    with pytest.raises(UserError, match="not below train.max_steps"):
+        train_lm(load_config(None, tiny_overrides + ["--checkpoint.resume=auto"]))
+    # resuming an older checkpoint inside the same run would interleave two histories
+    with pytest.raises(UserError, match="newer than 'step_00000008'"):
+        train_lm(load_config(None, tiny_overrides + [f"--checkpoint.resume={run}/checkpoints/step_00000008"]))
+    # a crash can leave a cut-off last line in metrics.jsonl: resume skips it
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 13, "lo')
+    summary = train_lm(load_config(None, tiny_overrides + ["--checkpoint.resume=auto", "--train.max_steps=14"]))
+    assert summary["steps_this_run"] == 2
+    assert max(train_losses(run)) == 14
+
+
+def test_moved_bpe_tokenizer_does_not_break_training(tmp_path, corpus_file):
+    """prepare copies a bpe tokenizer into the data folder: the original file may move."""
+    from slipstream.data import prepare_dataset, train_bpe
+
+    tok = tmp_path / "tok.json"
+    train_bpe([str(corpus_file)], str(tok), vocab_size=300)
+    prepare_dataset([str(corpus_file)], f"bpe:{tok}", str(tmp_path / "data"), val_fraction=0.1, progress=False)
+    tok.rename(tmp_path / "moved.json")
+    summary = train_lm(load_config(None, [
+        "--model.preset=tiny", f"--data.dir={tmp_path / 'data'}", f"--run.dir={tmp_path / 'run'}",
+        "--train.max_steps=2", "--train.micro_batch_size=2", "--train.seq_len=16", "--logging.progress=false"]))
+    assert (Path(summary["checkpoint"]) / "tokenizer.json").is_file()
+    assert load_config(tmp_path / "run" / "config.toml").data.tokenizer == f"bpe:{tok}"
+
+
+def test_bad_run_dir_fails_before_any_work(tiny_overrides, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(UserError, match="not a folder"):
+        train_lm(load_config(None, tiny_overrides + [f"--run.dir={blocker}"]))
 
 
 def test_existing_checkpoints_need_resume(tiny_overrides, tmp_path):

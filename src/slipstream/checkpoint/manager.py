@@ -101,27 +101,43 @@ def save_checkpoint(checkpoints_dir: str | Path, step: int, model: torch.nn.Modu
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    try:
+        _write_checkpoint(tmp, step, model, optimizer, trainer_state, config_toml, meta, extra_files)
+        if final.exists():
+            # Re-saving a step: move the old copy aside first, so there is never a moment
+            # without a complete checkpoint for this step.
+            old = checkpoints_dir / f".{final.name}.old-{os.getpid()}"
+            os.rename(final, old)
+            os.rename(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written folder behind
+        raise
+    return final
+
+
+def _write_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
+                      trainer_state: dict[str, Any], config_toml: str, meta: dict[str, Any] | None,
+                      extra_files: dict[str, str | Path] | None) -> None:
     if optimizer is not None:
         model_sd, optim_sd = get_state_dict(model, optimizer)
         payload = {"model": model_sd, "optim": optim_sd}
     else:
         payload = {"model": model.state_dict()}
     with _quiet_dcp():
-        dcp.save(payload, checkpoint_id=str(tmp / "model_optim"))
-    _write_text(tmp / "trainer_state.json", json.dumps(trainer_state))
-    _write_text(tmp / "config.toml", config_toml)
+        dcp.save(payload, checkpoint_id=str(folder / "model_optim"))
+    _write_text(folder / "trainer_state.json", json.dumps(trainer_state))
+    _write_text(folder / "config.toml", config_toml)
     full_meta = {
         "format_version": FORMAT_VERSION, "step": step, "world_size": 1, "time": time.time(),
         "torch": torch.__version__, "has_optimizer": optimizer is not None, **(meta or {}),
     }
     for name, src in (extra_files or {}).items():
-        shutil.copyfile(src, tmp / name)
-    _write_text(tmp / "meta.json", json.dumps(full_meta, indent=2))
-    _write_text(tmp / COMPLETE_MARKER, "")
-    if final.exists():  # re-saving the same step (e.g. final == last interval save)
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    return final
+        shutil.copyfile(src, folder / name)
+    _write_text(folder / "meta.json", json.dumps(full_meta, indent=2))
+    _write_text(folder / COMPLETE_MARKER, "")  # last: its presence means everything above is on disk
 
 
 def _write_text(path: Path, text: str) -> None:

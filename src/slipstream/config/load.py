@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import math
+import re
 import tomllib
 import typing
 from pathlib import Path
@@ -32,6 +34,8 @@ def _closest(name: str, valid: list[str]) -> str:
 def read_toml_chain(path: str | Path, _seen: tuple[Path, ...] = ()) -> dict[str, Any]:
     """Read a TOML file, resolving `extends = "base.toml"` (relative to the file) recursively."""
     path = Path(path).expanduser()
+    if path.is_dir():
+        raise UserError(f"config '{path}' is a folder; pass a TOML file (see configs/).")
     if not path.is_file():
         raise UserError(f"config file '{path}' does not exist; pass an existing TOML file (see configs/).")
     resolved = path.resolve()
@@ -196,6 +200,9 @@ def build_config(data: dict[str, Any]) -> Config:
 def check_consistency(cfg: Config) -> None:
     """Rules that involve several fields."""
     m, t, o = cfg.model, cfg.train, cfg.optim
+    if not re.fullmatch(r"[A-Za-z0-9._-]+", cfg.run.name) or cfg.run.name in (".", ".."):
+        raise UserError(f"run.name = {cfg.run.name!r}: use only letters, digits, '.', '_' and '-' "
+                        "(it becomes part of a folder name)")
     if m.d_model % m.n_head:
         raise UserError(f"model.d_model = {m.d_model} must be divisible by model.n_head = {m.n_head}")
     if (m.d_model // m.n_head) % 2 and m.position == "rope":
@@ -245,6 +252,7 @@ def reference_markdown() -> str:
             doc = f.metadata["doc"]
             if f.metadata.get("choices"):
                 doc += " One of: " + ", ".join(f"`{c}`" for c in f.metadata["choices"]) + "."
-            lines.append(f"| `{section}.{f.name}` | `{tomli_w.dumps({'v': default})[4:].strip()}` | {doc} |")
+            shown = json.dumps(default) if isinstance(default, (list, str)) else tomli_w.dumps({"v": default})[4:].strip()
+            lines.append(f"| `{section}.{f.name}` | `{shown}` | {doc} |")
         lines.append("")
     return "\n".join(lines)

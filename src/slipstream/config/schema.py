@@ -27,7 +27,7 @@ def option(default: Any, doc: str, *, min: float | None = None, max: float | Non
 class RunConfig:
     """Where the run writes its files."""
 
-    name: str = option("quickstart", "Run name; used in the default run directory name and in loggers.")
+    name: str = option("quickstart", "Run name (letters, digits, . _ -); used in the default run directory name and in loggers.")
     dir: str = option("", "Run directory. Empty: runs/<name>-<timestamp> (runs/latest points at the newest).")
 
 
@@ -80,12 +80,12 @@ class TrainConfig:
     micro_batch_size: int = option(16, "Sequences per forward/backward pass.", min=1)
     seq_len: int = option(256, "Tokens per training sequence (<= model.max_seq_len).", min=1)
     grad_accum_steps: int = option(1, "Micro-batches accumulated per optimizer step.", min=1)
-    seed: int = option(1337, "Seed for model init, data order and dropout.", min=0)
+    seed: int = option(1337, "Seed for model init, data order and dropout.", min=0, max=2**63 - 1)
     device: str = option("auto", "Device: auto (the accelerator if present, else cpu), cpu, cuda, cuda:N.")
     deterministic: bool = option(False, "torch.use_deterministic_algorithms(True): bitwise repeatable (slower on GPU).")
     eval_interval: int = option(200, "Evaluate on the val split every N steps (and at the end); 0 = only at the end.", min=0)
     eval_steps: int = option(20, "Batches per evaluation; 0 disables evaluation.", min=0)
-    threads: int = option(0, "CPU threads for torch (torch.set_num_threads); 0 = all cores / local ranks.", min=0)
+    threads: int = option(0, "CPU threads for torch (torch.set_num_threads); 0 = torch's default (all cores).", min=0, max=1024)
 
 
 @dataclass

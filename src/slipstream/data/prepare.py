@@ -31,6 +31,7 @@ import math
 import multiprocessing
 import os
 import shutil
+import signal
 import tempfile
 import time
 import uuid
@@ -46,6 +47,7 @@ from slipstream.errors import UserError
 FORMAT = "slipstream-tokens"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
+TOKENIZER_FILE = "tokenizer.json"
 CHUNK_CHARS = 1 << 20  # text per worker task: big enough to amortise IPC, small enough to balance
 MIN_VAL_TOKENS = 4096  # enough for a few validation windows on small corpora
 SPLITS = ("train", "val")
@@ -90,6 +92,8 @@ _worker_dtype: np.dtype | None = None
 
 def _init_worker(spec: str, dtype_str: str) -> None:
     global _worker_tok, _worker_dtype
+    # Ctrl-C is handled once, by the parent (which terminates the pool), not by every worker.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _worker_tok = get_tokenizer(spec)
     _worker_dtype = np.dtype(dtype_str)
 
@@ -349,8 +353,11 @@ def prepare_dataset(
         return existing
 
     parent, name = os.path.split(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp_dir = tempfile.mkdtemp(dir=parent, prefix=f".{name}.tmp-")
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp_dir = tempfile.mkdtemp(dir=parent, prefix=f".{name}.tmp-")
+    except OSError as e:
+        raise UserError(f"cannot write the output folder {out_dir!r} ({e.strerror}); choose a writable --out") from None
     try:
         manifest = _build(inputs, tok, dtype, tmp_dir, text_field, val_fraction, shard_tokens, num_workers, fingerprint, settings, progress)
         _swap_into_place(tmp_dir, out_dir)
@@ -367,6 +374,22 @@ def prepare_dataset(
         soft_wrap=True,
     )
     return manifest
+
+
+def _copy_tokenizer_file(tok: Tokenizer, folder: str) -> str | None:
+    """A bpe tokenizer travels inside the data folder, so training and the checkpoints it
+    writes never depend on the original file staying where it was."""
+    if not tok.spec.startswith("bpe:"):
+        return None
+    shutil.copyfile(tok.spec[len("bpe:"):], os.path.join(folder, TOKENIZER_FILE))
+    return TOKENIZER_FILE
+
+
+def tokenizer_spec_for(data_dir: str, manifest: dict) -> str:
+    """The tokenizer spec to use with prepared data: its own copy of a bpe file if it has one."""
+    if manifest.get("tokenizer_file"):
+        return f"bpe:{os.path.join(os.path.abspath(data_dir), manifest['tokenizer_file'])}"
+    return manifest["tokenizer"]
 
 
 def _same_build(manifest: dict, fingerprint: dict, tok: Tokenizer, settings: dict, out_dir: str) -> bool:
@@ -443,6 +466,7 @@ def _build(inputs, tok, dtype, folder, text_field, val_fraction, shard_tokens, n
         "replaced_chars": stats.replaced_chars,
         "inputs": fingerprint,
         "settings": settings,
+        "tokenizer_file": _copy_tokenizer_file(tok, folder),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "seconds": round(time.time() - t0, 3),
     }

@@ -132,7 +132,18 @@ def _iter_jsonl(path: str, text_field: str, stats: SourceStats) -> Iterator[str]
                     f"{path}, line {line_no}: field {text_field!r} is {type(text).__name__}, not a string; "
                     f"pick the field holding the text with --text-field"
                 )
-            yield text
+            yield _replace_surrogates(text, stats)
+
+
+def _replace_surrogates(text: str, stats: SourceStats) -> str:
+    """JSON escapes can encode lone surrogates (\\ud800) that no tokenizer can encode: replace and count them."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        surrogates = sum(1 for c in text if 0xD800 <= ord(c) <= 0xDFFF)
+        stats.replaced_chars += surrogates
+        return "".join(REPLACEMENT_CHAR if 0xD800 <= ord(c) <= 0xDFFF else c for c in text)
 
 
 def iter_documents(inputs: list[str], text_field: str = "text", stats: SourceStats | None = None) -> Iterator[str]:

@@ -232,6 +232,8 @@ def train_bpe(
         raise UserError(f"vocab_size={vocab_size} is too small: a byte-level BPE needs at least {256 + len(specials)} (256 bytes + {EOT_TEXT})")
     if min_frequency < 1:
         raise UserError(f"min_frequency={min_frequency} must be >= 1")
+    if os.path.isdir(os.path.expanduser(out_path)):
+        raise UserError(f"--out {out_path!r} is a folder; give the tokenizer JSON file to write, e.g. {out_path}/tokenizer.json")
 
     tok = HFTokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -217,5 +217,8 @@ def collect_env() -> dict[str, Any]:
         "packages": _package_versions(),
     }
     env.update(_accelerator_info())
-    env.update(git_info())
+    # The sha of the slipstream code that ran (an editable/source checkout); a pip-installed
+    # copy has none, then the working directory's repository (the user's project) is recorded.
+    code = git_info(str(Path(__file__).resolve().parent))
+    env.update(code if code["git_sha"] else git_info())
     return env

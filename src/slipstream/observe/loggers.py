@@ -90,7 +90,8 @@ class JsonlLogger:
 class TensorBoardLogger:
     """Writes every numeric field of a record as a TensorBoard scalar at `step`."""
 
-    def __init__(self, log_dir: str | os.PathLike, flush_secs: int = 30):
+    def __init__(self, log_dir: str | os.PathLike, flush_secs: int = 30, purge_step: int | None = None):
+        """purge_step: on resume, hide events at steps >= it left by the interrupted run."""
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as e:
@@ -99,7 +100,7 @@ class TensorBoardLogger:
                 "Run `pip install tensorboard` or disable TensorBoard logging."
             ) from e
         self.log_dir = Path(log_dir)
-        self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=flush_secs)
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=flush_secs, purge_step=purge_step)
 
     def log(self, record: dict[str, Any], step: int | None = None) -> None:
         if step is None:

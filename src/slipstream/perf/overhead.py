@@ -64,7 +64,8 @@ def hand_loop(cfg: Config, steps: int) -> float:
                 logits = model(x)
                 loss = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
             (loss / accum).backward()
-        torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
+        if cfg.optim.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     loss.item()  # one final sync, as the trainer's last log does

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -70,15 +71,24 @@ def describe_model(cfg: Config) -> str:
 
 def build_lm_trainer(cfg: Config):
     """Everything `slipstream train` needs, assembled in the one documented order."""
-    from slipstream.data import TokenLoader
+    from slipstream.data import TokenLoader, get_tokenizer, tokenizer_spec_for
     from slipstream.models.transformer import Transformer, materialize
     from slipstream.observe.flops import flops_per_token
-    from slipstream.train.trainer import Trainer, resolve_device, seed_everything
+    from slipstream.train.trainer import Trainer, check_run_dir, make_run_dir, resolve_device, seed_everything
 
     device = resolve_device(cfg.train.device)
+    check_run_dir(make_run_dir(cfg))  # fail before preparing data or building the model
     data_dir, manifest = ensure_data(cfg)
-    cfg = dataclasses.replace(cfg, model=resolve_vocab(cfg.model, manifest["vocab_size"]),
-                              data=dataclasses.replace(cfg.data, dir=str(data_dir)))
+    tokenizer = tokenizer_spec_for(str(data_dir), manifest)
+    get_tokenizer(tokenizer)  # a missing tokenizer file fails now, not when the first checkpoint is saved
+    train_cfg = cfg.train
+    if train_cfg.eval_steps and manifest["splits"].get("val", {}).get("tokens", 0) <= train_cfg.seq_len:
+        print(f"note: {data_dir} has no validation split long enough for one sequence; evaluation is off "
+              "(prepare with data.val_fraction > 0 to get one)")
+        train_cfg = dataclasses.replace(train_cfg, eval_steps=0)
+    # The run's config.toml records what was actually used: data folder, its tokenizer and vocabulary.
+    cfg = dataclasses.replace(cfg, model=resolve_vocab(cfg.model, manifest["vocab_size"]), train=train_cfg,
+                              data=dataclasses.replace(cfg.data, dir=str(data_dir), tokenizer=manifest["tokenizer"]))
     seed_everything(cfg.train.seed)
     with torch.device("meta"):
         model = Transformer(cfg.model)
@@ -91,7 +101,6 @@ def build_lm_trainer(cfg: Config):
     if t.eval_steps:
         val_loader = TokenLoader(str(data_dir), "val", t.micro_batch_size, t.seq_len, seed=t.seed,
                                  mode="sequential", device=device)
-    tokenizer = manifest["tokenizer"]
     meta, files = {"tokenizer": tokenizer}, {}
     if tokenizer.startswith("bpe:"):  # ship the tokenizer with the checkpoint so generate works anywhere
         files["tokenizer.json"] = tokenizer[4:]
@@ -116,8 +125,11 @@ def load_lm_from_checkpoint(path: str | Path, device: str = "auto"):
 
     ckpt_dir = ckpt.resolve_checkpoint(path)
     meta = ckpt.read_meta(ckpt_dir)
-    cfg = config_from_toml_text((ckpt_dir / "config.toml").read_text(encoding="utf-8"))
-    target = resolve_device(device)
+    try:
+        cfg = config_from_toml_text((ckpt_dir / "config.toml").read_text(encoding="utf-8"))
+    except OSError as e:
+        raise UserError(f"checkpoint '{ckpt_dir}' has no readable config.toml ({e.strerror}); it is damaged") from None
+    target = resolve_device(device, what="--device")
     with torch.device("meta"):
         model = Transformer(cfg.model)
     model = materialize(model, target, seed=0)
@@ -134,16 +146,19 @@ def generate_text(checkpoint: str, prompt: str, max_new_tokens: int = 200, tempe
 
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-    if temperature < 0:
-        raise UserError(f"--temperature must be >= 0 (0 = greedy), got {temperature}")
+    if not math.isfinite(temperature) or temperature < 0:
+        raise UserError(f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise UserError(f"--top-k must be >= 1, got {top_k}")
     model, tokenizer, _cfg = load_lm_from_checkpoint(checkpoint, device)
-    ids = tokenizer.encode(prompt) or [tokenizer.eot_id]
+    ids = tokenizer.encode(prompt)
+    start = 0
+    if not ids:  # an empty prompt starts a new document: after the end-of-text token, which we don't print
+        ids, start = [tokenizer.eot_id], 1
     if max(ids) >= model.cfg.vocab_size:
         raise UserError("the prompt encodes to ids outside the model's vocabulary; wrong tokenizer for this checkpoint")
     device_ = next(model.parameters()).device
     idx = torch.tensor([ids], dtype=torch.long, device=device_)
     gen = torch.Generator(device=device_).manual_seed(seed)
     out = generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=gen)
-    return tokenizer.decode(out[0].tolist())
+    return tokenizer.decode(out[0, start:].tolist())

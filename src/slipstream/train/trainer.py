@@ -42,20 +42,20 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 # --- set-up helpers ------------------------------------------------------------------------
 
-def resolve_device(spec: str) -> torch.device:
-    """`auto` -> the current accelerator if there is one, else cpu; validates explicit devices."""
+def resolve_device(spec: str, what: str = "train.device") -> torch.device:
+    """`auto` -> the current accelerator if there is one, else cpu; validates explicit devices.
+    `what` names the setting in error messages."""
     if spec == "auto":
         accel = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
         return torch.device(accel) if accel is not None else torch.device("cpu")
     try:
         device = torch.device(spec)
     except RuntimeError:
-        raise UserError(f"train.device = '{spec}' is not a device; use auto, cpu, cuda or cuda:N") from None
+        raise UserError(f"{what} = '{spec}' is not a device; use auto, cpu, cuda or cuda:N") from None
     if device.type != "cpu":
         accel = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
         if accel is None or accel.type != device.type:
-            raise UserError(f"train.device = '{spec}' but this machine has no {device.type} device; "
-                            "use --train.device=cpu or auto")
+            raise UserError(f"{what} = '{spec}' but this machine has no {device.type} device; use cpu or auto")
     return device
 
 
@@ -66,7 +66,7 @@ def seed_everything(seed: int) -> None:
 
 
 def configure_runtime(cfg: Config, device: torch.device) -> None:
-    """Threads, determinism and TF32 settings: process-wide, so done once per run."""
+    """Threads and determinism: process-wide settings, applied once per run."""
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     if cfg.train.deterministic:
@@ -99,10 +99,30 @@ def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
 
 
 def make_run_dir(cfg: Config) -> Path:
+    """run.dir if set; with resume=auto the newest default run (runs/latest); else a new runs/<name>-<time>."""
     if cfg.run.dir:
         return Path(cfg.run.dir).expanduser()
+    latest = Path("runs") / "latest"
+    if cfg.checkpoint.resume == "auto" and latest.is_symlink() and latest.resolve().is_dir():
+        return Path("runs") / os.readlink(latest)
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path("runs") / f"{cfg.run.name}-{stamp}"
+    path, n = Path("runs") / f"{cfg.run.name}-{stamp}", 1
+    while path.exists():  # two runs started in the same second
+        n += 1
+        path = Path("runs") / f"{cfg.run.name}-{stamp}-{n}"
+    return path
+
+
+def check_run_dir(run_dir: Path) -> None:
+    """Fail early, before data or model work, when the run directory cannot be used."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise UserError(f"run directory '{run_dir}' exists and is not a folder; choose another --run.dir")
+    probe = run_dir
+    while not probe.exists():
+        probe = probe.parent
+    if not os.access(probe, os.W_OK):
+        raise UserError(f"cannot create the run directory '{run_dir}': '{probe}' is not writable; "
+                        "choose another --run.dir")
 
 
 def _point_latest(run_dir: Path) -> None:
@@ -132,6 +152,14 @@ def _as_loader(data: Any, cfg: Config, device: torch.device, shuffle: bool, coll
                              drop_last=shuffle, collate_fn=collate_fn, device=device)
     raise UserError(f"train_data must be a torch Dataset or a stateful loader (state_dict/load_state_dict), "
                     f"got {type(data).__name__}")
+
+
+def _record_step(line: str) -> int | None:
+    """The step of a metrics.jsonl line; None for a line cut off by a crash."""
+    try:
+        return int(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return None
 
 
 def _batch_size(batch: Any) -> int:
@@ -177,8 +205,15 @@ class Trainer:
         self._autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
                           if self.cfg.precision.autocast == "bf16" else contextlib.nullcontext())
         self._val_start_state = self.val_loader.state_dict() if self.val_loader is not None else None
+        self._reset_interval()
 
     # --- state ---
+
+    def _reset_interval(self) -> None:
+        """Accumulators of the current logging interval. The loss stays a device tensor so
+        the loop never waits on the device between logs."""
+        self._interval_loss = torch.zeros((), device=self.device)
+        self._interval_steps, self._interval_items, self._interval_wait = 0, 0, 0.0
 
     def trainer_state(self) -> dict[str, Any]:
         return {
@@ -187,6 +222,10 @@ class Trainer:
             "scheduler": scheduler_state(self.scheduler),
             "train_loader": self.train_loader.state_dict(),
             "rng": ckpt.capture_rng_state(),
+            # A checkpoint may fall inside a logging interval: keep its partial sums so the
+            # resumed run logs exactly what the uninterrupted one does.
+            "interval": {"loss_sum": self._interval_loss.item(), "steps": self._interval_steps,
+                         "items": self._interval_items, "data_wait_s": self._interval_wait},
         }
 
     def save_checkpoint(self) -> Path:
@@ -206,22 +245,59 @@ class Trainer:
             return None
         if resume == "auto":
             return existing[-1] if existing else None
-        return ckpt.resolve_checkpoint(resume)
+        target = ckpt.resolve_checkpoint(resume)
+        newer = [p for p in existing if p.name > target.name]
+        if newer:
+            # Continuing here would interleave two histories (and a later resume=auto would jump back).
+            raise UserError(f"run directory '{self.run_dir}' has checkpoints newer than '{target.name}' "
+                            f"({', '.join(p.name for p in newer)}); resume into a new --run.dir, "
+                            "or delete the newer checkpoints first")
+        return target
 
     def _resume(self, path: Path) -> None:
         state = ckpt.load_checkpoint(path, self.model, self.optimizer)
+        if state["step"] >= self.cfg.train.max_steps:
+            raise UserError(f"checkpoint '{path}' is at step {state['step']}, which is not below "
+                            f"train.max_steps = {self.cfg.train.max_steps}; raise --train.max_steps to train further")
         self.scheduler.load_state_dict(state["scheduler"])
         self.train_loader.load_state_dict(state["train_loader"])
         ckpt.restore_rng_state(state["rng"])
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
+        interval = state.get("interval")
+        if interval:
+            self._interval_loss.fill_(interval["loss_sum"])
+            self._interval_steps, self._interval_items = interval["steps"], interval["items"]
+            self._interval_wait = interval["data_wait_s"]
+        self._report_config_changes(path)
+
+    def _report_config_changes(self, path: Path) -> None:
+        """Resuming with different settings is allowed (e.g. more steps) but never silent."""
+        from slipstream.config.load import config_from_toml_text
+
+        try:
+            saved = dataclasses.asdict(config_from_toml_text((path / "config.toml").read_text(encoding="utf-8")))
+        except (OSError, UserError):
+            return
+        now = dataclasses.asdict(self.cfg)
+        ignore = {("checkpoint", "resume"), ("run", "dir")}
+        changes = [f"{section}.{key}: {saved[section][key]!r} -> {value!r}"
+                   for section, values in now.items() for key, value in values.items()
+                   if (section, key) not in ignore and saved.get(section, {}).get(key) != value]
+        if changes:
+            print("note: resuming with settings that differ from the checkpoint's: " + "; ".join(changes))
 
     # --- the loop ---
 
     def _prepare_run_dir(self, resume_from: Path | None) -> None:
         from slipstream.observe.env import collect_env, write_json_atomic
 
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        check_run_dir(self.run_dir)
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise UserError(f"cannot create the run directory '{self.run_dir}' ({e.strerror}); "
+                            "choose another --run.dir") from None
         _point_latest(self.run_dir)
         tmp = self.run_dir / "config.toml.tmp"
         tmp.write_text(config_to_toml(self.cfg), encoding="utf-8")
@@ -231,19 +307,20 @@ class Trainer:
         if resume_from is not None and metrics.exists():
             # Drop records logged after the checkpoint: the resumed run logs those steps again.
             kept = [line for line in metrics.read_text(encoding="utf-8").splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= self.step]
+                    if _record_step(line) is not None and _record_step(line) <= self.step]
             tmp = metrics.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
             os.replace(tmp, metrics)
         elif metrics.exists():
             metrics.unlink()
 
-    def _make_loggers(self):
+    def _make_loggers(self, resumed: bool):
         from slipstream.observe.loggers import JsonlLogger, MultiLogger, TensorBoardLogger, WandbLogger
 
         loggers = [JsonlLogger(self.run_dir / "metrics.jsonl")]
         if self.cfg.logging.tensorboard:
-            loggers.append(TensorBoardLogger(self.run_dir / "tensorboard"))
+            loggers.append(TensorBoardLogger(self.run_dir / "tensorboard",
+                                             purge_step=self.step + 1 if resumed else None))
         if self.cfg.logging.wandb:
             loggers.append(WandbLogger(project=self.cfg.logging.wandb_project, run_name=self.run_dir.name,
                                        config=dataclasses.asdict(self.cfg), mode=self.cfg.logging.wandb_mode,
@@ -334,7 +411,7 @@ class Trainer:
         if resume_from is not None:
             self._resume(resume_from)
         self._prepare_run_dir(resume_from)
-        loggers = self._make_loggers()
+        loggers = self._make_loggers(resumed=resume_from is not None)
         peak = self._peak_flops()
         reset_peak_memory(self.device)
         if resume_from is not None:
@@ -351,9 +428,9 @@ class Trainer:
         train_time, train_items = 0.0, 0
         final_loss = val_loss = None
         mfu_values: list[float] = []
-        # Interval accumulators: device tensors, read only at the logging interval.
-        loss_acc = torch.zeros((), device=self.device)
-        interval_steps, interval_items, interval_wait = 0, 0, 0.0
+        # Speed is measured over the steps this process ran (a resumed interval may have
+        # started before the checkpoint); the loss and data sums are restored exactly.
+        timed_steps, timed_items = 0, 0
         interval_start = loop_start = time.perf_counter()
         loop_side_time = 0.0
 
@@ -362,29 +439,31 @@ class Trainer:
                 loss, grad_norm, wait, items = self.train_step(it)
                 self.step += 1
                 self.tokens_seen += items
-                loss_acc += loss
-                interval_steps += 1
-                interval_items += items
-                interval_wait += wait
+                self._interval_loss += loss
+                self._interval_steps += 1
+                self._interval_items += items
+                self._interval_wait += wait
+                timed_steps += 1
+                timed_items += items
                 progress.advance(self.step)
 
                 last = self.step == cfg.train.max_steps
                 if self.step % log_every == 0 or last:
                     # The one host-device sync point of the loop.
-                    mean_loss = (loss_acc / interval_steps).item()
+                    mean_loss = (self._interval_loss / self._interval_steps).item()
                     norm = grad_norm.item()
                     now = time.perf_counter()
                     elapsed = now - interval_start
                     train_time += elapsed
-                    train_items += interval_items
-                    tokens_per_s = interval_items / elapsed if elapsed > 0 else 0.0
+                    train_items += timed_items
+                    tokens_per_s = timed_items / elapsed if elapsed > 0 else 0.0
                     util = mfu(tokens_per_s, self.flops_per_token, peak) if self.flops_per_token else None
                     if util is not None:
                         mfu_values.append(util)
                     record = {
                         "step": self.step, "loss": mean_loss, "lr": self.optimizer.param_groups[0]["lr"],
-                        "grad_norm": norm, "step_time_s": elapsed / interval_steps,
-                        "data_wait_s": interval_wait / interval_steps, "tokens_per_s": tokens_per_s,
+                        "grad_norm": norm, "step_time_s": elapsed / timed_steps,
+                        "data_wait_s": self._interval_wait / self._interval_steps, "tokens_per_s": tokens_per_s,
                         "mfu": util, "mem_peak_bytes": peak_memory_bytes(self.device),
                         "tokens": self.tokens_seen,
                     }
@@ -396,8 +475,8 @@ class Trainer:
                     loggers.log(record, self.step)
                     progress.set_metrics(record)
                     final_loss = mean_loss
-                    loss_acc.zero_()
-                    interval_steps, interval_items, interval_wait = 0, 0, 0.0
+                    self._reset_interval()
+                    timed_steps, timed_items = 0, 0
                     interval_start = now  # logging time counts towards the next interval
 
                 side_start = time.perf_counter()
