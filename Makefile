@@ -4,13 +4,17 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# Where the CPU build of torch comes from. Our dev/CI machines have the 2.13.0 CPU wheel on
+# local disk; elsewhere run e.g. `make test TORCH_INDEX=https://download.pytorch.org/whl/cpu`.
+TORCH_INDEX ?=
+TORCH_FROM := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple,)
 
 .PHONY: train test venv clean readme-reference
 venv: $(STAMP)
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -m pip install -q -c constraints.txt torch==2.13.0
+	$(PY) -m pip install -q -c constraints.txt $(TORCH_FROM) torch==2.13.0
 	$(PY) -m pip install -q -c constraints.txt -e ".[test]"
 	touch $(STAMP)
 
