@@ -110,8 +110,11 @@ class TrainProgress:
     logs still show progress.
     """
 
-    def __init__(self, total_steps: int, start_step: int = 0, enabled: bool = True, description: str = "train"):
+    def __init__(self, total_steps: int, start_step: int = 0, enabled: bool = True, description: str = "train",
+                 summary_every_s: float = 30.0):
         self.total_steps = total_steps
+        self.summary_every_s = summary_every_s
+        self._last_summary = -math.inf
         self.start_step = start_step
         self.step = start_step
         self.description = description
@@ -164,14 +167,20 @@ class TrainProgress:
     def set_metrics(self, metrics: dict[str, Any]) -> None:
         """Show the latest loss, tokens/s and MFU (host numbers; call at the logging interval)."""
         self.metrics_text = format_metrics(metrics)
-        if self._progress is not None:
-            self._progress.update(self._task, metrics=self.metrics_text)
-        else:
-            parts = [f"{self.description} step {self.step}/{self.total_steps}"]
-            if self.metrics_text:
-                parts.append(self.metrics_text)
-            parts.append(f"eta {human_duration(self.eta_seconds())}")
-            print(" | ".join(parts), flush=True)
+        parts = [f"{self.description} step {self.step}/{self.total_steps}"]
+        if self.metrics_text:
+            parts.append(self.metrics_text)
+        parts.append(f"eta {human_duration(self.eta_seconds())}")
+        line = " | ".join(parts)
+        if self._progress is None:
+            print(line, flush=True)
+            return
+        self._progress.update(self._task, metrics=self.metrics_text)
+        # The bar shows the latest numbers; a summary line every summary_every_s keeps a history.
+        now = time.perf_counter()
+        if now - self._last_summary >= self.summary_every_s or self.step >= self.total_steps:
+            self._last_summary = now
+            self._progress.console.print(line, markup=False, highlight=False)
 
     def print_line(self, text: str) -> None:
         """Print a line above the bar (or as a plain line when there is no bar)."""
@@ -198,6 +207,9 @@ SUMMARY_FIELDS: list[tuple[str, str]] = [
     ("wall_time_s", "wall time"),
     ("run_dir", "run directory"),
     ("checkpoint", "checkpoint"),
+    ("steps_this_run", "steps this run"),
+    ("loop_time_s", "training time"),
+    ("device", "device"),
 ]
 
 
