@@ -1,0 +1,1 @@
+"""Custom fused operators (torch.library custom ops with reference and Triton kernels)."""

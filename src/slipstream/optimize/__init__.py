@@ -1,0 +1,1 @@
+"""Single-device optimizations, each applied from outside the model as one switch."""
