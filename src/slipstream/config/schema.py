@@ -70,6 +70,12 @@ class DataConfig:
     sampling: str = option("random", "Training windows: random (seeded) or sequential epochs (shuffled window order).",
                            choices=("random", "sequential"))
     prepare_workers: int = option(0, "Processes for tokenization; 0 = all cores.", min=0)
+    num_workers: int = option(0, "DataLoader worker processes building training batches (and running data.augment); 0 = in the training process.", min=0, max=256)
+    pin_memory: bool = option(True, "CUDA: build batches in pinned host memory and copy them with non_blocking=True.")
+    prefetch: int = option(2, "Batches prepared ahead of the step (CUDA prefetch thread, or per worker); 0 = none.", min=0, max=64)
+    augment: str = option("none", "CPU-side augmentation of input tokens: none, or swap_tokens (per-token Python loop: CPU-bound on purpose; fix with num_workers).",
+                          choices=("none", "swap_tokens"))
+    augment_prob: float = option(0.1, "swap_tokens: probability of swapping each token with its neighbour.", min=0.0, max=1.0)
 
 
 @dataclass
@@ -103,13 +109,44 @@ class OptimConfig:
                            choices=("cosine", "wsd", "constant"))
     warmup_steps: int = option(50, "Linear warmup steps from 0 to lr.", min=0)
     decay_fraction: float = option(0.2, "wsd: fraction of max_steps spent in the final linear decay.", min=0.0, max=1.0)
+    implementation: str = option("auto", "AdamW implementation: auto (fused where possible), fused, foreach or for-loop.",
+                                 choices=("auto", "fused", "foreach", "for-loop"))
+    in_backward: bool = option(False, "Step each parameter inside backward (post-accumulate-grad hooks): all gradients never coexist. Needs grad_clip = 0.")
+    state_dtype: str = option("fp32", "Dtype of the Adam moments: fp32, or bf16 (half the optimizer-state memory).", choices=("fp32", "bf16"))
+    offload: bool = option(False, "Keep fp32 master weights and Adam state in CPU memory and run the optimizer step there.")
 
 
 @dataclass
 class PrecisionConfig:
     """Numerics of the forward/backward pass."""
 
-    autocast: str = option("none", "Autocast dtype for forward/backward: none (fp32) or bf16.", choices=("none", "bf16"))
+    autocast: str = option("none", "Autocast dtype for forward/backward: none (fp32), bf16, or fp16 (with dynamic loss scaling).",
+                           choices=("none", "bf16", "fp16"))
+    fp16_init_scale: float = option(65536.0, "fp16: initial loss scale of the dynamic loss scaler.", min=1.0)
+    fp16_growth_interval: int = option(2000, "fp16: steps without overflow before the loss scale doubles.", min=1)
+    tf32: bool = option(False, "CUDA: run fp32 matmuls and convolutions on TF32 tensor cores (no effect on CPU).")
+    fp8: bool = option(False, "CUDA, compute capability >= 8.9: fp8 linear layers through torchao (error elsewhere).")
+
+
+@dataclass
+class CompileConfig:
+    """torch.compile, applied after activation checkpointing."""
+
+    scope: str = option("off", "What to compile: off, model (whole model) or blocks (each transformer block: regional, fast cold start).",
+                        choices=("off", "model", "blocks"))
+    mode: str = option("default", "torch.compile mode.",
+                       choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"))
+    fullgraph: bool = option(False, "Fail on graph breaks instead of falling back to eager for that region.")
+    cache_dir: str = option("", "Inductor cache folder, kept across runs so repeat runs start fast. Empty: per user (~/.cache/slipstream/inductor).")
+
+
+@dataclass
+class ActivationsConfig:
+    """Activation memory: recompute or offload what the backward pass needs."""
+
+    checkpointing: str = option("none", "none, full (recompute blocks), selective (save matmul outputs, recompute pointwise ops) or offload (saved activations in CPU memory).",
+                                choices=("none", "full", "selective", "offload"))
+    every: int = option(1, "full: checkpoint every k-th block (1 = all).", min=1)
 
 
 @dataclass
@@ -139,6 +176,8 @@ class MetricsConfig:
     """How MFU is computed."""
 
     peak_tflops: float = option(0.0, "Device peak TFLOP/s for MFU; 0 = GPU table / measured CPU probe.", min=0.0)
+    memory_breakdown: bool = option(True, "Measure one training step's memory by phase and category (at step 2) for the summary and metrics.jsonl.")
+    memory_snapshot: bool = option(False, "CUDA: record an allocator snapshot of steps 2-3 into the run directory (for pytorch.org/memory_viz).")
 
 
 @dataclass
@@ -151,6 +190,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    activations: ActivationsConfig = field(default_factory=ActivationsConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

@@ -26,11 +26,13 @@ ahead, and copied with non_blocking=True, so data loading overlaps the current s
 
 from __future__ import annotations
 
+import itertools
 import os
+import random
 import queue
 import threading
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -39,6 +41,7 @@ from slipstream.data.prepare import load_manifest
 from slipstream.errors import UserError
 
 MODES = ("random", "sequential")
+AUGMENTATIONS = ("none", "swap_tokens")
 PREFETCH_DEPTH = 2
 
 
@@ -86,9 +89,19 @@ class TokenLoader:
         rank: int = 0,
         world_size: int = 1,
         device: str | torch.device = "cpu",
-        prefetch: bool = True,
+        prefetch: int = PREFETCH_DEPTH,
+        num_workers: int = 0,
+        pin_memory: bool = True,
+        augment: str = "none",
+        augment_prob: float = 0.1,
     ) -> None:
         _check_positive(batch_size=batch_size, seq_len=seq_len)
+        if augment not in AUGMENTATIONS:
+            raise UserError(f"unknown augmentation {augment!r}; use one of {', '.join(AUGMENTATIONS)}")
+        if not 0.0 <= augment_prob <= 1.0:
+            raise UserError(f"augment_prob={augment_prob} must be in [0, 1]")
+        if num_workers < 0 or int(prefetch) < 0:
+            raise UserError(f"num_workers={num_workers} and prefetch={prefetch} must be >= 0")
         _check_rank(rank, world_size)
         if mode not in MODES:
             raise UserError(f"unknown data loader mode {mode!r}; use one of {', '.join(MODES)}")
@@ -136,7 +149,14 @@ class TokenLoader:
         self._batch_index = 0  # batches handed out so far: the whole loader state
         self._epoch_cache: dict[int, np.ndarray] = {}
         self._cuda = self.device.type == "cuda"
-        self._prefetch = prefetch and self._cuda
+        self.augment, self.augment_prob = augment, augment_prob
+        self.num_workers = num_workers
+        self._pin = pin_memory and self._cuda  # pinned allocations raise on CPU-only builds
+        self._depth = int(prefetch)
+        # Without workers, a background thread builds the next batches on CUDA so the copy
+        # overlaps the step; with workers the DataLoader does that (prefetch_factor = depth).
+        self._prefetch = self._depth > 0 and self._cuda and num_workers == 0
+        self._workers_it: Iterator | None = None
         self._thread: threading.Thread | None = None
         self._stop: threading.Event | None = None
         self._queue: queue.Queue | None = None
@@ -187,11 +207,29 @@ class TokenLoader:
             out[0, b] = window[:-1]
             out[1, b] = window[1:]
 
-    def _host_batch(self, index: int) -> torch.Tensor:
-        # pin_memory only on CUDA: CPU-only builds raise on pinned allocations.
-        host = torch.empty((2, self.batch_size, self.seq_len), dtype=torch.int64, pin_memory=self._cuda)
+    def _host_batch(self, index: int, pin: bool | None = None) -> torch.Tensor:
+        host = torch.empty((2, self.batch_size, self.seq_len), dtype=torch.int64,
+                           pin_memory=self._pin if pin is None else pin)
         self._fill(index, host.numpy())
+        if self.augment != "none":
+            _augment_swap_tokens(host[0].numpy(), self.augment_prob, [_seed_key(self.seed), self.rank, index, 1])
         return host
+
+    # -- pickling (DataLoader workers get a copy of the loader; memmaps are reopened there)
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        for key in ("_shards", "_thread", "_stop", "_queue", "_workers_it"):
+            state[key] = None
+        state["_paths"] = [os.path.join(self.data_dir, sh["file"]) for sh in self.manifest["splits"][self.split]["shards"]
+                           if sh["tokens"] > 0]
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        paths = state.pop("_paths")
+        self.__dict__.update(state)
+        dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
+        self._shards = [np.memmap(p, dtype=dtype, mode="r") for p in paths]
 
     # -- iteration
 
@@ -199,7 +237,9 @@ class TokenLoader:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._prefetch:
+        if self.num_workers > 0:
+            host = self._next_from_workers()
+        elif self._prefetch:
             host = self._next_prefetched()
         else:
             host = self._host_batch(self._batch_index)
@@ -208,6 +248,17 @@ class TokenLoader:
             # The caching host allocator keeps the pinned block alive until this copy is done.
             host = host.to(self.device, non_blocking=self._cuda)
         return host[0], host[1]
+
+    def _next_from_workers(self) -> torch.Tensor:
+        """Batches are pure functions of their index, so workers build them in any process
+        and the result is the same as in-process, batch for batch."""
+        if self._workers_it is None:
+            loader = torch.utils.data.DataLoader(
+                _BatchesByIndex(self), batch_size=None, sampler=_CountFrom(self._batch_index),
+                num_workers=self.num_workers, pin_memory=self._pin,
+                prefetch_factor=max(1, self._depth), persistent_workers=False)
+            self._workers_it = iter(loader)
+        return next(self._workers_it)
 
     def _next_prefetched(self) -> torch.Tensor:
         if self._thread is None:
@@ -222,7 +273,7 @@ class TokenLoader:
 
     def _start_thread(self) -> None:
         self._stop = threading.Event()
-        self._queue = queue.Queue(maxsize=PREFETCH_DEPTH)
+        self._queue = queue.Queue(maxsize=self._depth)
         # The thread holds only a weak reference, so a dropped loader is collected and its thread ends.
         weakref.finalize(self, self._stop.set)
         self._thread = threading.Thread(
@@ -234,7 +285,13 @@ class TokenLoader:
         self._thread.start()
 
     def close(self) -> None:
-        """Stop the prefetch thread (if any). Iterating again restarts it."""
+        """Stop the prefetch thread or worker processes (if any). Iterating again restarts them."""
+        if self._workers_it is not None:
+            # Shut workers down now rather than whenever the garbage collector gets to them.
+            shutdown = getattr(self._workers_it, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+            self._workers_it = None
         if self._thread is not None:
             self._stop.set()
             self._thread.join()
@@ -261,6 +318,40 @@ class TokenLoader:
         _check_state("TokenLoader", state, self._identity())
         self.close()  # drop batches prefetched from the old position
         self._batch_index = int(state["batch_index"])
+
+
+class _CountFrom(torch.utils.data.Sampler):
+    """Batch indices start, start + 1, ... (the loader is infinite)."""
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+
+    def __iter__(self):
+        return itertools.count(self.start)
+
+
+class _BatchesByIndex(torch.utils.data.Dataset):
+    """Map-style view for DataLoader workers: item i is batch i (unpinned; the DataLoader pins)."""
+
+    def __init__(self, loader: TokenLoader) -> None:
+        self.loader = loader
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.loader._host_batch(index, pin=False)
+
+
+def _augment_swap_tokens(x: np.ndarray, prob: float, seed: list[int]) -> None:
+    """CPU-side text augmentation: swap each token with its right neighbour with probability
+    `prob`, in place. Written as a plain per-token Python loop on purpose: it is the kind of
+    preprocessing users write, and it makes loading CPU-bound, the case that DataLoader
+    workers fix (`data.num_workers`). Seeded by batch index: same result in any worker."""
+    rng = random.Random(hash(tuple(seed)))
+    rows, cols = x.shape
+    for r in range(rows):
+        row = x[r]
+        for c in range(cols - 1):
+            if rng.random() < prob:
+                row[c], row[c + 1] = row[c + 1], row[c]
 
 
 def _prefetch_worker(loader_ref: Callable, index: int, stop: threading.Event, out: queue.Queue, device: torch.device) -> None:

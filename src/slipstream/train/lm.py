@@ -95,8 +95,10 @@ def build_lm_trainer(cfg: Config):
     model = materialize(model, device, cfg.train.seed)
 
     t = cfg.train
+    d = cfg.data
     train_loader = TokenLoader(str(data_dir), "train", t.micro_batch_size, t.seq_len, seed=t.seed,
-                               mode=cfg.data.sampling, device=device)
+                               mode=d.sampling, device=device, prefetch=d.prefetch, num_workers=d.num_workers,
+                               pin_memory=d.pin_memory, augment=d.augment, augment_prob=d.augment_prob)
     val_loader = None
     if t.eval_steps:
         val_loader = TokenLoader(str(data_dir), "val", t.micro_batch_size, t.seq_len, seed=t.seed,

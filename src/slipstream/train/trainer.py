@@ -35,6 +35,8 @@ from slipstream.checkpoint import manager as ckpt
 from slipstream.config.load import config_to_toml
 from slipstream.config.schema import Config
 from slipstream.errors import UserError
+from slipstream.optimize.apply import apply_optimizations
+from slipstream.optimize.precision import autocast_context, configure_tf32, make_grad_scaler
 from slipstream.train.schedule import build_scheduler, scheduler_state
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -66,7 +68,8 @@ def seed_everything(seed: int) -> None:
 
 
 def configure_runtime(cfg: Config, device: torch.device) -> None:
-    """Threads and determinism: process-wide settings, applied once per run."""
+    """Threads, determinism and TF32: process-wide settings, applied once per run."""
+    configure_tf32(device, cfg.precision.tf32)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     if cfg.train.deterministic:
@@ -188,7 +191,7 @@ class Trainer:
         self.cfg = config or Config()
         self.device = device or resolve_device(self.cfg.train.device)
         configure_runtime(self.cfg, self.device)
-        self.model = model.to(self.device)
+        self.model = apply_optimizations(model.to(self.device), self.cfg, self.device)
         self.loss_fn = loss_fn
         self.train_loader = _as_loader(train_data, self.cfg, self.device, shuffle=True, collate_fn=collate_fn)
         self.val_loader = _as_loader(val_data, self.cfg, self.device, shuffle=False, collate_fn=collate_fn)
@@ -202,8 +205,9 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.run_dir = make_run_dir(self.cfg)
-        self._autocast = (torch.autocast(self.device.type, dtype=torch.bfloat16)
-                          if self.cfg.precision.autocast == "bf16" else contextlib.nullcontext())
+        self._autocast = autocast_context(self.device, self.cfg.precision.autocast)
+        self.scaler = make_grad_scaler(self.device, self.cfg.precision)
+        self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)  # fp16 overflow skips
         self._val_start_state = self.val_loader.state_dict() if self.val_loader is not None else None
         self._reset_interval()
 
@@ -226,6 +230,8 @@ class Trainer:
             # resumed run logs exactly what the uninterrupted one does.
             "interval": {"loss_sum": self._interval_loss.item(), "steps": self._interval_steps,
                          "items": self._interval_items, "data_wait_s": self._interval_wait},
+            "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "skipped_steps": int(self.skipped_steps.item()),
         }
 
     def save_checkpoint(self) -> Path:
@@ -269,6 +275,9 @@ class Trainer:
             self._interval_loss.fill_(interval["loss_sum"])
             self._interval_steps, self._interval_items = interval["steps"], interval["items"]
             self._interval_wait = interval["data_wait_s"]
+        if self.scaler is not None and state.get("grad_scaler"):
+            self.scaler.load_state_dict(state["grad_scaler"])
+        self.skipped_steps.fill_(state.get("skipped_steps", 0))
         self._report_config_changes(path)
 
     def _report_config_changes(self, path: Path) -> None:
@@ -363,19 +372,32 @@ class Trainer:
                 loss = self.loss_fn(self.model, batch)
             # Each micro-batch loss is a mean, so dividing by accum makes the summed
             # gradient equal the gradient of the mean over the whole (big) batch.
-            (loss / accum).backward()
+            scaled = loss / accum
+            if self.scaler is not None:
+                scaled = self.scaler.scale(scaled)
+            scaled.backward()
             loss_sum += loss.detach()
         return loss_sum / accum, data_wait, items
 
     def optimizer_step(self) -> torch.Tensor:
         """clip -> step -> schedule -> zero grads; returns the pre-clip gradient norm (device tensor)."""
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # clip and log the true gradient, not the scaled one
         clip = self.cfg.optim.grad_clip
         if clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
         else:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-        self.optimizer.step()
+        if self.scaler is not None:
+            scale_before = self.scaler._scale.clone()
+            self.scaler.step(self.optimizer)  # skipped when the gradients hold inf/nan
+            self.scaler.update()
+            # The scaler halves its scale exactly when it skipped the step; counting on the
+            # device keeps the step free of host syncs.
+            self.skipped_steps += (self.scaler._scale < scale_before).long().squeeze()
+        else:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
@@ -467,6 +489,9 @@ class Trainer:
                         "mfu": util, "mem_peak_bytes": peak_memory_bytes(self.device),
                         "tokens": self.tokens_seen,
                     }
+                    if self.scaler is not None:
+                        record["loss_scale"] = self.scaler.get_scale()
+                        record["skipped_steps"] = int(self.skipped_steps.item())
                     if not math.isfinite(mean_loss):
                         loggers.log(record, self.step)
                         loggers.close()
@@ -494,9 +519,13 @@ class Trainer:
 
         loop_time = time.perf_counter() - loop_start - loop_side_time
         loggers.close()
+        for loader in (self.train_loader, self.val_loader):
+            if hasattr(loader, "close"):
+                loader.close()  # stop prefetch threads / worker processes now
         summary = {
             "final_loss": final_loss, "val_loss": val_loss, "steps": self.step,
             "steps_this_run": self.step - start_step, "tokens": self.tokens_seen,
+            "skipped_steps": int(self.skipped_steps.item()) if self.scaler is not None else None,
             "tokens_per_s": train_items / train_time if train_time > 0 else None,
             "mfu": sum(mfu_values) / len(mfu_values) if mfu_values else None,
             "mem_peak_bytes": peak_memory_bytes(self.device),
@@ -504,6 +533,7 @@ class Trainer:
             "run_dir": str(self.run_dir), "checkpoint": str(last_ckpt) if last_ckpt else None,
             "device": str(self.device),
         }
+        summary = {k: v for k, v in summary.items() if not (k == "skipped_steps" and v is None)}
         from slipstream.observe.env import write_json_atomic
 
         write_json_atomic(self.run_dir / "summary.json", summary)
