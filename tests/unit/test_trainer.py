@@ -81,6 +81,13 @@ def test_run_directory_contract(tiny_overrides, tmp_path):
     env = json.loads((run / "env.json").read_text())
     assert "torch" in json.dumps(env)
     assert train_records[-1]["loss"] < train_records[0]["loss"]
+    # step 2 is measured by phase and category (issue: memory breakdown in metrics and summary)
+    measured = [r for r in train_records if "mem_step_peak_bytes" in r]
+    assert [r["step"] for r in measured] == [2]
+    m = measured[0]
+    assert m["mem_params_bytes"] == 4 * sum(p.numel() for p in build_lm_trainer(cfg).model.parameters())
+    assert m["mem_optim_state_bytes"] >= 2 * m["mem_params_bytes"] and m["mem_activations_bytes"] > 0
+    assert summary["memory"]["step"] == 2 and set(summary["memory"]["phases"]) == {"forward", "backward", "optimizer"}
 
 
 class Crash(RuntimeError):

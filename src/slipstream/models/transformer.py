@@ -147,8 +147,10 @@ class Transformer(nn.Module):
         else:
             self.rope_cos = self.rope_sin = None
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, padded vocab)."""
+    def forward(self, idx: torch.Tensor, return_hidden: bool = False) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, padded vocab); with return_hidden, the final
+        normalized hidden states (B, T, d_model) instead, for a loss that applies the output
+        head itself (the fused linear + cross-entropy never materializes all logits)."""
         T = idx.shape[1]
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
@@ -159,7 +161,8 @@ class Transformer(nn.Module):
         rope = (self.rope_cos, self.rope_sin) if self.rope_cos is not None else None
         for block in self.blocks:
             x = block(x, rope)
-        return self.lm_head(self.final_norm(x))
+        x = self.final_norm(x)
+        return x if return_hidden else self.lm_head(x)
 
     @torch.no_grad()
     def init_weights(self, seed: int) -> None:

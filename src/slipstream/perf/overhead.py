@@ -32,6 +32,8 @@ def _bench_config(cfg: Config, run_dir: str, steps: int) -> Config:
         train=dataclasses.replace(cfg.train, max_steps=steps, eval_steps=0, eval_interval=0),
         checkpoint=dataclasses.replace(cfg.checkpoint, save_final=False, interval=0, resume="none"),
         logging=dataclasses.replace(cfg.logging, progress=False),
+        # The one-step memory measurement is a diagnostic the hand loop doesn't do.
+        metrics=dataclasses.replace(cfg.metrics, memory_breakdown=False),
     )
 
 

@@ -35,6 +35,7 @@ from slipstream.checkpoint import manager as ckpt
 from slipstream.config.load import config_to_toml
 from slipstream.config.schema import Config
 from slipstream.errors import UserError
+from slipstream.observe.memprofile import format_memory_report, measure_step_memory, record_memory_history
 from slipstream.optimize.apply import apply_optimizations
 from slipstream.optimize.precision import autocast_context, configure_tf32, make_grad_scaler
 from slipstream.train.schedule import build_scheduler, scheduler_state
@@ -210,6 +211,9 @@ class Trainer:
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)  # fp16 overflow skips
         self._val_start_state = self.val_loader.state_dict() if self.val_loader is not None else None
         self._reset_interval()
+        if self.cfg.metrics.memory_snapshot and self.device.type != "cuda":
+            raise UserError("metrics.memory_snapshot records the CUDA caching allocator; this run is on "
+                            f"{self.device.type}. Use --metrics.memory_breakdown (works on CPU) instead")
 
     # --- state ---
 
@@ -357,6 +361,20 @@ class Trainer:
         grad_norm = self.optimizer_step()
         return loss, grad_norm, data_wait, items
 
+    def _measured_train_step(self, it: Iterator) -> tuple[torch.Tensor, torch.Tensor, float, int]:
+        """train_step under the memory tracker (same math); fills self.memory_report."""
+        out: dict[str, Any] = {}
+
+        def forward_backward() -> None:
+            out["loss"], out["wait"], out["items"] = self.accumulate_gradients(it)
+
+        def optimizer_step() -> None:
+            out["grad_norm"] = self.optimizer_step()
+
+        self.memory_report = measure_step_memory(self.model, self.optimizer, forward_backward, optimizer_step,
+                                                 self.device)
+        return out["loss"], out["grad_norm"], out["wait"], out["items"]
+
     def accumulate_gradients(self, it: Iterator) -> tuple[torch.Tensor, float, int]:
         """forward/backward over grad_accum_steps micro-batches; returns (mean loss, data wait, items)."""
         accum = self.cfg.train.grad_accum_steps
@@ -455,19 +473,39 @@ class Trainer:
         timed_steps, timed_items = 0, 0
         interval_start = loop_start = time.perf_counter()
         loop_side_time = 0.0
+        # Memory is measured on the second step this process runs: the optimizer state
+        # (created lazily by the first step) then exists, as in every later step.
+        measure_at = self.step + 2 if cfg.metrics.memory_breakdown and self.step + 2 <= cfg.train.max_steps else None
+        memory_record: dict[str, Any] = {}
+        self.memory_report = None
+        snapshot = None
 
         with TrainProgress(cfg.train.max_steps, start_step=self.step, enabled=cfg.logging.progress) as progress:
             while self.step < cfg.train.max_steps:
-                loss, grad_norm, wait, items = self.train_step(it)
+                if cfg.metrics.memory_snapshot and self.step == start_step + 1:
+                    snapshot = contextlib.ExitStack()  # steps 2-3: the steady state, optimizer state included
+                    snapshot.enter_context(record_memory_history(self.device, self.run_dir / "memory_snapshot.pickle"))
+                if self.step + 1 == measure_at:
+                    # The tracker slows this one step down (its interval's record carries the
+                    # mem_* keys, so it can be told apart); the math is unchanged.
+                    loss, grad_norm, wait, items = self._measured_train_step(it)
+                    memory_record = self.memory_report.to_record()
+                else:
+                    loss, grad_norm, wait, items = self.train_step(it)
+                timed_steps += 1
+                timed_items += items
                 self.step += 1
                 self.tokens_seen += items
                 self._interval_loss += loss
                 self._interval_steps += 1
                 self._interval_items += items
                 self._interval_wait += wait
-                timed_steps += 1
-                timed_items += items
                 progress.advance(self.step)
+                if snapshot is not None and self.step in (start_step + 3, cfg.train.max_steps):
+                    snapshot.close()  # writes the snapshot file
+                    snapshot = None
+                    progress.print_line(f"memory snapshot: {self.run_dir / 'memory_snapshot.pickle'} "
+                                        "(open it at https://pytorch.org/memory_viz)")
 
                 last = self.step == cfg.train.max_steps
                 if self.step % log_every == 0 or last:
@@ -489,6 +527,8 @@ class Trainer:
                         "mfu": util, "mem_peak_bytes": peak_memory_bytes(self.device),
                         "tokens": self.tokens_seen,
                     }
+                    record.update(memory_record)
+                    memory_record = {}
                     if self.scaler is not None:
                         record["loss_scale"] = self.scaler.get_scale()
                         record["skipped_steps"] = int(self.skipped_steps.item())
@@ -534,8 +574,15 @@ class Trainer:
             "device": str(self.device),
         }
         summary = {k: v for k, v in summary.items() if not (k == "skipped_steps" and v is None)}
+        if self.memory_report is not None:
+            summary["memory"] = {"step": measure_at, "peak_bytes": self.memory_report.peak_bytes,
+                                 "phases": self.memory_report.phases, "categories": self.memory_report.categories,
+                                 "method": self.memory_report.method}
         from slipstream.observe.env import write_json_atomic
 
         write_json_atomic(self.run_dir / "summary.json", summary)
-        print_summary(summary)
+        print_summary({k: v for k, v in summary.items() if k != "memory"})
+        if self.memory_report is not None:
+            print(f"memory of training step {measure_at}:")
+            print(format_memory_report(self.memory_report))
         return summary
