@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from slipstream.errors import UserError
+from slipstream.optimize.optimizers import torch_optimizers
 
 FORMAT_VERSION = 1
 COMPLETE_MARKER = "COMPLETE"
@@ -122,7 +123,7 @@ def _write_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer
                       trainer_state: dict[str, Any], config_toml: str, meta: dict[str, Any] | None,
                       extra_files: dict[str, str | Path] | None) -> None:
     if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, torch_optimizers(optimizer))
         payload = {"model": model_sd, "optim": optim_sd}
     else:
         payload = {"model": model.state_dict()}
@@ -223,10 +224,11 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
 
 def _load_weights(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        optimizers = torch_optimizers(optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizers)
         payload = {"model": model_sd, "optim": optim_sd}
         dcp.load(payload, checkpoint_id=str(path / "model_optim"))
-        set_state_dict(model, optimizer, model_state_dict=payload["model"], optim_state_dict=payload["optim"])
+        set_state_dict(model, optimizers, model_state_dict=payload["model"], optim_state_dict=payload["optim"])
     else:
         payload = {"model": model.state_dict()}
         dcp.load(payload, checkpoint_id=str(path / "model_optim"))

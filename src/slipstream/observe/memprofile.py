@@ -260,7 +260,7 @@ def _reset_tracker_per_top_level_forward(tracker: MemTracker) -> Iterator[None]:
         post.remove()
 
 
-def measure_step_memory(model: nn.Module, optimizer: torch.optim.Optimizer,
+def measure_step_memory(model: nn.Module, optimizer: torch.optim.Optimizer | list[torch.optim.Optimizer],
                         run_forward_backward: Callable[[], Any], run_optimizer_step: Callable[[], Any],
                         device: str | torch.device) -> MemoryReport:
     """Run one training step (the two callables do the work) and report its memory.
@@ -271,18 +271,20 @@ def measure_step_memory(model: nn.Module, optimizer: torch.optim.Optimizer,
     callables are discarded, so have them store what the caller needs.
     """
     device = _normalize_device(device)
-    had_optimizer_state = bool(optimizer.state)
+    # A list is accepted for optimizers made of several (the optimizer in backward).
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    had_optimizer_state = any(opt.state for opt in optimizers)
     tracker = _StepMemTracker(device)
     # The model and optimizer exist before the step: register their tensors (parameters,
     # buffers, existing gradients, optimizer state) so they are counted from the start.
-    tracker.track_external(model, optimizer)
+    tracker.track_external(model, *optimizers)
     with _reset_tracker_per_top_level_forward(tracker), tracker:
         with tracker.section("forward_backward"):
             run_forward_backward()
         with tracker.section("optimizer"):
             run_optimizer_step()
 
-    if not had_optimizer_state and optimizer.state:
+    if not had_optimizer_state and any(opt.state for opt in optimizers):
         warnings.warn("measure_step_memory measured the optimizer's first step: its state was created during "
                       "the step, so the forward and backward phases show none. Measure a later step "
                       "(e.g. step 2) for the steady-state memory.", stacklevel=2)

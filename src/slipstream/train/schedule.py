@@ -40,12 +40,41 @@ class _Multiplier:
         return lr_multiplier(step, self.cfg, self.max_steps)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, max_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, _Multiplier(cfg, max_steps))
+class MultiplierSchedule:
+    """LambdaLR's behaviour for optimizers torch's schedulers refuse (not a torch Optimizer,
+    e.g. the optimizer-in-backward): lr = base lr x multiplier(step) on every param group."""
+
+    def __init__(self, optimizer, multiplier):
+        self.optimizer, self.multiplier = optimizer, multiplier
+        self.base_lrs = [group["lr"] for group in optimizer.param_groups]
+        self.last_epoch = 0
+        self._apply()
+
+    def _apply(self) -> None:
+        for group, base in zip(self.optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * self.multiplier(self.last_epoch)
+
+    def step(self) -> None:
+        self.last_epoch += 1
+        self._apply()
+
+    def state_dict(self) -> dict:
+        return {"last_epoch": self.last_epoch, "base_lrs": list(self.base_lrs)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.last_epoch, self.base_lrs = state["last_epoch"], list(state["base_lrs"])
+        self._apply()
+
+
+def build_scheduler(optimizer, cfg: OptimConfig, max_steps: int):
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, _Multiplier(cfg, max_steps))
+    return MultiplierSchedule(optimizer, _Multiplier(cfg, max_steps))
 
 
 def scheduler_state(scheduler) -> dict:
     """JSON-safe scheduler state (LambdaLR would otherwise include the callable's __dict__)."""
     state = scheduler.state_dict()
-    state["lr_lambdas"] = [None] * len(state["lr_lambdas"])
+    if "lr_lambdas" in state:
+        state["lr_lambdas"] = [None] * len(state["lr_lambdas"])
     return state

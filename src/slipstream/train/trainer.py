@@ -37,6 +37,7 @@ from slipstream.config.schema import Config
 from slipstream.errors import UserError
 from slipstream.observe.memprofile import format_memory_report, measure_step_memory, record_memory_history
 from slipstream.optimize.apply import apply_optimizations
+from slipstream.optimize.optimizers import torch_optimizers
 from slipstream.optimize.precision import autocast_context, configure_tf32, make_grad_scaler
 from slipstream.train.schedule import build_scheduler, scheduler_state
 
@@ -91,15 +92,27 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return groups
 
 
-def build_optimizer(model: nn.Module, cfg: Config) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, cfg: Config):
+    """AdamW in the configured variant: implementation, bf16 state, step in backward, CPU offload."""
+    from slipstream.optimize.optimizers import (CPUOffloadOptimizer, OptimizerInBackward, make_adamw,
+                                                named_param_groups)
+
     o = cfg.optim
-    params = param_groups(model, o.weight_decay)
-    if not params[0]["params"] and len(params) == 1:
+    groups = param_groups(model, o.weight_decay)
+    if not any(g["params"] for g in groups):
         raise UserError("the model has no trainable parameters")
-    # The fused implementation is the fastest on both CPU and CUDA (see shared notes).
-    devices = {p.device.type for g in params for p in g["params"]}
-    fused = devices <= {"cpu", "cuda"} and all(p.is_floating_point() for g in params for p in g["params"])
-    return torch.optim.AdamW(params, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, fused=fused or None)
+    hyper = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                 implementation=o.implementation, state_dtype=o.state_dtype)
+    if o.in_backward:
+        if o.offload:
+            raise UserError("optim.in_backward and optim.offload cannot be combined; choose one")
+        if cfg.precision.autocast == "fp16":
+            raise UserError("optim.in_backward cannot be used with fp16 loss scaling (the scaler must see all "
+                            "gradients before any step); use --precision.autocast=bf16")
+        return OptimizerInBackward(named_param_groups(model, groups), grad_clip=o.grad_clip, **hyper)
+    if o.offload:
+        return CPUOffloadOptimizer(groups, **hyper)
+    return make_adamw(groups, **hyper)
 
 
 def make_run_dir(cfg: Config) -> Path:
@@ -371,8 +384,8 @@ class Trainer:
         def optimizer_step() -> None:
             out["grad_norm"] = self.optimizer_step()
 
-        self.memory_report = measure_step_memory(self.model, self.optimizer, forward_backward, optimizer_step,
-                                                 self.device)
+        self.memory_report = measure_step_memory(self.model, torch_optimizers(self.optimizer), forward_backward,
+                                                 optimizer_step, self.device)
         return out["loss"], out["grad_norm"], out["wait"], out["items"]
 
     def accumulate_gradients(self, it: Iterator) -> tuple[torch.Tensor, float, int]:
@@ -381,7 +394,10 @@ class Trainer:
         loss_sum = torch.zeros((), device=self.device)
         data_wait = 0.0
         items = 0
-        for _ in range(accum):
+        in_backward = self.cfg.optim.in_backward
+        for micro in range(accum):
+            if in_backward:  # accumulate, and step inside the last micro-batch's backward only
+                self.optimizer.step_enabled = micro == accum - 1
             t0 = time.perf_counter()
             batch = self._next_batch(it)
             data_wait += time.perf_counter() - t0
@@ -399,6 +415,10 @@ class Trainer:
 
     def optimizer_step(self) -> torch.Tensor:
         """clip -> step -> schedule -> zero grads; returns the pre-clip gradient norm (device tensor)."""
+        if self.cfg.optim.in_backward:  # the parameters were already updated during backward
+            grad_norm = self.optimizer.take_grad_norm()
+            self.scheduler.step()
+            return grad_norm
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip and log the true gradient, not the scaled one
