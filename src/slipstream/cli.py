@@ -7,6 +7,8 @@
     slipstream config show [--config FILE] [--section.key=value ...]
     slipstream config reference
     slipstream bench overhead [--config FILE] [--section.key=value ...] [--rounds N] [--out FILE]
+    slipstream bench fused-ce [--rows N --d D --vocab V --dtype ... --chunk-size ...]
+    slipstream bench ladder [memory|speed|both] [--device D --size S --repeats N --steps N --batch B]
 
 User errors print one line `error: ...` and exit with code 2 (no traceback).
 """
@@ -110,6 +112,29 @@ def cmd_bench_overhead(args, extra) -> int:
     return 0
 
 
+def cmd_bench_ladder(args, extra) -> int:
+    from slipstream.perf.ladder import run_ladder
+
+    if extra:
+        raise UserError(f"unexpected arguments: {' '.join(extra)}")
+    for which in (["memory", "speed"] if args.ladder == "both" else [args.ladder]):
+        run_ladder(which, device=args.device, size=args.size, repeats=args.repeats, steps=args.steps,
+                   batch=args.batch, out_dir=args.out_dir, data_dir=args.data_dir)
+    return 0
+
+
+def cmd_bench_fused_ce(args, extra) -> int:
+    from slipstream.ops.bench_fused_ce import run_fused_ce_bench
+
+    if extra:
+        raise UserError(f"unexpected arguments: {' '.join(extra)}")
+    if min(args.rows, args.d, args.vocab, args.repeats, *args.chunk_size) < 1:
+        raise UserError("--rows, --d, --vocab, --repeats and --chunk-size must be >= 1")
+    run_fused_ce_bench(args.rows, args.d, args.vocab, tuple(args.dtype), args.device, args.repeats,
+                       tuple(args.chunk_size), args.backend, args.out)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slipstream", description="PyTorch-native high-performance training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -160,6 +185,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=20, help="timed steps per round and contender")
     p.add_argument("--out", default="", help="JSON result file (default benchmarks/overhead-<machine>.json)")
     p.set_defaults(func=cmd_bench_overhead)
+    p = bench.add_parser("ladder", help="the books' memory and speed optimization ladders, measured rung by rung")
+    p.add_argument("ladder", nargs="?", default="both", choices=["memory", "speed", "both"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--size", default="tiny", choices=["tiny", "small", "book"],
+                   help="model scale: book = the books' settings (GPU), small/tiny for CPU")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per rung")
+    p.add_argument("--steps", type=int, default=6, help="training steps per rung and repeat (step 1 is warm-up)")
+    p.add_argument("--batch", type=int, default=32, help="global batch in sequences (the books used 32)")
+    p.add_argument("--out-dir", default="benchmarks", help="where the JSON and PNG go")
+    p.add_argument("--data-dir", default="", help="prepared data folder (default: the stdlib corpus, prepared once)")
+    p.set_defaults(func=cmd_bench_ladder)
+    p = bench.add_parser("fused-ce", help="fused linear + cross-entropy vs the unfused path: time and peak memory")
+    p.add_argument("--rows", type=int, default=4096, help="tokens (batch x sequence)")
+    p.add_argument("--d", type=int, default=256, help="hidden size")
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--chunk-size", type=int, nargs="+", default=[1024])
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--out", default="", help="JSON file (default benchmarks/fused-ce-<device>.json)")
+    p.set_defaults(func=cmd_bench_fused_ce)
     return parser
 
 

@@ -91,6 +91,7 @@ class TrainConfig:
     deterministic: bool = option(False, "torch.use_deterministic_algorithms(True): bitwise repeatable (slower on GPU).")
     eval_interval: int = option(200, "Evaluate on the val split every N steps (and at the end); 0 = only at the end.", min=0)
     eval_steps: int = option(20, "Batches per evaluation; 0 disables evaluation.", min=0)
+    fused_loss: bool = option(False, "Language models: chunked fused linear + cross-entropy (slipstream::fused_linear_cross_entropy), never materializing all logits.")
     threads: int = option(0, "CPU threads for torch (torch.set_num_threads); 0 = torch's default (all cores).", min=0, max=1024)
 
 

@@ -1,0 +1,200 @@
+"""`slipstream bench ladder`: the books' end-to-end optimization ladders, measured.
+
+Each rung adds one switch to the rung before. All rungs run in one process, interleaved
+repeat by repeat (rung 1, 2, ..., n, then again), so slow drift of the machine hits every
+rung alike; each rung reports the median and spread over its repeats.
+
+    memory ladder (book: gpt2-large, batch 32): baseline -> gradient accumulation ->
+        activation checkpointing -> optimizer step in backward -> optimizer offload to CPU.
+        Reports the measured peak memory of a training step (and step time: the cost).
+    speed ladder (book: gpt-mini, batch 32, CPU-bound text augmentation, no workers):
+        baseline -> larger batch -> data workers -> pinned memory + non-blocking copies ->
+        compile -> mixed precision -> fused linear+cross-entropy. Reports tokens/s.
+
+On CPU, `--size` scales the models down so the ladders finish in minutes; the rungs and
+their order stay the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import statistics
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from slipstream.config.load import load_config
+from slipstream.errors import UserError
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str
+    overrides: tuple[str, ...]  # cumulative: everything from the rungs before plus this one
+    note: str = ""
+
+
+def _cumulative(steps: list[tuple[str, list[str], str]]) -> list[Rung]:
+    rungs, acc = [], []
+    for name, overrides, note in steps:
+        acc = acc + overrides
+        rungs.append(Rung(name, tuple(acc), note))
+    return rungs
+
+
+# Model shape per (ladder, size). "book" is the books' own setting (for GPUs).
+SIZES = {
+    "memory": {"book": ["--model.preset=gpt2-large", "--train.seq_len=1024"],
+               "small": ["--model.preset=gpt2", "--model.n_layer=4", "--train.seq_len=256"],
+               "tiny": ["--model.preset=gpt-mini", "--train.seq_len=128"]},
+    "speed": {"book": ["--model.preset=gpt-mini", "--train.seq_len=512"],
+              "small": ["--model.preset=gpt-mini", "--train.seq_len=256"],
+              "tiny": ["--model.preset=gpt-mini", "--model.n_layer=2", "--train.seq_len=128"]},
+}
+
+
+def memory_ladder(batch: int, device: str) -> list[Rung]:
+    accum = 4 if batch % 4 == 0 else 1
+    return _cumulative([
+        ("baseline", [f"--train.micro_batch_size={batch}", "--train.grad_accum_steps=1"],
+         f"batch {batch}, fp32, fused AdamW"),
+        ("grad accumulation", [f"--train.micro_batch_size={batch // accum}", f"--train.grad_accum_steps={accum}"],
+         f"{accum} micro-batches of {batch // accum}: same global batch"),
+        ("activation checkpointing", ["--activations.checkpointing=full"], "recompute every block"),
+        ("optimizer in backward", ["--optim.in_backward=true", "--optim.grad_clip=0", "--optim.implementation=for-loop"],
+         "per-parameter steps in backward: gradients never all coexist"),
+        ("optimizer offload", ["--optim.in_backward=false", "--optim.offload=true"],
+         "fp32 master weights + Adam state in CPU memory" + ("" if device == "cuda" else
+                                                             " (on CPU the training device IS host memory: no saving)")),
+    ])
+
+
+def speed_ladder(batch: int, device: str) -> list[Rung]:
+    small = max(1, batch // 4)
+    workers = 2
+    return _cumulative([
+        ("baseline", [f"--train.micro_batch_size={small}", "--data.augment=swap_tokens", "--data.num_workers=0",
+                      "--data.pin_memory=false", "--data.prefetch=0"],
+         f"batch {small}, CPU-bound augmentation in the training process"),
+        ("larger batch", [f"--train.micro_batch_size={batch}"], f"batch {batch}"),
+        ("data workers", [f"--data.num_workers={workers}", "--data.prefetch=2"], f"{workers} loader processes"),
+        ("pinned + non-blocking", ["--data.pin_memory=true"],
+         "CUDA: pinned host batches, async copies" + ("" if device == "cuda" else " (no effect on CPU)")),
+        ("compile", ["--compile.scope=blocks"], "regional torch.compile"),
+        ("mixed precision", ["--precision.autocast=bf16"] + (["--precision.tf32=true"] if device == "cuda" else []),
+         "bf16 autocast"),
+        ("fused op", ["--train.fused_loss=true"], "chunked fused linear + cross-entropy"),
+    ])
+
+
+def _run_rung(base: list[str], rung: Rung, steps: int, run_dir: str) -> dict[str, Any]:
+    import json
+
+    from slipstream.train.lm import build_lm_trainer
+
+    overrides = base + list(rung.overrides) + [
+        f"--run.dir={run_dir}", f"--train.max_steps={steps}", "--train.eval_steps=0",
+        "--checkpoint.save_final=false", "--logging.progress=false", "--logging.tensorboard=false",
+        "--logging.log_interval=1", "--metrics.memory_breakdown=true", "--optim.warmup_steps=1"]
+    cfg = load_config(None, overrides)
+    trainer = build_lm_trainer(cfg)
+    with contextlib.redirect_stdout(io.StringIO()):
+        summary = trainer.fit()
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    # Step 1 pays one-time costs (optimizer state allocation, compilation, worker start-up),
+    # and step 2 is the one measured for memory: the steady state is steps 3.. (or 2.. when short).
+    steady = [r for r in records if "loss" in r and r["step"] >= min(3, steps)]
+    return {"step_time_s": statistics.median(r["step_time_s"] for r in steady),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+            "peak_bytes": (summary.get("memory") or {}).get("peak_bytes"),
+            "memory": summary.get("memory"), "loss": summary["final_loss"]}
+
+
+def run_ladder(which: str, device: str = "cpu", size: str = "tiny", repeats: int = 3, steps: int = 6,
+               batch: int = 32, out_dir: str = "benchmarks", data_dir: str = "") -> dict[str, Any]:
+    from slipstream.observe.env import collect_env, write_json_atomic
+    from slipstream.train.lm import ensure_data
+
+    if which not in SIZES:
+        raise UserError(f"unknown ladder '{which}'; choose memory or speed")
+    if size not in SIZES[which]:
+        raise UserError(f"unknown --size '{size}'; choose one of {', '.join(SIZES[which])}")
+    if repeats < 1 or steps < 2 or batch < 1:
+        raise UserError("--repeats >= 1, --steps >= 2 and --batch >= 1 are required")
+    rungs = memory_ladder(batch, device) if which == "memory" else speed_ladder(batch, device)
+    base = [f"--train.device={device}", *SIZES[which][size]] + ([f"--data.dir={data_dir}"] if data_dir else [])
+    ensure_data(load_config(None, base))  # prepare once, outside every timed region
+    results: dict[str, list[dict[str, Any]]] = {r.name: [] for r in rungs}
+    with tempfile.TemporaryDirectory(prefix="slipstream-ladder-") as tmp:
+        for rep in range(repeats):
+            for i, rung in enumerate(rungs):
+                results[rung.name].append(_run_rung(base, rung, steps, str(Path(tmp) / f"{rep}-{i}")))
+                r = results[rung.name][-1]
+                peak = f", peak {r['peak_bytes'] / 2**20:.1f} MiB" if r["peak_bytes"] else ""
+                print(f"[{which} {rep + 1}/{repeats}] {rung.name}: {r['step_time_s'] * 1e3:.1f} ms/step, "
+                      f"{r['tokens_per_s']:.0f} tok/s{peak}")
+    rows = []
+    for rung in rungs:
+        runs = results[rung.name]
+        row = {"rung": rung.name, "note": rung.note, "overrides": list(rung.overrides),
+               "memory_breakdown": runs[-1]["memory"], "final_loss": [r["loss"] for r in runs]}
+        for key in ("step_time_s", "tokens_per_s", "peak_bytes"):
+            values = [r[key] for r in runs if r[key] is not None]
+            if values:
+                row[key] = {"median": statistics.median(values), "min": min(values), "max": max(values),
+                            "all": values}
+        rows.append(row)
+    result = {"bench": f"ladder-{which}", "device": device, "size": size, "base": base, "batch": batch,
+              "repeats": repeats, "steps": steps, "rungs": rows, "env": collect_env()}
+    stem = Path(out_dir) / f"ladder-{which}-{device}-{size}"
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(f"{stem}.json", result)
+    _print_table(result)
+    _plot(result, f"{stem}.png")
+    print(f"wrote {stem}.json and {stem}.png")
+    return result
+
+
+def _print_table(result: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"{result['bench']} ({result['device']}, size {result['size']}, "
+                        f"median of {result['repeats']})")
+    for col in ("rung", "ms/step", "tokens/s", "peak memory", "vs baseline"):
+        table.add_column(col)
+    base_key = "peak_bytes" if result["bench"] == "ladder-memory" else "tokens_per_s"
+    base_value = result["rungs"][0].get(base_key, {}).get("median")
+    for row in result["rungs"]:
+        step = row["step_time_s"]["median"] * 1e3
+        tps = row["tokens_per_s"]["median"]
+        peak = row.get("peak_bytes", {}).get("median")
+        value = row.get(base_key, {}).get("median")
+        ratio = f"{value / base_value:.2f}x" if value and base_value else "n/a"
+        table.add_row(row["rung"], f"{step:.1f}", f"{tps:,.0f}", f"{peak / 2**20:.1f} MiB" if peak else "n/a", ratio)
+    Console().print(table)
+
+
+def _plot(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    names = [r["rung"] for r in result["rungs"]]
+    memory = result["bench"] == "ladder-memory"
+    key = "peak_bytes" if memory else "tokens_per_s"
+    scale = 2**20 if memory else 1
+    medians = [r.get(key, {}).get("median", 0) / scale for r in result["rungs"]]
+    lows = [m - r.get(key, {}).get("min", 0) / scale for m, r in zip(medians, result["rungs"])]
+    highs = [r.get(key, {}).get("max", 0) / scale - m for m, r in zip(medians, result["rungs"])]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.bar(range(len(names)), medians, yerr=[lows, highs], capsize=4, color="#4C72B0")
+    ax.set_xticks(range(len(names)), names, rotation=25, ha="right")
+    ax.set_ylabel("peak memory (MiB)" if memory else "tokens/s")
+    ax.set_title(f"{result['bench']} on {result['device']} (size {result['size']}; median, min-max)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
