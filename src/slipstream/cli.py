@@ -119,7 +119,7 @@ def cmd_bench_ladder(args, extra) -> int:
         raise UserError(f"unexpected arguments: {' '.join(extra)}")
     for which in (["memory", "speed"] if args.ladder == "both" else [args.ladder]):
         run_ladder(which, device=args.device, size=args.size, repeats=args.repeats, steps=args.steps,
-                   batch=args.batch, out_dir=args.out_dir, data_dir=args.data_dir)
+                   batch=args.batch, out_dir=args.out_dir, data_dir=args.data_dir, augment_ms=args.augment_ms)
     return 0
 
 
@@ -195,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=32, help="global batch in sequences (the books used 32)")
     p.add_argument("--out-dir", default="benchmarks", help="where the JSON and PNG go")
     p.add_argument("--data-dir", default="", help="prepared data folder (default: the stdlib corpus, prepared once)")
+    p.add_argument("--augment-ms", type=float, default=5.0,
+                   help="speed ladder: CPU cost of the augmentation per sequence (makes the baseline data-bound)")
     p.set_defaults(func=cmd_bench_ladder)
     p = bench.add_parser("fused-ce", help="fused linear + cross-entropy vs the unfused path: time and peak memory")
     p.add_argument("--rows", type=int, default=4096, help="tokens (batch x sequence)")

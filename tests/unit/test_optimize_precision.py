@@ -19,11 +19,16 @@ def metrics(run_dir):
 
 @pytest.mark.parametrize("autocast", ["bf16", "fp16"])
 def test_autocast_trains_like_fp32(tiny_overrides, tmp_path, autocast):
-    """Tolerance: the final loss of a 12-step run within 3% of fp32 (reduced-precision matmuls)."""
-    base = train_lm(load_config(None, tiny_overrides + [f"--run.dir={tmp_path / 'fp32'}"]))
+    """Every logged loss within 1e-3 relative of fp32 (measured: ~3e-5), and not bitwise equal:
+    reduced-precision matmuls really ran."""
+    train_lm(load_config(None, tiny_overrides + [f"--run.dir={tmp_path / 'fp32'}"]))
     low = train_lm(load_config(None, tiny_overrides + [f"--run.dir={tmp_path / autocast}",
                                                        f"--precision.autocast={autocast}"]))
-    assert abs(low["final_loss"] - base["final_loss"]) < 0.03 * base["final_loss"]
+    base = {r["step"]: r["loss"] for r in metrics(tmp_path / "fp32")}
+    other = {r["step"]: r["loss"] for r in metrics(tmp_path / autocast)}
+    assert base.keys() == other.keys()
+    assert all(abs(other[s] - base[s]) <= 1e-3 * base[s] for s in base)
+    assert any(other[s] != base[s] for s in base)
     if autocast == "fp16":
         assert low["skipped_steps"] == 0  # the default scale does not overflow here
         assert all(r["loss_scale"] > 0 for r in metrics(tmp_path / "fp16"))

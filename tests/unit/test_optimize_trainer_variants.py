@@ -6,6 +6,7 @@ import json
 import shutil
 
 import pytest
+import torch
 
 from slipstream.config import load_config
 from slipstream.optimize.optimizers import optimizer_state_devices
@@ -70,9 +71,20 @@ def test_offload_keeps_optimizer_state_off_the_training_device(tiny_overrides):
                                                                    "--checkpoint.save_final=false"]))
     trainer.fit()
     assert optimizer_state_devices(trainer.optimizer) == {"cpu"}
-    params = {p.data_ptr() for p in trainer.model.parameters()}
-    masters = [s for st in trainer.optimizer.inner.state.values() for s in st.values() if hasattr(s, "data_ptr")]
-    assert masters and all(t.data_ptr() not in params for t in masters)
+    # Separate fp32 masters and grad buffers on the host, never the training parameters' storage.
+    params = {p.untyped_storage().data_ptr() for p in trainer.model.parameters()}
+    for param, master, grad_buffer in trainer.optimizer._slots:
+        assert master.device.type == "cpu" and master.dtype == torch.float32 and grad_buffer.device.type == "cpu"
+        assert master.untyped_storage().data_ptr() not in params
+        assert torch.equal(master, param.detach().float().cpu())  # copied back after every step
+
+
+def test_changing_the_optimizer_layout_on_resume_is_a_clear_error(tiny_overrides, tmp_path):
+    from slipstream.errors import UserError
+
+    train_lm(load_config(None, tiny_overrides + BASE + ["--train.max_steps=3"]))
+    with pytest.raises(UserError, match="optim.offload: False -> True"):
+        train_lm(load_config(None, tiny_overrides + BASE + ["--optim.offload=true", "--checkpoint.resume=auto"]))
 
 
 def test_incompatible_optimizer_switches(tiny_overrides):

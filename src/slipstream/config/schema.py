@@ -76,6 +76,7 @@ class DataConfig:
     augment: str = option("none", "CPU-side augmentation of input tokens: none, or swap_tokens (per-token Python loop: CPU-bound on purpose; fix with num_workers).",
                           choices=("none", "swap_tokens"))
     augment_prob: float = option(0.1, "swap_tokens: probability of swapping each token with its neighbour.", min=0.0, max=1.0)
+    augment_cost_ms: float = option(0.0, "swap_tokens: extra CPU time per sequence (ms), emulating an expensive preprocessing pipeline to reproduce a data-bound run.", min=0.0, max=10000.0)
 
 
 @dataclass
@@ -112,7 +113,7 @@ class OptimConfig:
     decay_fraction: float = option(0.2, "wsd: fraction of max_steps spent in the final linear decay.", min=0.0, max=1.0)
     implementation: str = option("auto", "AdamW implementation: auto (fused where possible), fused, foreach or for-loop.",
                                  choices=("auto", "fused", "foreach", "for-loop"))
-    in_backward: bool = option(False, "Step each parameter inside backward (post-accumulate-grad hooks): all gradients never coexist. Needs grad_clip = 0.")
+    in_backward: bool = option(False, "Step each parameter inside backward (post-accumulate-grad hooks), so all gradients never coexist (with grad_accum_steps = 1). Needs grad_clip = 0.")
     state_dtype: str = option("fp32", "Dtype of the Adam moments: fp32, or bf16 (half the optimizer-state memory).", choices=("fp32", "bf16"))
     offload: bool = option(False, "Keep fp32 master weights and Adam state in CPU memory and run the optimizer step there.")
 

@@ -31,6 +31,7 @@ import os
 import random
 import queue
 import threading
+import time
 import weakref
 from typing import Any, Callable, Iterator
 
@@ -94,6 +95,7 @@ class TokenLoader:
         pin_memory: bool = True,
         augment: str = "none",
         augment_prob: float = 0.1,
+        augment_cost_ms: float = 0.0,
     ) -> None:
         _check_positive(batch_size=batch_size, seq_len=seq_len)
         if augment not in AUGMENTATIONS:
@@ -149,7 +151,7 @@ class TokenLoader:
         self._batch_index = 0  # batches handed out so far: the whole loader state
         self._epoch_cache: dict[int, np.ndarray] = {}
         self._cuda = self.device.type == "cuda"
-        self.augment, self.augment_prob = augment, augment_prob
+        self.augment, self.augment_prob, self.augment_cost_ms = augment, augment_prob, augment_cost_ms
         self.num_workers = num_workers
         self._pin = pin_memory and self._cuda  # pinned allocations raise on CPU-only builds
         self._depth = int(prefetch)
@@ -213,6 +215,7 @@ class TokenLoader:
         self._fill(index, host.numpy())
         if self.augment != "none":
             _augment_swap_tokens(host[0].numpy(), self.augment_prob, [_seed_key(self.seed), self.rank, index, 1])
+            _busy_cpu(self.augment_cost_ms * self.batch_size / 1e3)
         return host
 
     # -- pickling (DataLoader workers get a copy of the loader; memmaps are reopened there)
@@ -352,6 +355,14 @@ def _augment_swap_tokens(x: np.ndarray, prob: float, seed: list[int]) -> None:
         for c in range(cols - 1):
             if rng.random() < prob:
                 row[c], row[c + 1] = row[c + 1], row[c]
+
+
+def _busy_cpu(seconds: float) -> None:
+    """Keep this core busy for `seconds`: stands in for a heavy preprocessing pipeline (the
+    cost is set by data.augment_cost_ms) so a data-bound run can be reproduced and fixed."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
 
 
 def _prefetch_worker(loader_ref: Callable, index: int, stop: threading.Event, out: queue.Queue, device: torch.device) -> None:

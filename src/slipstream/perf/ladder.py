@@ -71,13 +71,14 @@ def memory_ladder(batch: int, device: str) -> list[Rung]:
     ])
 
 
-def speed_ladder(batch: int, device: str) -> list[Rung]:
+def speed_ladder(batch: int, device: str, augment_ms: float) -> list[Rung]:
     small = max(1, batch // 4)
     workers = 2
     return _cumulative([
-        ("baseline", [f"--train.micro_batch_size={small}", "--data.augment=swap_tokens", "--data.num_workers=0",
+        ("baseline", [f"--train.micro_batch_size={small}", "--data.augment=swap_tokens",
+                      f"--data.augment_cost_ms={augment_ms}", "--data.num_workers=0",
                       "--data.pin_memory=false", "--data.prefetch=0"],
-         f"batch {small}, CPU-bound augmentation in the training process"),
+         f"batch {small}, CPU-bound augmentation ({augment_ms} ms per sequence) in the training process"),
         ("larger batch", [f"--train.micro_batch_size={batch}"], f"batch {batch}"),
         ("data workers", [f"--data.num_workers={workers}", "--data.prefetch=2"], f"{workers} loader processes"),
         ("pinned + non-blocking", ["--data.pin_memory=true"],
@@ -113,7 +114,8 @@ def _run_rung(base: list[str], rung: Rung, steps: int, run_dir: str) -> dict[str
 
 
 def run_ladder(which: str, device: str = "cpu", size: str = "tiny", repeats: int = 3, steps: int = 6,
-               batch: int = 32, out_dir: str = "benchmarks", data_dir: str = "") -> dict[str, Any]:
+               batch: int = 32, out_dir: str = "benchmarks", data_dir: str = "",
+               augment_ms: float = 5.0) -> dict[str, Any]:
     from slipstream.observe.env import collect_env, write_json_atomic
     from slipstream.train.lm import ensure_data
 
@@ -123,7 +125,7 @@ def run_ladder(which: str, device: str = "cpu", size: str = "tiny", repeats: int
         raise UserError(f"unknown --size '{size}'; choose one of {', '.join(SIZES[which])}")
     if repeats < 1 or steps < 2 or batch < 1:
         raise UserError("--repeats >= 1, --steps >= 2 and --batch >= 1 are required")
-    rungs = memory_ladder(batch, device) if which == "memory" else speed_ladder(batch, device)
+    rungs = memory_ladder(batch, device) if which == "memory" else speed_ladder(batch, device, augment_ms)
     base = [f"--train.device={device}", *SIZES[which][size]] + ([f"--data.dir={data_dir}"] if data_dir else [])
     ensure_data(load_config(None, base))  # prepare once, outside every timed region
     results: dict[str, list[dict[str, Any]]] = {r.name: [] for r in rungs}
@@ -147,6 +149,7 @@ def run_ladder(which: str, device: str = "cpu", size: str = "tiny", repeats: int
                             "all": values}
         rows.append(row)
     result = {"bench": f"ladder-{which}", "device": device, "size": size, "base": base, "batch": batch,
+              "augment_cost_ms": augment_ms if which == "speed" else None,
               "repeats": repeats, "steps": steps, "rungs": rows, "env": collect_env()}
     stem = Path(out_dir) / f"ladder-{which}-{device}-{size}"
     stem.parent.mkdir(parents=True, exist_ok=True)

@@ -110,7 +110,8 @@ def build_lm_trainer(cfg: Config):
     d = cfg.data
     train_loader = TokenLoader(str(data_dir), "train", t.micro_batch_size, t.seq_len, seed=t.seed,
                                mode=d.sampling, device=device, prefetch=d.prefetch, num_workers=d.num_workers,
-                               pin_memory=d.pin_memory, augment=d.augment, augment_prob=d.augment_prob)
+                               pin_memory=d.pin_memory, augment=d.augment, augment_prob=d.augment_prob,
+                               augment_cost_ms=d.augment_cost_ms)
     val_loader = None
     if t.eval_steps:
         val_loader = TokenLoader(str(data_dir), "val", t.micro_batch_size, t.seq_len, seed=t.seed,

@@ -104,6 +104,9 @@ def build_optimizer(model: nn.Module, cfg: Config):
     hyper = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                  implementation=o.implementation, state_dtype=o.state_dtype)
     if o.in_backward:
+        if cfg.train.grad_accum_steps > 1:
+            print("note: optim.in_backward with train.grad_accum_steps > 1 steps only in the last micro-batch's "
+                  "backward; the earlier micro-batches' gradients still coexist, so the peak saving is lost")
         if o.offload:
             raise UserError("optim.in_backward and optim.offload cannot be combined; choose one")
         if cfg.precision.autocast == "fp16":
@@ -251,10 +254,15 @@ class Trainer:
             "skipped_steps": int(self.skipped_steps.item()),
         }
 
+    def _optimizer_layout(self) -> dict[str, bool]:
+        """How the optimizer state is laid out in a checkpoint: resuming needs the same layout."""
+        return {"in_backward": self.cfg.optim.in_backward, "offload": self.cfg.optim.offload}
+
     def save_checkpoint(self) -> Path:
+        meta = {**self.checkpoint_meta, "optimizer_layout": self._optimizer_layout()}
         path = ckpt.save_checkpoint(
             self.run_dir / "checkpoints", self.step, self.model, self.optimizer, self.trainer_state(),
-            config_to_toml(self.cfg), meta=self.checkpoint_meta, extra_files=self.checkpoint_files)
+            config_to_toml(self.cfg), meta=meta, extra_files=self.checkpoint_files)
         ckpt.prune_checkpoints(self.run_dir / "checkpoints", self.cfg.checkpoint.keep_last, protect=path)
         return path
 
@@ -278,6 +286,12 @@ class Trainer:
         return target
 
     def _resume(self, path: Path) -> None:
+        saved_layout = ckpt.read_meta(path).get("optimizer_layout", {"in_backward": False, "offload": False})
+        if saved_layout != self._optimizer_layout():
+            changed = ", ".join(f"optim.{k}: {saved_layout.get(k)} -> {v}" for k, v in self._optimizer_layout().items()
+                                if saved_layout.get(k) != v)
+            raise UserError(f"checkpoint '{path}' stores its optimizer state for a different optimizer layout "
+                            f"({changed}); resume with the checkpoint's settings")
         state = ckpt.load_checkpoint(path, self.model, self.optimizer)
         if state["step"] >= self.cfg.train.max_steps:
             raise UserError(f"checkpoint '{path}' is at step {state['step']}, which is not below "
@@ -496,6 +510,12 @@ class Trainer:
         # Memory is measured on the second step this process runs: the optimizer state
         # (created lazily by the first step) then exists, as in every later step.
         measure_at = self.step + 2 if cfg.metrics.memory_breakdown and self.step + 2 <= cfg.train.max_steps else None
+        if measure_at is not None and cfg.compile.scope != "off":
+            # The tracker is a dispatch mode: compiled code would not run under it (fullgraph
+            # fails, otherwise the eager model is measured instead). Never report that.
+            print("note: metrics.memory_breakdown is skipped with torch.compile (its tracker would measure "
+                  "the eager model); compare memory with --compile.scope=off")
+            measure_at = None
         memory_record: dict[str, Any] = {}
         self.memory_report = None
         snapshot = None
