@@ -17,7 +17,9 @@ def losses(run_dir):
 def test_fused_loss_matches_standard_and_saves_activations(tiny_overrides, tmp_path, precision):
     common = tiny_overrides + [f"--precision.autocast={precision}", "--train.max_steps=6"]
     std = train_lm(load_config(None, common + [f"--run.dir={tmp_path / 'std'}"]))
-    fused = train_lm(load_config(None, common + [f"--run.dir={tmp_path / 'fused'}", "--train.fused_loss=true"]))
+    # chunk 48 rows: 4 x 32 = 128 tokens per micro-batch in three chunks, the last one partial
+    fused = train_lm(load_config(None, common + [f"--run.dir={tmp_path / 'fused'}", "--train.fused_loss=true",
+                                                 "--train.fused_loss_chunk=48"]))
     for a, b in zip(losses(tmp_path / "std"), losses(tmp_path / "fused")):
-        assert abs(a - b) <= 1e-5 * abs(a)  # chunked logsumexp: same math, other summation order
+        assert abs(a - b) <= (1e-5 if precision == "none" else 1e-4) * abs(a)  # same math, other summation order
     assert fused["memory"]["categories"]["activations"] < std["memory"]["categories"]["activations"]

@@ -72,7 +72,7 @@ class DataConfig:
     prepare_workers: int = option(0, "Processes for tokenization; 0 = all cores.", min=0)
     num_workers: int = option(0, "DataLoader worker processes building training batches (and running data.augment); 0 = in the training process.", min=0, max=256)
     pin_memory: bool = option(True, "CUDA: build batches in pinned host memory and copy them with non_blocking=True.")
-    prefetch: int = option(2, "Batches prepared ahead of the step (CUDA prefetch thread, or per worker); 0 = none.", min=0, max=64)
+    prefetch: int = option(2, "Batches prepared ahead of the step (CUDA prefetch thread, or per worker: at least 1 with workers); 0 = none.", min=0, max=64)
     augment: str = option("none", "CPU-side augmentation of input tokens: none, or swap_tokens (per-token Python loop: CPU-bound on purpose; fix with num_workers).",
                           choices=("none", "swap_tokens"))
     augment_prob: float = option(0.1, "swap_tokens: probability of swapping each token with its neighbour.", min=0.0, max=1.0)
@@ -93,6 +93,7 @@ class TrainConfig:
     eval_interval: int = option(200, "Evaluate on the val split every N steps (and at the end); 0 = only at the end.", min=0)
     eval_steps: int = option(20, "Batches per evaluation; 0 disables evaluation.", min=0)
     fused_loss: bool = option(False, "Language models: chunked fused linear + cross-entropy (slipstream::fused_linear_cross_entropy), never materializing all logits.")
+    fused_loss_chunk: int = option(4096, "fused_loss: tokens per chunk; peak extra memory is about chunk x vocabulary logits.", min=1)
     threads: int = option(0, "CPU threads for torch (torch.set_num_threads); 0 = torch's default (all cores).", min=0, max=1024)
 
 

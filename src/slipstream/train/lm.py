@@ -6,6 +6,7 @@ config -> data (prepared once, cached) -> model (meta -> materialize -> init) ->
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import math
 import re
@@ -59,7 +60,8 @@ def lm_loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor])
     return lm_loss(model(x), y)
 
 
-def fused_lm_loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def fused_lm_loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
+                     chunk_size: int = 4096) -> torch.Tensor:
     """The same loss as lm_loss_fn, with the output head fused into the cross-entropy."""
     from slipstream.ops.fused_ce import fused_linear_cross_entropy
 
@@ -68,7 +70,7 @@ def fused_lm_loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Te
     device_type = hidden.device.type
     # A custom op is outside autocast's reach: cast as autocast would cast a matmul's inputs.
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
-    return fused_linear_cross_entropy(hidden.to(dtype), model.lm_head.weight.to(dtype), y)
+    return fused_linear_cross_entropy(hidden.to(dtype), model.lm_head.weight.to(dtype), y, chunk_size=chunk_size)
 
 
 def describe_model(cfg: Config) -> str:
@@ -120,7 +122,7 @@ def build_lm_trainer(cfg: Config):
     if tokenizer.startswith("bpe:"):  # ship the tokenizer with the checkpoint so generate works anywhere
         files["tokenizer.json"] = tokenizer[4:]
         meta["tokenizer"] = "bpe:tokenizer.json"
-    loss_fn = fused_lm_loss_fn if t.fused_loss else lm_loss_fn
+    loss_fn = functools.partial(fused_lm_loss_fn, chunk_size=t.fused_loss_chunk) if t.fused_loss else lm_loss_fn
     return Trainer(model, train_loader, loss_fn, config=cfg, val_data=val_loader,
                    tokens_per_batch=t.micro_batch_size * t.seq_len,
                    flops_per_token=flops_per_token(cfg.model, t.seq_len), device=device,
