@@ -3,6 +3,7 @@
 GPUs: a table of vendor datasheet numbers, matched against torch.cuda.get_device_name().
 CPUs: there is no reliable table (core counts, clocks, AVX-512/AMX and thread settings
 all matter), so we measure a short matmul probe once per machine and cache the result.
+`slipstream probe` (perf/probe.py) uses the same measurement and writes the same cache.
 
 An unknown GPU never falls back to a guess: MFU against a wrong peak is worse than no
 MFU. We warn and return None, and the user can pass --metrics.peak_tflops=... instead.
@@ -158,6 +159,7 @@ _CPU_DTYPES = {
 PROBE_SIZES = (1024, 2048)
 PROBE_REPEATS = 3
 PROBE_BUDGET_S = 1.5
+_FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2") if hasattr(torch, name))
 
 
 def default_cache_dir() -> Path:
@@ -177,32 +179,97 @@ def _supports_matmul(dtype: torch.dtype) -> bool:
         return False
 
 
-def _measure_matmul_flops(dtype: torch.dtype) -> float:
-    """Best observed FLOP/s of square matmuls in `dtype` on this CPU, within ~PROBE_BUDGET_S."""
+# Each timing runs enough back-to-back matmuls to last at least this long, so that
+# timer resolution and (on GPUs) kernel-launch latency do not dominate small sizes.
+MIN_TIMING_S = 0.01
+MAX_INNER = 1000
+WARMUP_S = 0.05
+
+
+def _sync(device: torch.device) -> None:
+    # GPU kernels run asynchronously: without a sync we would time the launch, not the work.
+    if device.type != "cpu":
+        torch.accelerator.synchronize(device)
+
+
+def _matmul_runner(dtype: torch.dtype, n: int, device: torch.device):
+    """A zero-argument function that runs one n x n x n matmul in `dtype` on `device`."""
+    if dtype in _FP8_DTYPES:
+        a = torch.randn(n, n, device=device).to(dtype)
+        # torch._scaled_mm wants the second operand column-major, hence the transpose.
+        b = torch.randn(n, n, device=device).to(dtype).t()
+        one = torch.ones((), device=device)
+        return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16, use_fast_accum=True)
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    out = torch.empty(n, n, device=device, dtype=dtype)
+    # torch.mm is looked up at call time (not bound here) so tests can stand in for it.
+    return lambda: torch.mm(a, b, out=out)
+
+
+def measure_matmul_flops(
+    dtype: torch.dtype,
+    sizes: tuple[int, ...] | list[int] = PROBE_SIZES,
+    repeats: int = PROBE_REPEATS,
+    budget_s: float | None = None,
+    device: str | torch.device = "cpu",
+) -> dict[int, float]:
+    """Best observed FLOP/s of square n x n matmuls in `dtype`, per size n: {n: flops}.
+
+    The one measurement behind both the MFU peak of a CPU (cpu_peak_flops) and
+    `slipstream probe`. Per size: an untimed warm-up of at least one call and WARMUP_S
+    (thread-pool start-up, weight packing, cuBLAS handles), then `repeats` timings, of
+    which the best is kept: the fastest run is the one least disturbed by other work,
+    the closest to the hardware.
+    fp8 dtypes go through torch._scaled_mm (CUDA with compute capability >= 8.9 only).
+
+    budget_s: skip a size, or stop repeating, when it would run past the budget, so a
+    slow machine still answers in about that time. Sizes never measured are absent from
+    the result; at least one timing is always made.
+    """
+    device = torch.device(device)
     start = time.perf_counter()
-    best = 0.0
-    last, last_n = 0.0, 0
-    for n in PROBE_SIZES:
-        # Skip a bigger size whose warm-up plus one timing (~2 matmuls, scaled by n^3)
-        # would blow the budget: a slow CPU still gets an answer in about the budget.
-        if best > 0 and time.perf_counter() - start + 2 * last * (n / last_n) ** 3 > PROBE_BUDGET_S:
+    results: dict[int, float] = {}
+    per_mm, prev_n = 0.0, 0  # seconds of one matmul at size prev_n, from the latest timing
+
+    def over_budget(extra_s: float) -> bool:
+        return bool(results) and budget_s is not None and time.perf_counter() - start + extra_s > budget_s
+
+    for n in sizes:
+        # Warm-up plus one timing at the new size, scaled from the last size by n^3.
+        if prev_n and over_budget(2 * per_mm * (n / prev_n) ** 3):
             break
-        a = torch.randn(n, n).to(dtype)
-        b = torch.randn(n, n).to(dtype)
-        # The first call pays for thread-pool start-up and weight packing: not timed.
-        t0 = time.perf_counter()
-        out = torch.mm(a, b)
-        last = time.perf_counter() - t0
-        for _ in range(PROBE_REPEATS):
-            # Stop early on slow machines, but only once we have at least one timing.
-            if best > 0 and time.perf_counter() - start + last > PROBE_BUDGET_S:
-                return best
+        run = _matmul_runner(dtype, n, device)
+        # Warm up for at least WARMUP_S, not just one call: the first matmuls of a process
+        # also wait for lazily started thread pools and kernel selection.
+        warm_start = time.perf_counter()
+        calls = 0
+        while calls == 0 or time.perf_counter() - warm_start < WARMUP_S:
+            _sync(device)
             t0 = time.perf_counter()
-            torch.mm(a, b, out=out)
-            last = time.perf_counter() - t0
-            best = max(best, 2 * n**3 / last)
-        last_n = n
-    return best
+            run()
+            _sync(device)
+            per_mm = time.perf_counter() - t0
+            calls += 1
+        for _ in range(repeats):
+            # The warm-up (or previous timing) says how many matmuls fill MIN_TIMING_S.
+            inner = max(1, min(MAX_INNER, int(MIN_TIMING_S / max(per_mm, 1e-9))))
+            if over_budget(inner * per_mm):
+                return results
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                run()
+            _sync(device)
+            per_mm = (time.perf_counter() - t0) / inner
+            results[n] = max(results.get(n, 0.0), 2 * n**3 / per_mm)
+        prev_n = n
+    return results
+
+
+def _measure_matmul_flops(dtype: torch.dtype) -> float:
+    """Best FLOP/s over the peak-probe sizes on this CPU, within ~PROBE_BUDGET_S."""
+    return max(measure_matmul_flops(dtype, PROBE_SIZES, PROBE_REPEATS, PROBE_BUDGET_S).values())
 
 
 def _read_cache(path: Path) -> dict:
@@ -222,6 +289,45 @@ def _valid_entry(entry: object) -> bool:
         return False
     flops = entry.get("flops")
     return isinstance(flops, (int, float)) and 0 < flops < float("inf")
+
+
+def record_cpu_peak(
+    dtype_key: str,
+    flops: float,
+    measured_dtype: str,
+    probe_seconds: float,
+    cache_dir: str | None = None,
+    source: str = "peaks",
+) -> dict:
+    """Store a measured CPU peak under this machine's cache key; returns the entry.
+
+    The one cache writer, used by cpu_peak_flops and by `slipstream probe`, so both
+    fill the cache that cpu_peak_flops reads. A lower measurement than the cached one is
+    not stored (returns the cached entry). An unwritable cache only warns: caching
+    is an optimisation and must not stop training.
+    """
+    _check_dtype_key(dtype_key)
+    path = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / CACHE_FILE_NAME
+    entries = _read_cache(path)
+    entry = {
+        "flops": float(flops),
+        "measured_dtype": measured_dtype,
+        "probe_seconds": round(probe_seconds, 3),
+        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "source": source,
+    }
+    key = _cpu_cache_key(dtype_key)
+    previous = entries.get(key)
+    if isinstance(previous, dict) and isinstance(previous.get("flops"), (int, float)) and previous["flops"] > flops:
+        # A peak is the best the machine did: a probe disturbed by other work measures less,
+        # and must not lower the MFU denominator for every later run.
+        return previous
+    entries[key] = entry
+    try:
+        write_json_atomic(path, {"version": CACHE_VERSION, "entries": entries})
+    except OSError as e:
+        warnings.warn(f"Could not write the CPU peak cache {path}: {e}", stacklevel=3)
+    return entry
 
 
 def _cpu_peak(dtype_key: str, cache_dir: str | None, force: bool) -> tuple[float, dict, bool]:
@@ -247,18 +353,7 @@ def _cpu_peak(dtype_key: str, cache_dir: str | None, force: bool) -> tuple[float
 
     t0 = time.perf_counter()
     flops = _measure_matmul_flops(dtype)
-    entry = {
-        "flops": flops,
-        "measured_dtype": measured_key,
-        "probe_seconds": round(time.perf_counter() - t0, 3),
-        "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-    }
-    entries[key] = entry
-    try:
-        write_json_atomic(path, {"version": CACHE_VERSION, "entries": entries})
-    except OSError as e:
-        # Caching is an optimisation; an unwritable cache dir must not stop training.
-        warnings.warn(f"Could not write the CPU peak cache {path}: {e}", stacklevel=3)
+    entry = record_cpu_peak(dtype_key, flops, measured_key, time.perf_counter() - t0, cache_dir)
     return flops, entry, False
 
 
