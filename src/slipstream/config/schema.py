@@ -184,6 +184,20 @@ class MetricsConfig:
 
 
 @dataclass
+class ProfileConfig:
+    """torch.profiler over a few training steps: chrome traces and a top-ops table."""
+
+    enabled: bool = option(False, "Profile a window of training steps; writes the chrome trace `traces/rank<R>.json` into the run directory (open it at ui.perfetto.dev).")
+    start_step: int = option(3, "First profiled step, counted from the first step this process runs; the steps before are wait and one warm-up step.", min=2)
+    steps: int = option(3, "Profiled (active) steps.", min=1)
+    record_shapes: bool = option(True, "Record operator input shapes.")
+    profile_memory: bool = option(True, "Record tensor allocations and frees.")
+    with_stack: bool = option(False, "Record Python stacks of operators (larger traces, more overhead).")
+    memory_timeline: bool = option(False, "Also write `memory_timeline_rank<R>.json` into the run directory (memory by category over the profiled steps); implies record_shapes, profile_memory and with_stack.")
+    nvtx: bool = option(False, "CUDA: also emit the slipstream/* ranges as NVTX ranges for Nsight Systems (error on other devices).")
+
+
+@dataclass
 class Config:
     """The whole resolved configuration of a run."""
 
@@ -198,6 +212,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
 
 
 def sections() -> dict[str, type]:

@@ -226,6 +226,7 @@ class Trainer:
         self.scaler = make_grad_scaler(self.device, self.cfg.precision)
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)  # fp16 overflow skips
         self._val_start_state = self.val_loader.state_dict() if self.val_loader is not None else None
+        self.profiler = None  # a StepProfiler while fit() runs with profile.enabled
         self._reset_interval()
         if self.cfg.metrics.memory_snapshot and self.device.type != "cuda":
             raise UserError("metrics.memory_snapshot records the CUDA caching allocator; this run is on "
@@ -382,10 +383,18 @@ class Trainer:
         except StopIteration:
             raise UserError("the training data ran out; use an infinite/stateful loader or fewer train.max_steps") from None
 
+    def _label(self, name: str):
+        """A slipstream/<name> range in the profiler trace while profiling is active; otherwise
+        a no-op context, so unprofiled steps pay nothing for the labels."""
+        if self.profiler is not None and self.profiler.labels_active:
+            return self.profiler.label(name)
+        return contextlib.nullcontext()
+
     def train_step(self, it: Iterator) -> tuple[torch.Tensor, torch.Tensor, float, int]:
         """One optimizer step. Returns (mean loss, grad norm) as device tensors, data wait, items."""
         loss, data_wait, items = self.accumulate_gradients(it)
-        grad_norm = self.optimizer_step()
+        with self._label("optimizer"):
+            grad_norm = self.optimizer_step()
         return loss, grad_norm, data_wait, items
 
     def _measured_train_step(self, it: Iterator) -> tuple[torch.Tensor, torch.Tensor, float, int]:
@@ -396,7 +405,8 @@ class Trainer:
             out["loss"], out["wait"], out["items"] = self.accumulate_gradients(it)
 
         def optimizer_step() -> None:
-            out["grad_norm"] = self.optimizer_step()
+            with self._label("optimizer"):
+                out["grad_norm"] = self.optimizer_step()
 
         self.memory_report = measure_step_memory(self.model, torch_optimizers(self.optimizer), forward_backward,
                                                  optimizer_step, self.device)
@@ -413,17 +423,19 @@ class Trainer:
             if in_backward:  # accumulate, and step inside the last micro-batch's backward only
                 self.optimizer.step_enabled = micro == accum - 1
             t0 = time.perf_counter()
-            batch = self._next_batch(it)
+            with self._label("data"):
+                batch = self._next_batch(it)
             data_wait += time.perf_counter() - t0
             items += self.tokens_per_batch or _batch_size(batch)
-            with self._autocast:
+            with self._label("forward"), self._autocast:
                 loss = self.loss_fn(self.model, batch)
-            # Each micro-batch loss is a mean, so dividing by accum makes the summed
-            # gradient equal the gradient of the mean over the whole (big) batch.
-            scaled = loss / accum
-            if self.scaler is not None:
-                scaled = self.scaler.scale(scaled)
-            scaled.backward()
+            with self._label("backward"):
+                # Each micro-batch loss is a mean, so dividing by accum makes the summed
+                # gradient equal the gradient of the mean over the whole (big) batch.
+                scaled = loss / accum
+                if self.scaler is not None:
+                    scaled = self.scaler.scale(scaled)
+                scaled.backward()
             loss_sum += loss.detach()
         return loss_sum / accum, data_wait, items
 
@@ -481,6 +493,10 @@ class Trainer:
         from slipstream.observe.memory import peak_memory_bytes, reset_peak_memory
 
         cfg = self.cfg
+        if cfg.profile.enabled:  # first: a profile setting this device cannot honour fails before any work
+            from slipstream.perf.profiling import StepProfiler, current_rank
+
+            self.profiler = StepProfiler(cfg.profile, self.device, self.run_dir, rank=current_rank())
         resume_from = self._resume_target()
         if resume_from is not None:
             self._resume(resume_from)
@@ -520,7 +536,10 @@ class Trainer:
         self.memory_report = None
         snapshot = None
 
-        with TrainProgress(cfg.train.max_steps, start_step=self.step, enabled=cfg.logging.progress) as progress:
+        # The profiler stops (and writes what it recorded) when the loop ends, also on errors.
+        profiling = self.profiler if self.profiler is not None else contextlib.nullcontext()
+        with TrainProgress(cfg.train.max_steps, start_step=self.step, enabled=cfg.logging.progress) as progress, \
+                profiling:
             while self.step < cfg.train.max_steps:
                 if cfg.metrics.memory_snapshot and self.step == start_step + 1:
                     snapshot = contextlib.ExitStack()  # steps 2-3: the steady state, optimizer state included
@@ -586,19 +605,32 @@ class Trainer:
 
                 side_start = time.perf_counter()
                 if (eval_every and self.step % eval_every == 0) or last:
-                    val_loss = self.evaluate()
+                    with self._label("eval"):
+                        val_loss = self.evaluate()
                     if val_loss is not None:
                         loggers.log({"step": self.step, "val_loss": val_loss}, self.step)
                         progress.print_line(f"step {self.step}: val_loss {val_loss:.4f}")
                 interval_save = cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0
                 if interval_save or (last and cfg.checkpoint.save_final):
                     last_ckpt = self.save_checkpoint()
+                if self.profiler is not None and not last:
+                    # Ends this iteration's ProfilerStep range (step, logging, eval, checkpoint);
+                    # writing the trace happens here once, so it counts as side time, not step time.
+                    # After the last step, leaving the `profiling` context stops it instead.
+                    self.profiler.step()
                 side_time = time.perf_counter() - side_start
                 interval_start += side_time  # eval/checkpoint time is not step time
                 loop_side_time += side_time
 
         loop_time = time.perf_counter() - loop_start - loop_side_time
         loggers.close()
+        if self.profiler is not None:
+            for path in self.profiler.trace_files:
+                print(f"profiler trace: {path} (open it at https://ui.perfetto.dev)")
+            if self.profiler.trace_files and self.profiler.memory_timeline_file is not None:
+                print(f"memory timeline: {self.profiler.memory_timeline_file}")
+            if not self.profiler.trace_files:
+                print(f"note: the run ended before profile.start_step = {cfg.profile.start_step}; no trace was written")
         for loader in (self.train_loader, self.val_loader):
             if hasattr(loader, "close"):
                 loader.close()  # stop prefetch threads / worker processes now
@@ -614,6 +646,8 @@ class Trainer:
             "device": str(self.device),
         }
         summary = {k: v for k, v in summary.items() if not (k == "skipped_steps" and v is None)}
+        if self.profiler is not None:
+            summary["trace_files"] = [str(p) for p in self.profiler.trace_files]
         if self.memory_report is not None:
             summary["memory"] = {"step": measure_at, "peak_bytes": self.memory_report.peak_bytes,
                                  "phases": self.memory_report.phases, "categories": self.memory_report.categories,
