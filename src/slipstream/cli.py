@@ -5,6 +5,9 @@
     slipstream data prepare --input PATH... --tokenizer T --out DIR
     slipstream data train-tokenizer --input PATH... --vocab-size N --out FILE
     slipstream config show [--config FILE] [--section.key=value ...]
+    slipstream profile [--config FILE] [--section.key=value ...] [--steps N]
+    slipstream doctor [--config FILE] [overrides] [--apply] [--json] | doctor --trace FILE...
+    slipstream probe [--sections compute memory comm storage] [--device D] [--data-dir DIR] [--out FILE]
     slipstream config reference
     slipstream bench overhead [--config FILE] [--section.key=value ...] [--rounds N] [--out FILE]
     slipstream bench fused-ce [--rows N --d D --vocab V --dtype ... --chunk-size ...]
@@ -135,6 +138,23 @@ def cmd_bench_fused_ce(args, extra) -> int:
     return 0
 
 
+def cmd_profile(args, extra) -> int:
+    from slipstream.perf.profiling import profile_run
+
+    profile_run(_load(args, extra), steps=args.steps)
+    return 0
+
+
+def cmd_doctor(args, extra) -> int:
+    from slipstream.perf.doctor import run_doctor
+
+    overrides = _split_overrides(extra)
+    # Traces from an unknown run: no config, so the advice does not assume that run's settings.
+    cfg = None if args.trace and not (args.apply or args.config or overrides) else _load(args, extra)
+    run_doctor(args.trace or None, cfg=cfg, overrides=overrides, apply=args.apply, as_json=args.json)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="slipstream", description="PyTorch-native high-performance training.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -155,6 +175,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.set_defaults(func=cmd_generate)
+
+    p = with_config(sub.add_parser("profile", help="a short profiled training run: top ops and a chrome trace"))
+    p.add_argument("--steps", type=int, default=None, help="profiled steps (default: profile.steps)")
+    p.set_defaults(func=cmd_profile)
+
+    p = with_config(sub.add_parser("doctor", help="name the bottlenecks of a run (or of traces) and the switches that fix them"))
+    p.add_argument("--trace", nargs="+", default=None, help="read these chrome traces (.json or .json.gz) instead of running")
+    p.add_argument("--apply", action="store_true", help="rerun with the suggested switches; print before/after")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_doctor)
+
+    p = sub.add_parser("probe", help="measure this machine: matmul TFLOP/s, memory and copy bandwidth, collectives, storage")
+    from slipstream.perf.probe import add_probe_arguments, main_probe
+
+    add_probe_arguments(p)
+    p.set_defaults(func=main_probe)
 
     data = sub.add_parser("data", help="prepare token shards, train tokenizers").add_subparsers(dest="data_cmd", required=True)
     p = data.add_parser("prepare", help="tokenize inputs into token shards + manifest")
