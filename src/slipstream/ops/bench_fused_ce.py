@@ -14,7 +14,6 @@ How peak memory is measured (both paths measured the same way, nothing assumed):
 """
 
 from pathlib import Path
-import statistics
 import time
 from collections.abc import Callable
 
@@ -56,16 +55,10 @@ def peak_memory_bytes(fn: Callable[[], object], device: torch.device | str) -> i
 
 
 def _median_seconds(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):  # first calls pay for lazy init, allocator growth, kernel compiles
-        fn()
-    times = []
-    for _ in range(repeats):
-        _sync(device)
-        start = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    """Median of `repeats` timed calls after `warmup` untimed ones (the shared perf.timer)."""
+    from slipstream.perf.timer import time_callable
+
+    return time_callable(fn, warmup=warmup, repeats=repeats, device=device, max_rel_iqr=0.25).median
 
 
 def benchmark_fused_ce(
