@@ -14,7 +14,6 @@ How peak memory is measured (both paths measured the same way, nothing assumed):
 """
 
 from pathlib import Path
-import time
 from collections.abc import Callable
 
 import torch
