@@ -369,3 +369,22 @@ def test_cuda_trace_split_overlap_gaps_and_syncs(tmp_path):
     assert comm.severity == pytest.approx(0.2) and "come later" in comm.fix
     assert "--data.pin_memory=true" in report.finding("data_wait").overrides
     assert report.finding("sync").numbers["sync_points_per_step"] == 1
+
+
+def test_review_edge_cases_are_user_errors(traces, tmp_path):
+    from slipstream.perf.doctor import run_doctor
+    from slipstream.perf.trace import load_and_analyze
+
+    healthy = str(traces["healthy"][0])
+    copy = tmp_path / "rank0.json"
+    copy.write_text(Path(healthy).read_text())
+    with pytest.raises(UserError, match="several traces claim rank 0"):
+        load_and_analyze([copy, copy])
+    with pytest.raises(UserError, match="is a folder"):
+        load_trace(tmp_path)
+    no_duration = tmp_path / "nodur.json"
+    no_duration.write_text(json.dumps({"traceEvents": [{"ph": "X", "name": "ProfilerStep#1", "ts": 0}]}))
+    with pytest.raises(UserError, match="no duration"):
+        load_trace(no_duration)
+    with pytest.raises(UserError, match="without --trace"):
+        run_doctor([healthy], apply=True)

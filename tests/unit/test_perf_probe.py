@@ -41,7 +41,14 @@ def test_compute_on_cpu_measures_fp32_bf16_and_skips_tf32_fp8(cache_dir):
     assert "torch_version" in result["env"]
 
 
+def test_small_sizes_never_set_the_mfu_peak(cache_dir):
+    probe.run_probe(["compute"], device="cpu", sizes=[8], show=False)
+    assert not (cache_dir / peaks.CACHE_FILE_NAME).exists()
+
+
 def test_probe_writes_the_cpu_peak_cache_that_peaks_reads(cache_dir, monkeypatch):
+    # Treat the test sizes as the full-size probe (the real one takes seconds).
+    monkeypatch.setattr(probe, "CPU_MATMUL_SIZES", tuple(SMALL_SIZES))
     result = probe.run_probe(["compute"], device="cpu", sizes=SMALL_SIZES, show=False)
     dtypes = result["sections"]["compute"]["dtypes"]
 

@@ -204,7 +204,10 @@ def _skip_reason(key: str, device: torch.device) -> str | None:
 def compute_section(device: torch.device, sizes: list[int] | None = None, cache_dir: str | None = None,
                     write_cache: bool = True) -> dict[str, Any]:
     """Matmul TFLOP/s per dtype and size; CPU results also go into the CPU peak cache."""
-    sizes = list(sizes) if sizes else list(GPU_MATMUL_SIZES if device.type == "cuda" else CPU_MATMUL_SIZES)
+    default_sizes = GPU_MATMUL_SIZES if device.type == "cuda" else CPU_MATMUL_SIZES
+    sizes = list(sizes) if sizes else list(default_sizes)
+    # Small matrices measure overheads, not the peak: only full-size probes may set the MFU peak.
+    write_cache = write_cache and max(sizes) >= max(default_sizes)
     budget = GPU_MATMUL_BUDGET_S if device.type == "cuda" else CPU_MATMUL_BUDGET_S
     spec = peaks.lookup_gpu(torch.cuda.get_device_name(device)) if device.type == "cuda" else None
     result: dict[str, Any] = {"device": str(device), "sizes": sizes, "dtypes": {}}

@@ -222,6 +222,8 @@ def load_trace(path: str | Path, default_rank: int = 0) -> Trace:
     else `default_rank`.
     """
     p = Path(path)
+    if p.is_dir():
+        raise UserError(f"{p} is a folder; pass the trace files in it (e.g. {p}/rank0.json)")
     if not p.is_file():
         raise UserError(f"trace file {p} does not exist")
     data = _read_json(p)
@@ -252,6 +254,8 @@ def load_trace(path: str | Path, default_rank: int = 0) -> Trace:
         if m and e.cat != DEVICE_ANNOTATION_CAT and m.group(1) not in seen:
             seen.add(m.group(1))
             steps.append(e)
+    if steps and all(step.dur <= 0 for step in steps):
+        raise UserError(f"{p}: its ProfilerStep events have no duration; the trace is damaged or incomplete")
     if not steps:
         raise UserError(f"{p}: no steps: the trace has no ProfilerStep#N events. Profile with a schedule "
                         "(torch.profiler.schedule and prof.step() after each step) or use `slipstream profile`")
@@ -514,4 +518,13 @@ def load_and_analyze(paths: list[str | Path]) -> list[TraceAnalysis]:
     """Analyze several traces (one per rank); ranks default to the position in the list."""
     if not paths:
         raise UserError("no trace files given")
-    return [analyze(load_trace(p, default_rank=i)) for i, p in enumerate(paths)]
+    traces = [load_trace(p, default_rank=i) for i, p in enumerate(paths)]
+    by_rank: dict[int, list[str]] = {}
+    for t in traces:
+        by_rank.setdefault(t.rank, []).append(t.path)
+    clashes = {rank: files for rank, files in by_rank.items() if len(files) > 1}
+    if clashes:
+        rank, files = next(iter(clashes.items()))
+        raise UserError(f"several traces claim rank {rank} ({', '.join(files)}); pass one trace per rank of "
+                        "the same run (e.g. <run dir>/traces/rank*.json)")
+    return [analyze(t) for t in traces]
