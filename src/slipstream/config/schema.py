@@ -87,7 +87,7 @@ class TrainConfig:
     micro_batch_size: int = option(16, "Sequences per forward/backward pass.", min=1)
     seq_len: int = option(256, "Tokens per training sequence (<= model.max_seq_len).", min=1)
     grad_accum_steps: int = option(1, "Micro-batches accumulated per optimizer step.", min=1)
-    seed: int = option(1337, "Seed for model init, data order and dropout.", min=0, max=2**63 - 1)
+    seed: int = option(1337, "Seed for model init, data order and dropout.", min=0, max=2**32 - 1)
     device: str = option("auto", "Device: auto (the accelerator if present, else cpu), cpu, cuda, cuda:N.")
     deterministic: bool = option(False, "torch.use_deterministic_algorithms(True): bitwise repeatable (slower on GPU).")
     eval_interval: int = option(200, "Evaluate on the val split every N steps (and at the end); 0 = only at the end.", min=0)

@@ -16,13 +16,13 @@ import dataclasses
 import io
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from slipstream.config.schema import Config
+from slipstream.perf.timer import Timer
 
 
 def _bench_config(cfg: Config, run_dir: str, steps: int) -> Config:
@@ -35,11 +35,6 @@ def _bench_config(cfg: Config, run_dir: str, steps: int) -> Config:
         # The one-step memory measurement is a diagnostic the hand loop doesn't do.
         metrics=dataclasses.replace(cfg.metrics, memory_breakdown=False),
     )
-
-
-def _sync(device: torch.device) -> None:
-    if device.type != "cpu":
-        torch.accelerator.synchronize()
 
 
 def hand_loop(cfg: Config, steps: int) -> float:
@@ -56,24 +51,22 @@ def hand_loop(cfg: Config, steps: int) -> float:
     params = [p for g in optimizer.param_groups for p in g["params"]]
     it = iter(loader)
     model.train()
-    _sync(device)
-    start = time.perf_counter()
-    for step in range(steps):
-        for g in optimizer.param_groups:
-            g["lr"] = cfg.optim.lr * lr_multiplier(step, cfg.optim, cfg.train.max_steps)
-        for _ in range(accum):
-            x, y = next(it)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                logits = model(x)
-                loss = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
-            (loss / accum).backward()
-        if cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-    loss.item()  # one final sync, as the trainer's last log does
-    _sync(device)
-    return time.perf_counter() - start
+    with Timer(device) as timer:  # synchronizes the device at both ends
+        for step in range(steps):
+            for g in optimizer.param_groups:
+                g["lr"] = cfg.optim.lr * lr_multiplier(step, cfg.optim, cfg.train.max_steps)
+            for _ in range(accum):
+                x, y = next(it)
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+                    logits = model(x)
+                    loss = torch.nn.functional.cross_entropy(logits.float().view(-1, logits.shape[-1]), y.view(-1))
+                (loss / accum).backward()
+            if cfg.optim.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, cfg.optim.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        loss.item()  # one final sync, as the trainer's last log does
+    return timer.elapsed_s
 
 
 def trainer_loop(cfg: Config) -> float:

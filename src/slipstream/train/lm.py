@@ -88,7 +88,8 @@ def build_lm_trainer(cfg: Config):
     from slipstream.data import TokenLoader, get_tokenizer, tokenizer_spec_for
     from slipstream.models.transformer import Transformer, materialize
     from slipstream.observe.flops import flops_per_token
-    from slipstream.train.trainer import Trainer, check_run_dir, make_run_dir, resolve_device, seed_everything
+    from slipstream.perf.repro import seed_all
+    from slipstream.train.trainer import Trainer, check_run_dir, make_run_dir, resolve_device
 
     device = resolve_device(cfg.train.device)
     check_run_dir(make_run_dir(cfg))  # fail before preparing data or building the model
@@ -103,7 +104,7 @@ def build_lm_trainer(cfg: Config):
     # The run's config.toml records what was actually used: data folder, its tokenizer and vocabulary.
     cfg = dataclasses.replace(cfg, model=resolve_vocab(cfg.model, manifest["vocab_size"]), train=train_cfg,
                               data=dataclasses.replace(cfg.data, dir=str(data_dir), tokenizer=manifest["tokenizer"]))
-    seed_everything(cfg.train.seed)
+    seed_all(cfg.train.seed)
     with torch.device("meta"):
         model = Transformer(cfg.model)
     model = materialize(model, device, cfg.train.seed)

@@ -21,13 +21,11 @@ import dataclasses
 import json
 import math
 import os
-import random
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn as nn
 
@@ -37,6 +35,7 @@ from slipstream.config.schema import Config
 from slipstream.errors import UserError
 from slipstream.observe.memprofile import format_memory_report, measure_step_memory, record_memory_history
 from slipstream.optimize.apply import apply_optimizations
+from slipstream.perf.repro import set_deterministic
 from slipstream.optimize.optimizers import torch_optimizers
 from slipstream.optimize.precision import autocast_context, configure_tf32, make_grad_scaler
 from slipstream.train.schedule import build_scheduler, scheduler_state
@@ -63,21 +62,13 @@ def resolve_device(spec: str, what: str = "train.device") -> torch.device:
     return device
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed % 2**32)
-    torch.manual_seed(seed)  # also seeds every CUDA device
-
-
 def configure_runtime(cfg: Config, device: torch.device) -> None:
     """Threads, determinism and TF32: process-wide settings, applied once per run."""
     configure_tf32(device, cfg.precision.tf32)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     if cfg.train.deterministic:
-        if device.type == "cuda":
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        torch.use_deterministic_algorithms(True)
+        set_deterministic(True, device)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
