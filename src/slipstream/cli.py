@@ -43,7 +43,7 @@ def _split_overrides(extra: list[str]) -> list[str]:
     return overrides
 
 
-def _load(args, extra) -> "Config":  # noqa: F821
+def _load(args, extra):
     from slipstream.config import load_config
 
     return load_config(args.config, _split_overrides(extra))

@@ -3,7 +3,6 @@ ordered place, optimize/apply.py): same losses as the baseline, less measured ac
 memory, checkpoints that load into a model without the switches."""
 
 import json
-import os
 from pathlib import Path
 
 import pytest

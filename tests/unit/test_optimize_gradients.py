@@ -2,7 +2,6 @@
 with and without a switch; every parameter's gradient compared to the baseline's."""
 
 import pytest
-import torch
 
 from slipstream.config import load_config
 from slipstream.train.lm import build_lm_trainer

@@ -21,7 +21,7 @@ from slipstream.optimize.optimizers import (
     optimizer_state_bytes,
     optimizer_state_devices,
 )
-from slipstream.train.trainer import param_groups
+from slipstream.train.setup import param_groups
 
 LR, BETAS, EPS, WD = 1e-3, (0.9, 0.95), 1e-8, 0.1
 VOCAB, BATCH, SEQ = 257, 4, 32

@@ -192,7 +192,7 @@ def test_tiny_op_loop_is_launch_bound_with_the_op_count(traces):
 
 
 def test_slow_rank_is_named(traces):
-    (p0, m0), (p1, m1) = traces["rank0"], traces["rank1"]
+    (p0, _), (p1, m1) = traces["rank0"], traces["rank1"]
     analyses = load_and_analyze([str(p0), str(p1)])
     assert [a.rank for a in analyses] == [0, 1]
     report = diagnose(analyses)

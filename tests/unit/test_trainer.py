@@ -231,7 +231,7 @@ def test_schedules():
 
 
 def test_weight_decay_groups():
-    from slipstream.train.trainer import param_groups
+    from slipstream.train.setup import param_groups
 
     model = build_model(dataclasses.replace(load_config(None, ["--model.preset=tiny", "--train.seq_len=16"]).model,
                                             vocab_size=257), "cpu", seed=0)

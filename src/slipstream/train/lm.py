@@ -89,7 +89,9 @@ def build_lm_trainer(cfg: Config):
     from slipstream.models.transformer import Transformer, materialize
     from slipstream.observe.flops import flops_per_token
     from slipstream.perf.repro import seed_all
-    from slipstream.train.trainer import Trainer, check_run_dir, make_run_dir, resolve_device
+    from slipstream.train.rundir import check_run_dir, make_run_dir
+    from slipstream.train.setup import resolve_device
+    from slipstream.train.trainer import Trainer
 
     device = resolve_device(cfg.train.device)
     check_run_dir(make_run_dir(cfg))  # fail before preparing data or building the model
@@ -140,7 +142,7 @@ def load_lm_from_checkpoint(path: str | Path, device: str = "auto"):
     from slipstream.config.load import config_from_toml_text
     from slipstream.data import get_tokenizer
     from slipstream.models.transformer import Transformer, materialize
-    from slipstream.train.trainer import resolve_device
+    from slipstream.train.setup import resolve_device
 
     ckpt_dir = ckpt.resolve_checkpoint(path)
     meta = ckpt.read_meta(ckpt_dir)

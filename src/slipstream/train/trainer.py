@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
-import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -35,118 +33,13 @@ from slipstream.config.schema import Config
 from slipstream.errors import UserError
 from slipstream.observe.memprofile import format_memory_report, measure_step_memory, record_memory_history
 from slipstream.optimize.apply import apply_optimizations
-from slipstream.perf.repro import set_deterministic
 from slipstream.optimize.optimizers import torch_optimizers
-from slipstream.optimize.precision import autocast_context, configure_tf32, make_grad_scaler
+from slipstream.optimize.precision import autocast_context, make_grad_scaler
+from slipstream.train.rundir import make_run_dir, prepare_run_dir
 from slipstream.train.schedule import build_scheduler, scheduler_state
+from slipstream.train.setup import build_optimizer, configure_runtime, resolve_device
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
-
-
-# --- set-up helpers ------------------------------------------------------------------------
-
-def resolve_device(spec: str, what: str = "train.device") -> torch.device:
-    """`auto` -> the current accelerator if there is one, else cpu; validates explicit devices.
-    `what` names the setting in error messages."""
-    if spec == "auto":
-        accel = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-        return torch.device(accel) if accel is not None else torch.device("cpu")
-    try:
-        device = torch.device(spec)
-    except RuntimeError:
-        raise UserError(f"{what} = '{spec}' is not a device; use auto, cpu, cuda or cuda:N") from None
-    if device.type != "cpu":
-        accel = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-        if accel is None or accel.type != device.type:
-            raise UserError(f"{what} = '{spec}' but this machine has no {device.type} device; use cpu or auto")
-    return device
-
-
-def configure_runtime(cfg: Config, device: torch.device) -> None:
-    """Threads, determinism and TF32: process-wide settings, applied once per run."""
-    configure_tf32(device, cfg.precision.tf32)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    if cfg.train.deterministic:
-        set_deterministic(True, device)
-
-
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Matrices (dim >= 2: linear and embedding weights) decay; biases and norm gains don't."""
-    decay, no_decay = [], []
-    for param in model.parameters():  # parameters() yields tied weights once
-        if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
-
-
-def build_optimizer(model: nn.Module, cfg: Config):
-    """AdamW in the configured variant: implementation, bf16 state, step in backward, CPU offload."""
-    from slipstream.optimize.optimizers import (CPUOffloadOptimizer, OptimizerInBackward, make_adamw,
-                                                named_param_groups)
-
-    o = cfg.optim
-    groups = param_groups(model, o.weight_decay)
-    if not any(g["params"] for g in groups):
-        raise UserError("the model has no trainable parameters")
-    hyper = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-                 implementation=o.implementation, state_dtype=o.state_dtype)
-    if o.in_backward:
-        if cfg.train.grad_accum_steps > 1:
-            print("note: optim.in_backward with train.grad_accum_steps > 1 steps only in the last micro-batch's "
-                  "backward; the earlier micro-batches' gradients still coexist, so the peak saving is lost")
-        if o.offload:
-            raise UserError("optim.in_backward and optim.offload cannot be combined; choose one")
-        if cfg.precision.autocast == "fp16":
-            raise UserError("optim.in_backward cannot be used with fp16 loss scaling (the scaler must see all "
-                            "gradients before any step); use --precision.autocast=bf16")
-        return OptimizerInBackward(named_param_groups(model, groups), grad_clip=o.grad_clip, **hyper)
-    if o.offload:
-        return CPUOffloadOptimizer(groups, **hyper)
-    return make_adamw(groups, **hyper)
-
-
-def make_run_dir(cfg: Config) -> Path:
-    """run.dir if set; with resume=auto the newest default run (runs/latest); else a new runs/<name>-<time>."""
-    if cfg.run.dir:
-        return Path(cfg.run.dir).expanduser()
-    latest = Path("runs") / "latest"
-    if cfg.checkpoint.resume == "auto" and latest.is_symlink() and latest.resolve().is_dir():
-        return Path("runs") / os.readlink(latest)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    path, n = Path("runs") / f"{cfg.run.name}-{stamp}", 1
-    while path.exists():  # two runs started in the same second
-        n += 1
-        path = Path("runs") / f"{cfg.run.name}-{stamp}-{n}"
-    return path
-
-
-def check_run_dir(run_dir: Path) -> None:
-    """Fail early, before data or model work, when the run directory cannot be used."""
-    if run_dir.exists() and not run_dir.is_dir():
-        raise UserError(f"run directory '{run_dir}' exists and is not a folder; choose another --run.dir")
-    probe = run_dir
-    while not probe.exists():
-        probe = probe.parent
-    if not os.access(probe, os.W_OK):
-        raise UserError(f"cannot create the run directory '{run_dir}': '{probe}' is not writable; "
-                        "choose another --run.dir")
-
-
-def _point_latest(run_dir: Path) -> None:
-    """runs/latest -> the newest run (only for runs under the default runs/ folder)."""
-    if run_dir.parent.name != "runs":
-        return
-    link = run_dir.parent / "latest"
-    tmp = run_dir.parent / f".latest.tmp-{os.getpid()}"
-    with contextlib.suppress(OSError):
-        if tmp.is_symlink():
-            tmp.unlink()
-        os.symlink(run_dir.name, tmp)
-        os.replace(tmp, link)
 
 
 # --- data ------------------------------------------------------------------------------------
@@ -163,14 +56,6 @@ def _as_loader(data: Any, cfg: Config, device: torch.device, shuffle: bool, coll
                              drop_last=shuffle, collate_fn=collate_fn, device=device)
     raise UserError(f"train_data must be a torch Dataset or a stateful loader (state_dict/load_state_dict), "
                     f"got {type(data).__name__}")
-
-
-def _record_step(line: str) -> int | None:
-    """The step of a metrics.jsonl line; None for a line cut off by a crash."""
-    try:
-        return int(json.loads(line)["step"])
-    except (ValueError, KeyError, TypeError):
-        return None
 
 
 def _batch_size(batch: Any) -> int:
@@ -322,29 +207,7 @@ class Trainer:
     # --- the loop ---
 
     def _prepare_run_dir(self, resume_from: Path | None) -> None:
-        from slipstream.observe.env import collect_env, write_json_atomic
-
-        check_run_dir(self.run_dir)
-        try:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise UserError(f"cannot create the run directory '{self.run_dir}' ({e.strerror}); "
-                            "choose another --run.dir") from None
-        _point_latest(self.run_dir)
-        tmp = self.run_dir / "config.toml.tmp"
-        tmp.write_text(config_to_toml(self.cfg), encoding="utf-8")
-        os.replace(tmp, self.run_dir / "config.toml")
-        write_json_atomic(self.run_dir / "env.json", collect_env())
-        metrics = self.run_dir / "metrics.jsonl"
-        if resume_from is not None and metrics.exists():
-            # Drop records logged after the checkpoint: the resumed run logs those steps again.
-            kept = [line for line in metrics.read_text(encoding="utf-8").splitlines()
-                    if _record_step(line) is not None and _record_step(line) <= self.step]
-            tmp = metrics.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
-            os.replace(tmp, metrics)
-        elif metrics.exists():
-            metrics.unlink()
+        prepare_run_dir(self.run_dir, config_to_toml(self.cfg), self.step if resume_from is not None else None)
 
     def _make_loggers(self, resumed: bool):
         from slipstream.observe.loggers import JsonlLogger, MultiLogger, TensorBoardLogger, WandbLogger

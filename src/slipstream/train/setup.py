@@ -1,0 +1,77 @@
+"""Run set-up: the device, process-wide runtime settings, and the optimizer variant."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from slipstream.config.schema import Config
+from slipstream.errors import UserError
+from slipstream.optimize.precision import configure_tf32
+from slipstream.perf.repro import set_deterministic
+
+
+def resolve_device(spec: str, what: str = "train.device") -> torch.device:
+    """`auto` -> the current accelerator if there is one, else cpu; validates explicit devices.
+    `what` names the setting in error messages."""
+    if spec == "auto":
+        accel = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+        return torch.device(accel) if accel is not None else torch.device("cpu")
+    try:
+        device = torch.device(spec)
+    except RuntimeError:
+        raise UserError(f"{what} = '{spec}' is not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type != "cpu":
+        accel = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
+        if accel is None or accel.type != device.type:
+            raise UserError(f"{what} = '{spec}' but this machine has no {device.type} device; use cpu or auto")
+    return device
+
+
+def configure_runtime(cfg: Config, device: torch.device) -> None:
+    """Threads, determinism and TF32: process-wide settings, applied once per run."""
+    configure_tf32(device, cfg.precision.tf32)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    if cfg.train.deterministic:
+        set_deterministic(True, device)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Matrices (dim >= 2: linear and embedding weights) decay; biases and norm gains don't."""
+    decay, no_decay = [], []
+    for param in model.parameters():  # parameters() yields tied weights once
+        if param.requires_grad:
+            (decay if param.dim() >= 2 else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return groups
+
+
+def build_optimizer(model: nn.Module, cfg: Config):
+    """AdamW in the configured variant: implementation, bf16 state, step in backward, CPU offload."""
+    from slipstream.optimize.optimizers import (CPUOffloadOptimizer, OptimizerInBackward, make_adamw,
+                                                named_param_groups)
+
+    o = cfg.optim
+    groups = param_groups(model, o.weight_decay)
+    if not any(g["params"] for g in groups):
+        raise UserError("the model has no trainable parameters")
+    hyper = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                 implementation=o.implementation, state_dtype=o.state_dtype)
+    if o.in_backward:
+        if cfg.train.grad_accum_steps > 1:
+            print("note: optim.in_backward with train.grad_accum_steps > 1 steps only in the last micro-batch's "
+                  "backward; the earlier micro-batches' gradients still coexist, so the peak saving is lost")
+        if o.offload:
+            raise UserError("optim.in_backward and optim.offload cannot be combined; choose one")
+        if cfg.precision.autocast == "fp16":
+            raise UserError("optim.in_backward cannot be used with fp16 loss scaling (the scaler must see all "
+                            "gradients before any step); use --precision.autocast=bf16")
+        return OptimizerInBackward(named_param_groups(model, groups), grad_clip=o.grad_clip, **hyper)
+    if o.offload:
+        return CPUOffloadOptimizer(groups, **hyper)
+    return make_adamw(groups, **hyper)
