@@ -192,6 +192,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_probe_arguments(p)
     p.set_defaults(func=main_probe)
 
+    from slipstream.distributed.launch import add_launch_parser
+
+    add_launch_parser(sub)
+
     data = sub.add_parser("data", help="prepare token shards, train tokenizers").add_subparsers(dest="data_cmd", required=True)
     p = data.add_parser("prepare", help="tokenize inputs into token shards + manifest")
     p.add_argument("--input", nargs="+", required=True, help="files, folders, .jsonl files or `stdlib`")
