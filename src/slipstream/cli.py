@@ -50,9 +50,13 @@ def _load(args, extra):
 
 
 def cmd_train(args, extra) -> int:
+    from slipstream.distributed.mesh import shutdown
     from slipstream.train.lm import train_lm
 
-    train_lm(_load(args, extra))
+    try:
+        train_lm(_load(args, extra))
+    finally:
+        shutdown()  # leave the process group cleanly (no-op for one process)
     return 0
 
 

@@ -11,9 +11,11 @@ Layout of one checkpoint (a folder under <run dir>/checkpoints/):
       COMPLETE             written last: a folder without it is ignored
 
 Model and optimizer go through DCP (each rank writes its own shard), so the same format
-serves single-process runs now and sharded/async/resharding runs later. Everything else
-is JSON: loading never unpickles arbitrary objects. A checkpoint is written into a
-temporary folder and renamed into place, so an interrupted save never looks complete.
+serves single-process runs, DDP and FSDP (sharded parameters and optimizer state) alike;
+ZeRO-1's optimizer shards are saved per rank. Everything else is JSON, written by rank 0:
+loading never unpickles arbitrary objects. A checkpoint is written into a temporary
+folder and renamed into place by rank 0 after every rank has written, so an interrupted
+save never looks complete.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -45,6 +48,17 @@ _PREFIX = "step_"
 
 def checkpoint_name(step: int) -> str:
     return f"{_PREFIX}{step:08d}"
+
+
+def _rank_world() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if _rank_world()[1] > 1:
+        dist.barrier()
 
 
 @contextlib.contextmanager
@@ -94,46 +108,81 @@ def save_checkpoint(checkpoints_dir: str | Path, step: int, model: torch.nn.Modu
                     optimizer: torch.optim.Optimizer | None, trainer_state: dict[str, Any],
                     config_toml: str, meta: dict[str, Any] | None = None,
                     extra_files: dict[str, str | Path] | None = None) -> Path:
-    """Write a complete checkpoint atomically; returns its final path."""
+    """Write a complete checkpoint atomically; returns its final path. Distributed: every rank
+    calls this (DCP writes each rank's shard); rank 0 writes the rest and commits."""
+    rank, world = _rank_world()
     checkpoints_dir = Path(checkpoints_dir)
-    checkpoints_dir.mkdir(parents=True, exist_ok=True)
     final = checkpoints_dir / checkpoint_name(step)
-    tmp = checkpoints_dir / f".{final.name}.tmp-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    # One temporary name for all ranks; only one job writes into a run directory at a time.
+    tmp = checkpoints_dir / f".{final.name}.tmp"
+    if rank == 0:
+        checkpoints_dir.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)  # left by a crashed save
+        tmp.mkdir()
+    _barrier()
     try:
-        _write_checkpoint(tmp, step, model, optimizer, trainer_state, config_toml, meta, extra_files)
-        if final.exists():
-            # Re-saving a step: move the old copy aside first, so there is never a moment
-            # without a complete checkpoint for this step.
-            old = checkpoints_dir / f".{final.name}.old-{os.getpid()}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
+        _write_shards(tmp, model, optimizer)
+        _barrier()  # every rank's shard is on disk before the checkpoint can be committed
+        if rank == 0:
+            _write_checkpoint(tmp, step, optimizer is not None, trainer_state, config_toml,
+                              {"world_size": world, **(meta or {})}, extra_files)
+            _commit(tmp, final, checkpoints_dir)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written folder behind
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written folder behind
         raise
+    _barrier()  # nobody reads or prunes before the commit
     return final
 
 
-def _write_checkpoint(folder: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None,
-                      trainer_state: dict[str, Any], config_toml: str, meta: dict[str, Any] | None,
-                      extra_files: dict[str, str | Path] | None) -> None:
-    if optimizer is not None:
-        model_sd, optim_sd = get_state_dict(model, torch_optimizers(optimizer))
-        payload = {"model": model_sd, "optim": optim_sd}
+def _commit(tmp: Path, final: Path, checkpoints_dir: Path) -> None:
+    if final.exists():
+            # Re-saving a step: move the old copy aside first, so there is never a moment
+            # without a complete checkpoint for this step.
+        old = checkpoints_dir / f".{final.name}.old-{os.getpid()}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
     else:
-        payload = {"model": model.state_dict()}
+        os.rename(tmp, final)
+
+
+def _zero1_key() -> str:
+    return f"optim_zero1_rank{_rank_world()[0]}"
+
+
+def _state_payload(model: torch.nn.Module, optimizer: Any | None) -> dict[str, Any]:
+    """What DCP saves/loads: model and optimizer state dicts keyed by parameter names.
+    DDP wrappers and FSDP's sharded (DTensor) parameters are handled by get_state_dict."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    if _is_zero1(optimizer):
+        # Each rank holds the state of its own partition only: saved under a per-rank key.
+        return {"model": get_model_state_dict(model),
+                _zero1_key(): get_optimizer_state_dict(model, optimizer.optim)}
+    model_sd, optim_sd = get_state_dict(model, torch_optimizers(optimizer))
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def _is_zero1(optimizer: Any) -> bool:
+    return type(optimizer).__name__ == "ZeroRedundancyOptimizer"
+
+
+def _write_shards(folder: Path, model: torch.nn.Module, optimizer: Any | None) -> None:
     with _quiet_dcp():
-        dcp.save(payload, checkpoint_id=str(folder / "model_optim"))
+        dcp.save(_state_payload(model, optimizer), checkpoint_id=str(folder / "model_optim"))
+
+
+def _write_checkpoint(folder: Path, step: int, has_optimizer: bool, trainer_state: dict[str, Any],
+                      config_toml: str, meta: dict[str, Any], extra_files: dict[str, str | Path] | None) -> None:
     _write_text(folder / "trainer_state.json", json.dumps(trainer_state))
     _write_text(folder / "config.toml", config_toml)
     full_meta = {
-        "format_version": FORMAT_VERSION, "step": step, "world_size": 1, "time": time.time(),
-        "torch": torch.__version__, "has_optimizer": optimizer is not None, **(meta or {}),
+        "format_version": FORMAT_VERSION, "step": step, "time": time.time(),
+        "torch": torch.__version__, "has_optimizer": has_optimizer, **meta,
     }
     for name, src in (extra_files or {}).items():
         shutil.copyfile(src, folder / name)
@@ -222,14 +271,16 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         raise UserError(f"checkpoint '{path}' has an unreadable trainer_state.json ({e}); it is damaged") from None
 
 
-def _load_weights(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    if optimizer is not None:
-        optimizers = torch_optimizers(optimizer)
-        model_sd, optim_sd = get_state_dict(model, optimizers)
-        payload = {"model": model_sd, "optim": optim_sd}
-        dcp.load(payload, checkpoint_id=str(path / "model_optim"))
-        set_state_dict(model, optimizers, model_state_dict=payload["model"], optim_state_dict=payload["optim"])
+def _load_weights(path: Path, model: torch.nn.Module, optimizer: Any | None) -> None:
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+    payload = _state_payload(model, optimizer)
+    dcp.load(payload, checkpoint_id=str(path / "model_optim"))
+    if optimizer is None:
+        set_model_state_dict(model, payload["model"])
+    elif _is_zero1(optimizer):
+        set_model_state_dict(model, payload["model"])
+        set_optimizer_state_dict(model, optimizer.optim, payload[_zero1_key()])
     else:
-        payload = {"model": model.state_dict()}
-        dcp.load(payload, checkpoint_id=str(path / "model_optim"))
-        model.load_state_dict(payload["model"])
+        set_state_dict(model, torch_optimizers(optimizer), model_state_dict=payload["model"],
+                       optim_state_dict=payload["optim"])

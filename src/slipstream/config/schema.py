@@ -153,6 +153,42 @@ class ActivationsConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """Data parallelism over torch.distributed (launch with `slipstream launch` or torchrun).
+
+    The degrees multiply to the world size: dp_replicate x dp_shard x tp x pp x cp. One named
+    DeviceMesh (dims dp_replicate, dp_shard) is built from them.
+    """
+
+    dp_strategy: str = option("auto", "auto (none for one process, ddp for more), none, ddp, zero1 (DDP + sharded optimizer state), zero2 (FSDP2, gradients and optimizer state sharded, parameters kept gathered), fsdp (FSDP2 / ZeRO-3: parameters sharded too) or hsdp (replicate x shard).",
+                              choices=("auto", "none", "ddp", "zero1", "zero2", "fsdp", "hsdp"))
+    dp_replicate: int = option(0, "Replicas (DDP-style all-reduce groups); 0 = derived: the data-parallel degree for ddp/zero1, 1 for zero2/fsdp, world / dp_shard for hsdp.", min=0)
+    dp_shard: int = option(0, "Shards per replica (FSDP groups); 0 = derived: the data-parallel degree for zero2/fsdp, 1 for ddp/zero1, the processes per node for hsdp.", min=0)
+    tp: int = option(1, "Tensor-parallel degree (validated; runs with 1 until tensor parallelism lands).", min=1)
+    pp: int = option(1, "Pipeline-parallel degree (validated; runs with 1 until pipeline parallelism lands).", min=1)
+    cp: int = option(1, "Context-parallel degree (validated; runs with 1 until context parallelism lands).", min=1)
+    ep: int = option(1, "Expert-parallel degree for MoE; must divide the data-parallel degree (runs with 1 until MoE lands).", min=1)
+    backend: str = option("auto", "Process-group backend: auto (nccl on CUDA, gloo on CPU), nccl or gloo.", choices=("auto", "nccl", "gloo"))
+    init_timeout_s: float = option(120.0, "Start-up timeout (s): joining the process group and the first collectives; a rank that never shows up fails the run with an error instead of a hang.", min=1.0)
+    timeout_s: float = option(600.0, "Collective timeout (s) once training runs; a stuck collective then fails the job (CUDA: with a flight-recorder dump).", min=1.0)
+    bucket_mb: float = option(25.0, "DDP: gradient bucket size in MiB (larger: fewer all-reduces; smaller: earlier overlap).", min=0.0, min_exclusive=True)
+    static_graph: bool = option(False, "DDP: the set of used parameters never changes (enables more overlap); needs train.grad_accum_steps = 1.")
+    grad_as_bucket_view: bool = option(True, "DDP: gradients are views into the all-reduce buckets (saves one gradient copy).")
+    find_unused_parameters: bool = option(False, "DDP: tolerate parameters that get no gradient in a step (costs a graph traversal per step).")
+    comm_hook: str = option("none", "DDP/zero1 gradient communication: none (fp32 all-reduce), fp16 or bf16 (compressed all-reduce), powersgd (low-rank).",
+                            choices=("none", "fp16", "bf16", "powersgd"))
+    powersgd_rank: int = option(1, "powersgd: rank of the low-rank approximation (higher: more accurate, more traffic).", min=1)
+    powersgd_start_step: int = option(10, "powersgd: plain all-reduce for this many steps first (PowerSGD's warm-up).", min=2)
+    local_sgd_period: int = option(0, "DDP: local SGD: after local_sgd_start_step, ranks step on their own gradients and average parameters every N steps; 0 = off.", min=0)
+    local_sgd_start_step: int = option(0, "local SGD: steps of ordinary synchronous DDP before local SGD starts (post-local SGD).", min=0)
+    param_dtype: str = option("none", "zero2/fsdp/hsdp: dtype of the gathered parameters for compute (FSDP mixed precision); none = the parameters' dtype.",
+                              choices=("none", "bf16", "fp16", "fp32"))
+    reduce_dtype: str = option("none", "zero2/fsdp/hsdp: dtype of the gradient reduce-scatter; none = param_dtype.",
+                               choices=("none", "bf16", "fp16", "fp32"))
+    offload: bool = option(False, "zero2/fsdp/hsdp: keep sharded parameters, gradients and optimizer state in CPU memory; the optimizer steps on CPU.")
+
+
+@dataclass
 class CheckpointConfig:
     """Saving and resuming."""
 
@@ -172,6 +208,7 @@ class LoggingConfig:
     wandb: bool = option(False, "Log to Weights & Biases (needs `pip install wandb`).")
     wandb_project: str = option("slipstream", "W&B project name.")
     wandb_mode: str = option("offline", "W&B mode.", choices=("online", "offline"))
+    rank_logs: bool = option(False, "Distributed runs: every rank also writes logs/rank<R>.jsonl (its own speed, data wait, loss, memory) to find slow or diverging ranks.")
 
 
 @dataclass
@@ -209,6 +246,7 @@ class Config:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     activations: ActivationsConfig = field(default_factory=ActivationsConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)

@@ -70,12 +70,18 @@ def make_adamw(params_or_groups: Iterable[Any], lr: float, betas: tuple[float, f
             raise UserError(f"optimizer implementation '{implementation}' is not available with bf16 "
                             "optimizer state (it has its own for-loop implementation); use auto or for-loop")
         return AdamWBf16State(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    if implementation == "auto":
-        implementation = "fused" if _fused_ok([p for g in groups for p in g["params"]]) else "foreach"
-    flags = {"for-loop": {"foreach": False, "fused": False},
-             "foreach": {"foreach": True, "fused": False},
-             "fused": {"foreach": False, "fused": True}}[implementation]
+    flags = adamw_flags(implementation, [p for g in groups for p in g["params"]])
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags)
+
+
+def adamw_flags(implementation: str, params: list[torch.Tensor]) -> dict[str, bool]:
+    """torch.optim.AdamW's foreach/fused arguments for an implementation name."""
+    _check_choice(implementation, IMPLEMENTATIONS, "optimizer implementation")
+    if implementation == "auto":
+        implementation = "fused" if _fused_ok(params) else "foreach"
+    return {"for-loop": {"foreach": False, "fused": False},
+            "foreach": {"foreach": True, "fused": False},
+            "fused": {"foreach": False, "fused": True}}[implementation]
 
 
 def _state_tensors(optimizer: Any) -> list[torch.Tensor]:
@@ -93,7 +99,11 @@ def torch_optimizers(optimizer: Any) -> Any:
     """The torch optimizer(s) behind one of ours, for APIs that take torch optimizers (DCP's
     state-dict functions, MemTracker): the optimizer in backward is one AdamW per parameter."""
     inner = getattr(optimizer, "optimizers", None)
-    return list(inner.values()) if isinstance(inner, dict) else optimizer
+    if isinstance(inner, dict):
+        return list(inner.values())
+    if type(optimizer).__name__ == "PostLocalSGDOptimizer":  # local SGD: the wrapped optimizer holds the state
+        return optimizer.optim
+    return optimizer
 
 
 def optimizer_state_bytes(optimizer: Any) -> int:

@@ -86,16 +86,23 @@ def describe_model(cfg: Config) -> str:
 def build_lm_trainer(cfg: Config):
     """Everything `slipstream train` needs, assembled in the one documented order."""
     from slipstream.data import TokenLoader, get_tokenizer, tokenizer_spec_for
+    from slipstream.distributed.mesh import init_parallel
     from slipstream.models.transformer import Transformer, materialize
     from slipstream.observe.flops import flops_per_token
     from slipstream.perf.repro import seed_all
     from slipstream.train.rundir import check_run_dir, make_run_dir
-    from slipstream.train.setup import resolve_device
     from slipstream.train.trainer import Trainer
 
-    device = resolve_device(cfg.train.device)
+    par = init_parallel(cfg)  # under torchrun: join the job first; errors in the layout stop every rank
+    device = par.device
+    # Rank 0 names the run directory (a default name holds a timestamp) and every rank uses it.
+    cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=par.broadcast(str(make_run_dir(cfg)))))
     check_run_dir(make_run_dir(cfg))  # fail before preparing data or building the model
+    if par.env.local_rank != 0:
+        par.barrier()  # one process per node prepares (or finds) the cached data; the others wait
     data_dir, manifest = ensure_data(cfg)
+    if par.env.local_rank == 0:
+        par.barrier()
     tokenizer = tokenizer_spec_for(str(data_dir), manifest)
     get_tokenizer(tokenizer)  # a missing tokenizer file fails now, not when the first checkpoint is saved
     train_cfg = cfg.train
@@ -109,18 +116,20 @@ def build_lm_trainer(cfg: Config):
     seed_all(cfg.train.seed)
     with torch.device("meta"):
         model = Transformer(cfg.model)
+    # Every rank draws the same full weights from the seed; data parallelism then replicates or shards them.
     model = materialize(model, device, cfg.train.seed)
 
     t = cfg.train
     d = cfg.data
     train_loader = TokenLoader(str(data_dir), "train", t.micro_batch_size, t.seq_len, seed=t.seed,
                                mode=d.sampling, device=device, prefetch=d.prefetch, num_workers=d.num_workers,
+                               rank=par.dp_rank, world_size=par.dims.dp,
                                pin_memory=d.pin_memory, augment=d.augment, augment_prob=d.augment_prob,
                                augment_cost_ms=d.augment_cost_ms)
     val_loader = None
     if t.eval_steps:
         val_loader = TokenLoader(str(data_dir), "val", t.micro_batch_size, t.seq_len, seed=t.seed,
-                                 mode="sequential", device=device)
+                                 mode="sequential", device=device, rank=par.dp_rank, world_size=par.dims.dp)
     meta, files = {"tokenizer": tokenizer}, {}
     if tokenizer.startswith("bpe:"):  # ship the tokenizer with the checkpoint so generate works anywhere
         files["tokenizer.json"] = tokenizer[4:]
@@ -129,7 +138,7 @@ def build_lm_trainer(cfg: Config):
     return Trainer(model, train_loader, loss_fn, config=cfg, val_data=val_loader,
                    tokens_per_batch=t.micro_batch_size * t.seq_len,
                    flops_per_token=flops_per_token(cfg.model, t.seq_len), device=device,
-                   checkpoint_meta=meta, checkpoint_files=files, model_summary=describe_model(cfg))
+                   checkpoint_meta=meta, checkpoint_files=files, model_summary=describe_model(cfg), parallel=par)
 
 
 def train_lm(cfg: Config) -> dict[str, Any]:

@@ -51,8 +51,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     return groups
 
 
-def build_optimizer(model: nn.Module, cfg: Config):
-    """AdamW in the configured variant: implementation, bf16 state, step in backward, CPU offload."""
+def build_optimizer(model: nn.Module, cfg: Config, parallel=None):
+    """AdamW in the configured variant: implementation, bf16 state, step in backward, CPU offload;
+    sharded over the data-parallel group for zero1, with periodic averaging for local SGD."""
     from slipstream.optimize.optimizers import (CPUOffloadOptimizer, OptimizerInBackward, make_adamw,
                                                 named_param_groups)
 
@@ -60,6 +61,15 @@ def build_optimizer(model: nn.Module, cfg: Config):
     groups = param_groups(model, o.weight_decay)
     if not any(g["params"] for g in groups):
         raise UserError("the model has no trainable parameters")
+    if parallel is not None and parallel.dims.strategy != "none":
+        from slipstream.distributed.data_parallel import build_zero1_optimizer, wrap_optimizer
+
+        if parallel.dims.strategy == "zero1":
+            return build_zero1_optimizer(groups, cfg, parallel)
+        hyper = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                     implementation=o.implementation, state_dtype=o.state_dtype)
+        base = CPUOffloadOptimizer(groups, **hyper) if o.offload else make_adamw(groups, **hyper)
+        return wrap_optimizer(base, model, cfg, parallel)
     hyper = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                  implementation=o.implementation, state_dtype=o.state_dtype)
     if o.in_backward:

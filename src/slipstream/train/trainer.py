@@ -30,6 +30,7 @@ import torch.nn as nn
 from slipstream.checkpoint import manager as ckpt
 from slipstream.config.load import config_to_toml
 from slipstream.config.schema import Config
+from slipstream.distributed.data_parallel import full_value, no_sync
 from slipstream.errors import UserError
 from slipstream.observe.memprofile import format_memory_report, measure_step_memory, record_memory_history
 from slipstream.optimize.apply import apply_optimizations
@@ -80,11 +81,18 @@ class Trainer:
     def __init__(self, model: nn.Module, train_data: Any, loss_fn: LossFn, config: Config | None = None,
                  val_data: Any = None, tokens_per_batch: int | None = None, flops_per_token: float | None = None,
                  collate_fn=None, device: torch.device | None = None, checkpoint_meta: dict | None = None,
-                 checkpoint_files: dict[str, str] | None = None, model_summary: str = ""):
+                 checkpoint_files: dict[str, str] | None = None, model_summary: str = "", parallel=None):
+        from slipstream.distributed.data_parallel import apply_data_parallel
+        from slipstream.distributed.mesh import init_parallel
+
         self.cfg = config or Config()
-        self.device = device or resolve_device(self.cfg.train.device)
+        # Joins the process group under torchrun (idempotent); a single process gets a world-1 context.
+        self.parallel = parallel or init_parallel(self.cfg)
+        self.device = device or self.parallel.device
         configure_runtime(self.cfg, self.device)
-        self.model = apply_optimizations(model.to(self.device), self.cfg, self.device)
+        # The one fixed order: single-device techniques (fp8 -> AC -> compile), then data parallelism.
+        self.model = apply_data_parallel(apply_optimizations(model.to(self.device), self.cfg, self.device),
+                                         self.cfg, self.parallel)
         self.loss_fn = loss_fn
         self.train_loader = _as_loader(train_data, self.cfg, self.device, shuffle=True, collate_fn=collate_fn)
         self.val_loader = _as_loader(val_data, self.cfg, self.device, shuffle=False, collate_fn=collate_fn)
@@ -93,11 +101,11 @@ class Trainer:
         self.checkpoint_meta = checkpoint_meta or {}
         self.checkpoint_files = checkpoint_files or {}
         self.model_summary = model_summary
-        self.optimizer = build_optimizer(self.model, self.cfg)
+        self.optimizer = build_optimizer(self.model, self.cfg, self.parallel)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.cfg.train.max_steps)
         self.step = 0
         self.tokens_seen = 0
-        self.run_dir = make_run_dir(self.cfg)
+        self.run_dir = Path(self.parallel.broadcast(str(make_run_dir(self.cfg))))  # rank 0 names it
         self._autocast = autocast_context(self.device, self.cfg.precision.autocast)
         self.scaler = make_grad_scaler(self.device, self.cfg.precision)
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)  # fp16 overflow skips
@@ -122,10 +130,12 @@ class Trainer:
             "tokens_seen": self.tokens_seen,
             "scheduler": scheduler_state(self.scheduler),
             "train_loader": self.train_loader.state_dict(),
+            # Each rank's own generators (dropout masks differ per rank only through them).
             "rng": ckpt.capture_rng_state(),
+            "rng_per_rank": self.parallel.gather(ckpt.capture_rng_state()) if self.parallel.world_size > 1 else None,
             # A checkpoint may fall inside a logging interval: keep its partial sums so the
             # resumed run logs exactly what the uninterrupted one does.
-            "interval": {"loss_sum": self._interval_loss.item(), "steps": self._interval_steps,
+            "interval": {"loss_sum": self.parallel.mean(self._interval_loss).item(), "steps": self._interval_steps,
                          "items": self._interval_items, "data_wait_s": self._interval_wait},
             "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "skipped_steps": int(self.skipped_steps.item()),
@@ -133,14 +143,17 @@ class Trainer:
 
     def _optimizer_layout(self) -> dict[str, bool]:
         """How the optimizer state is laid out in a checkpoint: resuming needs the same layout."""
-        return {"in_backward": self.cfg.optim.in_backward, "offload": self.cfg.optim.offload}
+        return {"in_backward": self.cfg.optim.in_backward, "offload": self.cfg.optim.offload,
+                "dp_strategy": self.parallel.dims.strategy, "world_size": self.parallel.world_size}
 
     def save_checkpoint(self) -> Path:
         meta = {**self.checkpoint_meta, "optimizer_layout": self._optimizer_layout()}
         path = ckpt.save_checkpoint(
             self.run_dir / "checkpoints", self.step, self.model, self.optimizer, self.trainer_state(),
             config_to_toml(self.cfg), meta=meta, extra_files=self.checkpoint_files)
-        ckpt.prune_checkpoints(self.run_dir / "checkpoints", self.cfg.checkpoint.keep_last, protect=path)
+        if self.parallel.is_main:
+            ckpt.prune_checkpoints(self.run_dir / "checkpoints", self.cfg.checkpoint.keep_last, protect=path)
+        self.parallel.barrier()  # nobody looks at the folder while rank 0 prunes it
         return path
 
     def _resume_target(self) -> Path | None:
@@ -163,19 +176,23 @@ class Trainer:
         return target
 
     def _resume(self, path: Path) -> None:
-        saved_layout = ckpt.read_meta(path).get("optimizer_layout", {"in_backward": False, "offload": False})
+        saved_layout = {"in_backward": False, "offload": False, "dp_strategy": "none", "world_size": 1,
+                        **ckpt.read_meta(path).get("optimizer_layout", {})}
         if saved_layout != self._optimizer_layout():
-            changed = ", ".join(f"optim.{k}: {saved_layout.get(k)} -> {v}" for k, v in self._optimizer_layout().items()
-                                if saved_layout.get(k) != v)
-            raise UserError(f"checkpoint '{path}' stores its optimizer state for a different optimizer layout "
-                            f"({changed}); resume with the checkpoint's settings")
+            names = {"in_backward": "optim.in_backward", "offload": "optim.offload",
+                     "dp_strategy": "parallel.dp_strategy", "world_size": "processes"}
+            changed = ", ".join(f"{names[k]}: {saved_layout.get(k)} -> {v}"
+                                for k, v in self._optimizer_layout().items() if saved_layout.get(k) != v)
+            raise UserError(f"checkpoint '{path}' stores its state for a different layout ({changed}); resume "
+                            "with the checkpoint's optimizer settings, dp_strategy and number of processes")
         state = ckpt.load_checkpoint(path, self.model, self.optimizer)
         if state["step"] >= self.cfg.train.max_steps:
             raise UserError(f"checkpoint '{path}' is at step {state['step']}, which is not below "
                             f"train.max_steps = {self.cfg.train.max_steps}; raise --train.max_steps to train further")
         self.scheduler.load_state_dict(state["scheduler"])
         self.train_loader.load_state_dict(state["train_loader"])
-        ckpt.restore_rng_state(state["rng"])
+        per_rank = state.get("rng_per_rank")
+        ckpt.restore_rng_state(per_rank[self.parallel.rank] if per_rank else state["rng"])
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         interval = state.get("interval")
@@ -201,17 +218,38 @@ class Trainer:
         changes = [f"{section}.{key}: {saved[section][key]!r} -> {value!r}"
                    for section, values in now.items() for key, value in values.items()
                    if (section, key) not in ignore and saved.get(section, {}).get(key) != value]
-        if changes:
+        if changes and self.parallel.is_main:
             print("note: resuming with settings that differ from the checkpoint's: " + "; ".join(changes))
+
+    def _job_summary(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """Distributed runs: the job's shape, and every rank's memory (a collective)."""
+        mine = {"rank": self.parallel.rank, "device": str(self.device), "mem_peak_bytes": summary["mem_peak_bytes"],
+                "step_peak_bytes": self.memory_report.peak_bytes if self.memory_report is not None else None}
+        per_device = summary["tokens_per_s"] / self.parallel.world_size if summary["tokens_per_s"] else None
+        return {"world_size": self.parallel.world_size, "dp_strategy": self.parallel.dims.strategy,
+                "tokens_per_s_per_device": per_device, "ranks": self.parallel.gather(mine)}
 
     # --- the loop ---
 
     def _prepare_run_dir(self, resume_from: Path | None) -> None:
-        prepare_run_dir(self.run_dir, config_to_toml(self.cfg), self.step if resume_from is not None else None)
+        if self.parallel.is_main:
+            prepare_run_dir(self.run_dir, config_to_toml(self.cfg), self.step if resume_from is not None else None)
+        self.parallel.barrier()
+
+    def _make_rank_logger(self):
+        """logs/rank<R>.jsonl: this rank's own numbers, to find slow or diverging ranks."""
+        from slipstream.observe.loggers import JsonlLogger
+
+        if not (self.cfg.logging.rank_logs and self.parallel.world_size > 1):
+            return None
+        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        return JsonlLogger(self.run_dir / "logs" / f"rank{self.parallel.rank}.jsonl")
 
     def _make_loggers(self, resumed: bool):
         from slipstream.observe.loggers import JsonlLogger, MultiLogger, TensorBoardLogger, WandbLogger
 
+        if not self.parallel.is_main:  # rank 0 logs for the job
+            return MultiLogger([])
         loggers = [JsonlLogger(self.run_dir / "metrics.jsonl")]
         if self.cfg.logging.tensorboard:
             loggers.append(TensorBoardLogger(self.run_dir / "tensorboard",
@@ -273,6 +311,7 @@ class Trainer:
         data_wait = 0.0
         items = 0
         in_backward = self.cfg.optim.in_backward
+        dp = self.parallel.dims.dp  # every data-parallel rank processes a micro-batch like this one
         for micro in range(accum):
             if in_backward:  # accumulate, and step inside the last micro-batch's backward only
                 self.optimizer.step_enabled = micro == accum - 1
@@ -280,16 +319,18 @@ class Trainer:
             with self._label("data"):
                 batch = self._next_batch(it)
             data_wait += time.perf_counter() - t0
-            items += self.tokens_per_batch or _batch_size(batch)
-            with self._label("forward"), self._autocast:
-                loss = self.loss_fn(self.model, batch)
-            with self._label("backward"):
-                # Each micro-batch loss is a mean, so dividing by accum makes the summed
-                # gradient equal the gradient of the mean over the whole (big) batch.
-                scaled = loss / accum
-                if self.scaler is not None:
-                    scaled = self.scaler.scale(scaled)
-                scaled.backward()
+            items += (self.tokens_per_batch or _batch_size(batch)) * dp
+            # DDP: no gradient all-reduce before the last micro-batch (forward arms it, backward runs it).
+            with no_sync(self.model, last_micro_batch=micro == accum - 1):
+                with self._label("forward"), self._autocast:
+                    loss = self.loss_fn(self.model, batch)
+                with self._label("backward"):
+                    # Each micro-batch loss is a mean, so dividing by accum makes the summed
+                    # gradient equal the gradient of the mean over the whole (big) batch.
+                    scaled = loss / accum
+                    if self.scaler is not None:
+                        scaled = self.scaler.scale(scaled)
+                    scaled.backward()
             loss_sum += loss.detach()
         return loss_sum / accum, data_wait, items
 
@@ -307,6 +348,7 @@ class Trainer:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
         else:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        grad_norm = full_value(grad_norm)  # sharded parameters give a DTensor norm (already reduced)
         if self.scaler is not None:
             scale_before = self.scaler._scale.clone()
             self.scaler.step(self.optimizer)  # skipped when the gradients hold inf/nan
@@ -320,7 +362,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: FSDP gathers parameters into buffers autograd may see later
     def evaluate(self) -> float | None:
         if self.val_loader is None or self.cfg.train.eval_steps == 0:
             return None
@@ -338,7 +380,7 @@ class Trainer:
                 total += self.loss_fn(self.model, batch).float()
             n += 1
         self.model.train()
-        return (total / max(n, 1)).item()
+        return self.parallel.mean(total / max(n, 1)).item()  # each rank evaluated its own val slice
 
     def fit(self) -> dict[str, Any]:
         """Train to train.max_steps (resuming if configured); returns the run summary."""
@@ -356,12 +398,18 @@ class Trainer:
             self._resume(resume_from)
         self._prepare_run_dir(resume_from)
         loggers = self._make_loggers(resumed=resume_from is not None)
+        rank_logger = self._make_rank_logger()
         peak = self._peak_flops()
         reset_peak_memory(self.device)
-        if resume_from is not None:
+        main = self.parallel.is_main
+        if resume_from is not None and main:
             print(f"resumed from {resume_from} at step {self.step}")
-        if self.model_summary:
+        if self.model_summary and main:
             print(self.model_summary)
+        if self.parallel.dims.strategy != "none" and main:
+            from slipstream.distributed.mesh import describe
+
+            print(describe(self.parallel))
 
         self.model.train()
         it = iter(self.train_loader)
@@ -392,7 +440,7 @@ class Trainer:
 
         # The profiler stops (and writes what it recorded) when the loop ends, also on errors.
         profiling = self.profiler if self.profiler is not None else contextlib.nullcontext()
-        with TrainProgress(cfg.train.max_steps, start_step=self.step, enabled=cfg.logging.progress) as progress, \
+        with TrainProgress(cfg.train.max_steps, start_step=self.step, enabled=cfg.logging.progress and main) as progress, \
                 profiling:
             while self.step < cfg.train.max_steps:
                 if cfg.metrics.memory_snapshot and self.step == start_step + 1:
@@ -422,15 +470,17 @@ class Trainer:
 
                 last = self.step == cfg.train.max_steps
                 if self.step % log_every == 0 or last:
-                    # The one host-device sync point of the loop.
-                    mean_loss = (self._interval_loss / self._interval_steps).item()
+                    # The one host-device sync point of the loop (and, distributed, one all-reduce).
+                    local_loss = self._interval_loss / self._interval_steps
+                    mean_loss = self.parallel.mean(local_loss).item()
                     norm = grad_norm.item()
                     now = time.perf_counter()
                     elapsed = now - interval_start
                     train_time += elapsed
                     train_items += timed_items
-                    tokens_per_s = timed_items / elapsed if elapsed > 0 else 0.0
-                    util = mfu(tokens_per_s, self.flops_per_token, peak) if self.flops_per_token else None
+                    tokens_per_s = timed_items / elapsed if elapsed > 0 else 0.0  # the whole job
+                    per_device = tokens_per_s / self.parallel.world_size
+                    util = mfu(per_device, self.flops_per_token, peak) if self.flops_per_token else None
                     if util is not None:
                         mfu_values.append(util)
                     record = {
@@ -440,6 +490,8 @@ class Trainer:
                         "mfu": util, "mem_peak_bytes": peak_memory_bytes(self.device),
                         "tokens": self.tokens_seen,
                     }
+                    if self.parallel.world_size > 1:
+                        record["tokens_per_s_per_device"] = per_device
                     record.update(memory_record)
                     memory_record = {}
                     if self.scaler is not None:
@@ -451,6 +503,9 @@ class Trainer:
                         raise UserError(f"loss became {mean_loss} at step {self.step}; lower optim.lr, "
                                         "raise optim.warmup_steps or check the data")
                     loggers.log(record, self.step)
+                    if rank_logger is not None:
+                        rank_logger.log({**record, "rank": self.parallel.rank, "local_loss": local_loss.item(),
+                                         "tokens_per_s": per_device}, self.step)
                     progress.set_metrics(record)
                     final_loss = mean_loss
                     self._reset_interval()
@@ -478,7 +533,9 @@ class Trainer:
 
         loop_time = time.perf_counter() - loop_start - loop_side_time
         loggers.close()
-        if self.profiler is not None:
+        if rank_logger is not None:
+            rank_logger.close()
+        if self.profiler is not None and main:
             for path in self.profiler.trace_files:
                 print(f"profiler trace: {path} (open it at https://ui.perfetto.dev)")
             if self.profiler.trace_files and self.profiler.memory_timeline_file is not None:
@@ -506,11 +563,15 @@ class Trainer:
             summary["memory"] = {"step": measure_at, "peak_bytes": self.memory_report.peak_bytes,
                                  "phases": self.memory_report.phases, "categories": self.memory_report.categories,
                                  "method": self.memory_report.method}
+        if self.parallel.world_size > 1:
+            summary.update(self._job_summary(summary))
+        if not main:
+            return summary
         from slipstream.observe.env import write_json_atomic
 
         write_json_atomic(self.run_dir / "summary.json", summary)
-        print_summary({k: v for k, v in summary.items() if k != "memory"})
+        print_summary({k: v for k, v in summary.items() if k not in ("memory", "ranks")})
         if self.memory_report is not None:
-            print(f"memory of training step {measure_at}:")
+            print(f"memory of training step {measure_at} (rank 0):")
             print(format_memory_report(self.memory_report))
         return summary

@@ -1,0 +1,125 @@
+"""Data-parallel wrapping: the last step of `apply`, after fp8, activation checkpointing and compile.
+
+    none   the model as it is
+    ddp    DistributedDataParallel: replicated parameters, gradients all-reduced in buckets
+           during backward (optionally compressed by a comm hook, or local SGD)
+    zero1  DDP + ZeroRedundancyOptimizer: each rank keeps and steps 1/N of the optimizer state,
+           then broadcasts its updated parameters
+    zero2  FSDP2 fully_shard(reshard_after_forward=False): gradients and optimizer state
+           sharded; parameters stay gathered between forward and backward (no re-gather)
+    fsdp   FSDP2 fully_shard per block, then the root (ZeRO-3): parameters sharded too,
+           gathered block by block for forward and again for backward
+    hsdp   fsdp over a 2-D mesh: sharded inside dp_shard groups, replicated (all-reduced)
+           across dp_replicate groups
+
+Gradient accumulation: DDP skips its all-reduce on all but the last micro-batch
+(`no_sync`). FSDP still reduce-scatters every micro-batch: that keeps gradients sharded,
+which is what these strategies are for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from slipstream.config.schema import Config
+from slipstream.distributed.mesh import REPLICATED, SHARDED, Parallel
+
+DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _dp_group(par: Parallel):
+    return par.mesh.get_group("dp_replicate")
+
+
+def apply_data_parallel(model: nn.Module, cfg: Config, par: Parallel) -> nn.Module:
+    strategy = par.dims.strategy
+    if strategy in REPLICATED:
+        return _apply_ddp(model, cfg, par)
+    if strategy in SHARDED:
+        return _apply_fsdp(model, cfg, par)
+    return model
+
+
+def _apply_ddp(model: nn.Module, cfg: Config, par: Parallel) -> nn.Module:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from slipstream.distributed.comm_hooks import register_comm_hook
+
+    p = cfg.parallel
+    ddp = DDP(model, device_ids=[par.device.index] if par.device.type == "cuda" else None,
+              process_group=_dp_group(par), bucket_cap_mb=p.bucket_mb, static_graph=p.static_graph,
+              gradient_as_bucket_view=p.grad_as_bucket_view, find_unused_parameters=p.find_unused_parameters)
+    ddp.slipstream_hook_state = register_comm_hook(ddp, p, _dp_group(par))
+    return ddp
+
+
+def _apply_fsdp(model: nn.Module, cfg: Config, par: Parallel) -> nn.Module:
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    p = cfg.parallel
+    param_dtype = DTYPES[p.param_dtype]
+    reduce_dtype = DTYPES[p.reduce_dtype] or param_dtype
+    options: dict[str, Any] = dict(
+        mesh=par.mesh,
+        mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        # CPU tensors cannot be pinned without an accelerator.
+        offload_policy=CPUOffloadPolicy(pin_memory=par.device.type == "cuda") if p.offload else OffloadPolicy(),
+    )
+    reshard = par.dims.strategy != "zero2"
+    blocks = getattr(model, "blocks", None)
+    if isinstance(blocks, nn.ModuleList):
+        # One communication unit per block: only one block's full parameters exist at a time
+        # (two with prefetching), and the gathers overlap the neighbouring blocks' compute.
+        for block in blocks:
+            fully_shard(block, reshard_after_forward=reshard, **options)
+    # The root unit holds the rest (embeddings, final norm, head); backward needs it first,
+    # so it is not resharded after forward.
+    fully_shard(model, reshard_after_forward=False, **options)
+    return model
+
+
+def build_zero1_optimizer(param_groups: list[dict[str, Any]], cfg: Config, par: Parallel):
+    """AdamW with its state sharded over the data-parallel group (ZeRO stage 1)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from slipstream.optimize.optimizers import adamw_flags
+
+    o = cfg.optim
+    params = [p for g in param_groups for p in g["params"]]
+    first, *rest = param_groups
+    zero = ZeroRedundancyOptimizer(first["params"], optimizer_class=torch.optim.AdamW,
+                                   process_group=_dp_group(par), lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                                   weight_decay=first["weight_decay"], **adamw_flags(o.implementation, params))
+    for group in rest:
+        zero.add_param_group(group)
+    return zero
+
+
+def wrap_optimizer(optimizer: Any, model: nn.Module, cfg: Config, par: Parallel) -> Any:
+    """Optimizer-side parts of a strategy (local SGD's periodic parameter averaging)."""
+    if par.dims.strategy == "ddp" and cfg.parallel.local_sgd_period:
+        from slipstream.distributed.comm_hooks import wrap_local_sgd_optimizer
+
+        return wrap_local_sgd_optimizer(optimizer, cfg.parallel, _dp_group(par))
+    return optimizer
+
+
+def no_sync(model: nn.Module, last_micro_batch: bool):
+    """Skip DDP's gradient all-reduce on all but the last micro-batch of an accumulation."""
+    if not last_micro_batch and hasattr(model, "no_sync"):
+        return model.no_sync()
+    return contextlib.nullcontext()
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The user's module inside a DDP wrapper (FSDP2 shards in place: nothing to unwrap)."""
+    return model.module if hasattr(model, "no_sync") and hasattr(model, "module") else model
+
+
+def full_value(tensor: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a DTensor (e.g. the gradient norm of sharded parameters)."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

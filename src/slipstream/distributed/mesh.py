@@ -1,0 +1,334 @@
+"""Joining the job and naming its dimensions.
+
+    torchrun environment -> process group (gloo on CPU, NCCL on CUDA, timeouts)
+        -> ParallelDims (validated degrees) -> one DeviceMesh with named dims
+
+`init_parallel(cfg)` is the only entry point: it reads the environment torchrun sets
+(RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE), joins the process group once per
+process and returns a `Parallel` context the rest of the code asks "which rank am I,
+which device, which mesh". A single process without torchrun gets a world-1 context
+(and, for a sharding strategy, a world-1 process group, so FSDP code paths run alike).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from slipstream.config.schema import Config, ParallelConfig
+from slipstream.errors import UserError
+
+SHARDED = ("zero2", "fsdp", "hsdp")   # FSDP2 fully_shard strategies
+REPLICATED = ("ddp", "zero1")         # DistributedDataParallel strategies
+NOT_YET = {"tp": "tensor", "pp": "pipeline", "cp": "context", "ep": "expert"}
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    """What torchrun told this process."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    launched: bool = False  # True under torchrun (or any launcher that sets RANK/WORLD_SIZE)
+
+
+def read_launch_env(environ: dict[str, str] | None = None) -> LaunchEnv:
+    env = os.environ if environ is None else environ
+    if "RANK" not in env and "WORLD_SIZE" not in env:
+        return LaunchEnv()
+    values = {}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        raw = env.get(key, "0" if key == "LOCAL_RANK" else env.get("WORLD_SIZE", "1") if key == "LOCAL_WORLD_SIZE" else "")
+        try:
+            values[key] = int(raw)
+        except ValueError:
+            raise UserError(f"environment variable {key}={raw!r} is not an integer; start the job with "
+                            "`slipstream launch` or torchrun, which set it") from None
+    rank, world = values["RANK"], values["WORLD_SIZE"]
+    if world < 1 or not 0 <= rank < world:
+        raise UserError(f"RANK={rank} and WORLD_SIZE={world} are inconsistent; start the job with "
+                        "`slipstream launch` or torchrun")
+    return LaunchEnv(rank, world, values["LOCAL_RANK"], max(1, values["LOCAL_WORLD_SIZE"]), launched=True)
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Validated degrees; their product is the world size."""
+
+    strategy: str
+    dp_replicate: int
+    dp_shard: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different batches one step sees."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def mesh_dims(self) -> tuple[tuple[str, int], ...]:
+        if self.strategy == "hsdp":
+            return (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard))
+        if self.strategy in SHARDED:
+            return (("dp_shard", self.dp_shard),)
+        return (("dp_replicate", self.dp_replicate),)
+
+
+def resolve_parallel_dims(p: ParallelConfig, world_size: int, local_world_size: int = 1) -> ParallelDims:
+    """Turn the config's degrees into a consistent set, or explain which one does not fit."""
+    strategy = p.dp_strategy
+    if strategy == "auto":
+        strategy = "ddp" if world_size > 1 else "none"
+    other = p.tp * p.pp * p.cp
+    if world_size % other:
+        raise UserError(f"parallel.tp x pp x cp = {p.tp} x {p.pp} x {p.cp} = {other} does not divide the world "
+                        f"size {world_size}; choose degrees whose product divides it")
+    dp = world_size // other
+    replicate, shard = p.dp_replicate, p.dp_shard
+    if strategy == "none":
+        if dp > 1:
+            raise UserError(f"parallel.dp_strategy = none, but {world_size} processes were launched; choose "
+                            "ddp, zero1, zero2, fsdp or hsdp (or launch one process)")
+        replicate, shard = _check_fixed("none", replicate, shard, 1, 1)
+    elif strategy in REPLICATED:
+        replicate, shard = _check_fixed(strategy, replicate, shard, dp, 1)
+    elif strategy in ("zero2", "fsdp"):
+        replicate, shard = _check_fixed(strategy, replicate, shard, 1, dp)
+    else:  # hsdp: shard inside a node, replicate across nodes, unless told otherwise
+        if replicate and shard:
+            pass
+        elif shard:
+            replicate = dp // shard if dp % shard == 0 else 0
+        elif replicate:
+            shard = dp // replicate if dp % replicate == 0 else 0
+        else:
+            shard = min(local_world_size, dp)
+            replicate = dp // shard if dp % shard == 0 else 0
+        if replicate * shard != dp:
+            raise UserError(f"hsdp needs parallel.dp_replicate x dp_shard = {dp} (the data-parallel degree: world "
+                            f"{world_size} / (tp x pp x cp)); got dp_replicate = {p.dp_replicate or 'auto'}, "
+                            f"dp_shard = {p.dp_shard or 'auto'}. Set both so their product is {dp}")
+    if dp % p.ep:
+        raise UserError(f"parallel.ep = {p.ep} must divide the data-parallel degree {dp}")
+    dims = ParallelDims(strategy, replicate, shard, p.tp, p.pp, p.cp, p.ep)
+    for name, kind in NOT_YET.items():
+        if getattr(dims, name) > 1:
+            raise UserError(f"parallel.{name} = {getattr(dims, name)}: {kind} parallelism is planned but not "
+                            f"implemented yet; set --parallel.{name}=1 (`slipstream plan` will size it)")
+    return dims
+
+
+def _check_fixed(strategy: str, replicate: int, shard: int, want_replicate: int, want_shard: int) -> tuple[int, int]:
+    for name, given, want in (("dp_replicate", replicate, want_replicate), ("dp_shard", shard, want_shard)):
+        if given not in (0, want):
+            raise UserError(f"parallel.{name} = {given} does not fit dp_strategy = {strategy}, which needs "
+                            f"{name} = {want} here; leave it at 0 (derived) or choose dp_strategy = hsdp")
+    return want_replicate, want_shard
+
+
+def check_compatibility(cfg: Config, dims: ParallelDims) -> None:
+    """Combinations that cannot work, refused before any work starts."""
+    s, p = dims.strategy, cfg.parallel
+    if s == "none":
+        return
+    if cfg.optim.in_backward:
+        raise UserError(f"optim.in_backward steps each parameter before data parallelism has reduced its gradient; "
+                        f"it cannot be combined with dp_strategy = {s}. Use fsdp/zero2 to save gradient memory")
+    if s in SHARDED:
+        if p.comm_hook != "none" or p.local_sgd_period:
+            raise UserError(f"parallel.comm_hook and parallel.local_sgd_period are DDP features; dp_strategy = {s} "
+                            "reduces gradients with FSDP (use parallel.reduce_dtype=bf16 to compress them)")
+        if cfg.optim.offload:
+            raise UserError(f"optim.offload is the single-device/DDP optimizer offload; with dp_strategy = {s} use "
+                            "--parallel.offload=true (FSDP CPU offload)")
+        if cfg.precision.autocast == "fp16":
+            raise UserError(f"fp16 loss scaling is not supported with dp_strategy = {s}; use "
+                            "--precision.autocast=bf16 or --parallel.param_dtype=bf16")
+        if cfg.precision.fp8:
+            raise UserError(f"precision.fp8 is not supported with dp_strategy = {s} yet; use ddp or turn fp8 off")
+        if cfg.optim.state_dtype != "fp32" and p.offload:
+            raise UserError("optim.state_dtype = bf16 with parallel.offload is not supported; choose one")
+    else:
+        if p.param_dtype != "none" or p.reduce_dtype != "none" or p.offload:
+            raise UserError(f"parallel.param_dtype, reduce_dtype and offload are FSDP settings; with dp_strategy = {s} "
+                            "use precision.autocast, parallel.comm_hook and optim.offload instead")
+        if p.static_graph and cfg.train.grad_accum_steps > 1:
+            raise UserError("parallel.static_graph cannot be combined with train.grad_accum_steps > 1 (DDP's static "
+                            "graph does not support no_sync); drop one of them")
+        if p.local_sgd_period and s != "ddp":
+            raise UserError("parallel.local_sgd_period needs dp_strategy = ddp")
+        if p.local_sgd_period and p.comm_hook != "none":
+            raise UserError("local SGD installs its own communication hook; set parallel.comm_hook = none")
+        if s == "zero1" and (cfg.optim.offload or cfg.optim.state_dtype != "fp32"):
+            raise UserError("zero1 shards the plain AdamW state; it cannot be combined with optim.offload or "
+                            "optim.state_dtype = bf16")
+
+
+@dataclass
+class Parallel:
+    """This process's place in the job: rank, device, degrees and the mesh."""
+
+    env: LaunchEnv
+    dims: ParallelDims
+    device: torch.device
+    mesh: Any = None  # DeviceMesh, or None for a single process without a sharding strategy
+
+    @property
+    def rank(self) -> int:
+        return self.env.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.env.world_size
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return dist.is_available() and dist.is_initialized()
+
+    @property
+    def dp_rank(self) -> int:
+        """Which slice of the global batch this rank reads (every rank is a data-parallel rank for now)."""
+        return self.env.rank
+
+    def barrier(self) -> None:
+        if self.distributed and self.world_size > 1:
+            dist.barrier()
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's value on every rank (for decisions only one rank may make, like a run-dir name)."""
+        if not self.distributed or self.world_size == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Average a device tensor over all ranks (a collective: every rank must call it)."""
+        if not self.distributed or self.world_size == 1:
+            return tensor
+        out = tensor.detach().clone().float()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out / self.world_size
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's value, on every rank."""
+        if not self.distributed or self.world_size == 1:
+            return [value]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value)
+        return out
+
+
+_CURRENT: Parallel | None = None
+
+
+def init_parallel(cfg: Config) -> Parallel:
+    """Join the job (once per process) and return its Parallel context."""
+    global _CURRENT
+    env = read_launch_env()
+    dims = resolve_parallel_dims(cfg.parallel, env.world_size, env.local_world_size)
+    check_compatibility(cfg, dims)
+    if _CURRENT is not None and _CURRENT.env == env and _CURRENT.dims == dims:
+        return _CURRENT
+    from slipstream.train.setup import resolve_device
+
+    device = resolve_device(cfg.train.device)
+    if env.launched and device.type != "cpu":
+        # One accelerator per local rank.
+        device = torch.device(device.type, env.local_rank % torch.accelerator.device_count())
+        torch.accelerator.set_device_index(device.index)
+    if env.launched and device.type == "cpu" and not cfg.train.threads:
+        # torchrun gives each worker OMP_NUM_THREADS=1; share the cores among the local ranks instead.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+    needs_group = env.launched or dims.strategy != "none"
+    if needs_group and not dist.is_initialized():
+        _join_process_group(cfg.parallel, env, device)
+    mesh = _build_mesh(dims, device) if needs_group else None
+    if needs_group and env.world_size > 1:
+        _first_barrier(cfg.parallel, env, mesh)
+    _CURRENT = Parallel(env, dims, device, mesh)
+    return _CURRENT
+
+
+def _backend(p: ParallelConfig, device: torch.device) -> str:
+    if p.backend != "auto":
+        if p.backend == "nccl" and device.type != "cuda":
+            raise UserError("parallel.backend = nccl needs CUDA devices; use gloo (or auto) on CPU")
+        return p.backend
+    return dist.get_default_backend_for_device(device) if hasattr(dist, "get_default_backend_for_device") else (
+        "nccl" if device.type == "cuda" else "gloo")
+
+
+def _join_process_group(p: ParallelConfig, env: LaunchEnv, device: torch.device) -> None:
+    if device.type == "cuda":
+        # Async error handling tears the job down on a failed/stuck collective instead of hanging,
+        # and the flight recorder keeps the last collectives of every rank for the post-mortem.
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+        os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+        os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    backend = _backend(p, device)
+    timeout = datetime.timedelta(seconds=p.init_timeout_s)
+    try:
+        if env.launched:
+            dist.init_process_group(backend=backend, timeout=timeout,
+                                    device_id=device if device.type == "cuda" else None)
+        else:  # one process without a launcher: a private in-memory store
+            dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    except (RuntimeError, ValueError, dist.DistError) as e:
+        where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+        raise UserError(f"rank {env.rank} could not join the process group at {where} within "
+                        f"{p.init_timeout_s:g} s ({type(e).__name__}: {str(e).splitlines()[0][:200]}); check that "
+                        "every node started, the address/port is reachable, and raise parallel.init_timeout_s "
+                        "for slow starts") from None
+
+
+def _first_barrier(p: ParallelConfig, env: LaunchEnv, mesh) -> None:
+    """Everybody is here; from now on collectives get the (longer) training timeout."""
+    try:
+        dist.barrier()
+    except (RuntimeError, dist.DistError) as e:
+        raise UserError(f"rank {env.rank}: not every rank arrived within parallel.init_timeout_s = "
+                        f"{p.init_timeout_s:g} s ({str(e).splitlines()[0][:200]})") from None
+    from torch.distributed import distributed_c10d
+
+    if hasattr(distributed_c10d, "_set_pg_timeout"):
+        timeout = datetime.timedelta(seconds=p.timeout_s)
+        groups = {id(g): g for g in [dist.group.WORLD, *(mesh.get_group(n) for n in mesh.mesh_dim_names)]}
+        for group in groups.values():
+            distributed_c10d._set_pg_timeout(timeout, group)
+
+
+def _build_mesh(dims: ParallelDims, device: torch.device):
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names, sizes = zip(*dims.mesh_dims)
+    return init_device_mesh(device.type, tuple(sizes), mesh_dim_names=tuple(names))
+
+
+def shutdown() -> None:
+    """Leave the process group (end of a run launched by slipstream)."""
+    global _CURRENT
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _CURRENT = None
+
+
+def describe(par: Parallel) -> str:
+    d = par.dims
+    mesh = " x ".join(f"{n} {s}" for n, s in d.mesh_dims)
+    return (f"parallel: {d.strategy} on {par.world_size} process(es) [{mesh}], rank {par.rank}, "
+            f"device {par.device}, backend {dist.get_backend() if par.distributed else 'none'}")
