@@ -20,8 +20,7 @@ import torch.distributed as dist
 from slipstream.config.schema import ParallelConfig
 
 
-def _bf16_compress_hook(process_group: dist.ProcessGroup | None, bucket: dist.GradBucket
-                        ) -> torch.futures.Future[torch.Tensor]:
+def _bf16_compress_hook(process_group, bucket):  # no annotations: DDP checks them literally
     """Average the bucket in bf16 on any backend (gloo included), then write it back in its dtype."""
     group = process_group if process_group is not None else dist.group.WORLD
     world = dist.get_world_size(group)

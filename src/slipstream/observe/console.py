@@ -107,11 +107,12 @@ class TrainProgress:
 
     On a terminal, set_metrics updates the text in the bar. Without a bar (not a terminal,
     or enabled=False) set_metrics prints one plain line instead, with step and ETA, so job
-    logs still show progress.
+    logs still show progress. silent=True shows nothing at all (the other ranks of a job).
     """
 
     def __init__(self, total_steps: int, start_step: int = 0, enabled: bool = True, description: str = "train",
-                 summary_every_s: float = 30.0):
+                 summary_every_s: float = 30.0, silent: bool = False):
+        self.silent = silent
         self.total_steps = total_steps
         self.summary_every_s = summary_every_s
         self._last_summary = -math.inf
@@ -121,7 +122,7 @@ class TrainProgress:
         self.metrics_text = ""
         self._start_time = time.perf_counter()
         console = Console()
-        self.use_bar = enabled and console.is_terminal
+        self.use_bar = enabled and console.is_terminal and not silent
         self._progress: Progress | None = None
         if self.use_bar:
             self._progress = Progress(
@@ -172,6 +173,8 @@ class TrainProgress:
             parts.append(self.metrics_text)
         parts.append(f"eta {human_duration(self.eta_seconds())}")
         line = " | ".join(parts)
+        if self.silent:
+            return
         if self._progress is None:
             print(line, flush=True)
             return
@@ -184,6 +187,8 @@ class TrainProgress:
 
     def print_line(self, text: str) -> None:
         """Print a line above the bar (or as a plain line when there is no bar)."""
+        if self.silent:
+            return
         if self._progress is not None:
             # markup=False: a line like "[step 100]" must not be parsed as rich markup.
             self._progress.console.print(text, markup=False, highlight=False)

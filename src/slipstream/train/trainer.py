@@ -431,8 +431,9 @@ class Trainer:
         if measure_at is not None and cfg.compile.scope != "off":
             # The tracker is a dispatch mode: compiled code would not run under it (fullgraph
             # fails, otherwise the eager model is measured instead). Never report that.
-            print("note: metrics.memory_breakdown is skipped with torch.compile (its tracker would measure "
-                  "the eager model); compare memory with --compile.scope=off")
+            if main:
+                print("note: metrics.memory_breakdown is skipped with torch.compile (its tracker would measure "
+                      "the eager model); compare memory with --compile.scope=off")
             measure_at = None
         memory_record: dict[str, Any] = {}
         self.memory_report = None
@@ -440,7 +441,8 @@ class Trainer:
 
         # The profiler stops (and writes what it recorded) when the loop ends, also on errors.
         profiling = self.profiler if self.profiler is not None else contextlib.nullcontext()
-        with TrainProgress(cfg.train.max_steps, start_step=self.step, enabled=cfg.logging.progress and main) as progress, \
+        with TrainProgress(cfg.train.max_steps, start_step=self.step, enabled=cfg.logging.progress,
+                           silent=not main) as progress, \
                 profiling:
             while self.step < cfg.train.max_steps:
                 if cfg.metrics.memory_snapshot and self.step == start_step + 1:
