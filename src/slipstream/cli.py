@@ -10,6 +10,7 @@
     slipstream probe [--sections compute memory comm storage] [--device D] [--data-dir DIR] [--out FILE]
     slipstream config reference
     slipstream bench overhead [--config FILE] [--section.key=value ...] [--rounds N] [--out FILE]
+    slipstream bench sharding [--nproc N --strategies ddp zero1 zero2 fsdp --steps N]
     slipstream bench fused-ce [--rows N --d D --vocab V --dtype ... --chunk-size ...]
     slipstream bench ladder [memory|speed|both] [--device D --size S --repeats N --steps N --batch B]
 
@@ -130,6 +131,16 @@ def cmd_bench_ladder(args, extra) -> int:
     return 0
 
 
+def cmd_bench_sharding(args, extra) -> int:
+    from slipstream.perf.sharding import run_sharding_bench
+
+    if extra:
+        raise UserError(f"unexpected arguments: {' '.join(extra)}")
+    run_sharding_bench(nproc=args.nproc, strategies=tuple(args.strategies), data_dir=args.data_dir,
+                       steps=args.steps, out=args.out)
+    return 0
+
+
 def cmd_bench_fused_ce(args, extra) -> int:
     from slipstream.ops.bench_fused_ce import run_fused_ce_bench
 
@@ -242,6 +253,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--augment-ms", type=float, default=5.0,
                    help="speed ladder: CPU cost of the augmentation per sequence (makes the baseline data-bound)")
     p.set_defaults(func=cmd_bench_ladder)
+    p = bench.add_parser("sharding", help="memory per rank of ddp vs zero1 vs zero2 vs fsdp (torchrun, CPU)")
+    p.add_argument("--nproc", type=int, default=2, help="processes (ranks)")
+    p.add_argument("--strategies", nargs="+", default=["ddp", "zero1", "zero2", "fsdp"])
+    p.add_argument("--steps", type=int, default=3, help="training steps per strategy (step 2 is measured)")
+    p.add_argument("--data-dir", default="", help="prepared data folder (default: the stdlib corpus, prepared once)")
+    p.add_argument("--out", default="", help="JSON file (default benchmarks/sharding-cpu.json)")
+    p.set_defaults(func=cmd_bench_sharding)
     p = bench.add_parser("fused-ce", help="fused linear + cross-entropy vs the unfused path: time and peak memory")
     p.add_argument("--rows", type=int, default=4096, help="tokens (batch x sequence)")
     p.add_argument("--d", type=int, default=256, help="hidden size")

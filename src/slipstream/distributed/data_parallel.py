@@ -120,6 +120,13 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.module if hasattr(model, "no_sync") and hasattr(model, "module") else model
 
 
+def gradients_live_in_buckets(model: nn.Module, cfg: Config) -> bool:
+    """DDP with gradient_as_bucket_view: the gradients are views into DDP's buckets, which exist
+    for the whole run anyway. Zeroing them (instead of setting them to None) keeps them pointing
+    there, so nothing is re-allocated and memory trackers count the buckets as gradients."""
+    return hasattr(model, "no_sync") and hasattr(model, "reducer") and cfg.parallel.grad_as_bucket_view
+
+
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
     """A plain tensor from a DTensor (e.g. the gradient norm of sharded parameters)."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

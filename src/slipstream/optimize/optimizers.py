@@ -101,7 +101,9 @@ def torch_optimizers(optimizer: Any) -> Any:
     inner = getattr(optimizer, "optimizers", None)
     if isinstance(inner, dict):
         return list(inner.values())
-    if type(optimizer).__name__ == "PostLocalSGDOptimizer":  # local SGD: the wrapped optimizer holds the state
+    if type(optimizer).__name__ in ("PostLocalSGDOptimizer", "ZeroRedundancyOptimizer"):
+        # Local SGD wraps the optimizer that holds the state; ZeRO-1's local optimizer holds
+        # this rank's partition of it.
         return optimizer.optim
     return optimizer
 

@@ -30,7 +30,7 @@ import torch.nn as nn
 from slipstream.checkpoint import manager as ckpt
 from slipstream.config.load import config_to_toml
 from slipstream.config.schema import Config
-from slipstream.distributed.data_parallel import full_value, no_sync
+from slipstream.distributed.data_parallel import full_value, gradients_live_in_buckets, no_sync
 from slipstream.errors import UserError
 from slipstream.observe.memprofile import format_memory_report, measure_step_memory, record_memory_history
 from slipstream.optimize.apply import apply_optimizations
@@ -38,7 +38,7 @@ from slipstream.optimize.optimizers import torch_optimizers
 from slipstream.optimize.precision import autocast_context, make_grad_scaler
 from slipstream.train.rundir import make_run_dir, prepare_run_dir
 from slipstream.train.schedule import build_scheduler, scheduler_state
-from slipstream.train.setup import build_optimizer, configure_runtime, resolve_device
+from slipstream.train.setup import build_optimizer, configure_runtime
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
@@ -102,6 +102,7 @@ class Trainer:
         self.checkpoint_files = checkpoint_files or {}
         self.model_summary = model_summary
         self.optimizer = build_optimizer(self.model, self.cfg, self.parallel)
+        self._grads_in_buckets = gradients_live_in_buckets(self.model, self.cfg)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.cfg.train.max_steps)
         self.step = 0
         self.tokens_seen = 0
@@ -223,8 +224,12 @@ class Trainer:
 
     def _job_summary(self, summary: dict[str, Any]) -> dict[str, Any]:
         """Distributed runs: the job's shape, and every rank's memory (a collective)."""
+        report = self.memory_report
         mine = {"rank": self.parallel.rank, "device": str(self.device), "mem_peak_bytes": summary["mem_peak_bytes"],
-                "step_peak_bytes": self.memory_report.peak_bytes if self.memory_report is not None else None}
+                "step_peak_bytes": report.peak_bytes if report is not None else None,
+                "step_peak_categories": report.categories if report is not None else None,
+                # All gradients exist at the end of backward: the clearest view of what a strategy shards.
+                "backward_end_categories": report.phase_categories["backward"]["end"] if report is not None else None}
         per_device = summary["tokens_per_s"] / self.parallel.world_size if summary["tokens_per_s"] else None
         return {"world_size": self.parallel.world_size, "dp_strategy": self.parallel.dims.strategy,
                 "tokens_per_s_per_device": per_device, "ranks": self.parallel.gather(mine)}
@@ -359,7 +364,7 @@ class Trainer:
         else:
             self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self._grads_in_buckets)
         return grad_norm
 
     @torch.no_grad()  # not inference_mode: FSDP gathers parameters into buffers autograd may see later
