@@ -127,6 +127,21 @@ def gradients_live_in_buckets(model: nn.Module, cfg: Config) -> bool:
     return hasattr(model, "no_sync") and hasattr(model, "reducer") and cfg.parallel.grad_as_bucket_view
 
 
+def write_full_or_shard(param: torch.Tensor, values: torch.Tensor) -> None:
+    """Copy a parameter's full initial values into it; a sharded (DTensor) parameter keeps only
+    its own shard. Every rank computes the same full values (same seed), so no communication."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        values = distribute_tensor(values.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    param.copy_(values)
+
+
+def init_device(cfg: Config, device: torch.device) -> torch.device:
+    """Where sharded parameters are materialized: CPU memory when FSDP offloads them."""
+    return torch.device("cpu") if cfg.parallel.offload else device
+
+
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
     """A plain tensor from a DTensor (e.g. the gradient norm of sharded parameters)."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor

@@ -11,6 +11,8 @@ the target device and initializes every parameter deterministically from a seed.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -165,12 +167,15 @@ class Transformer(nn.Module):
         return x if return_hidden else self.lm_head(x)
 
     @torch.no_grad()
-    def init_weights(self, seed: int) -> None:
+    def init_weights(self, seed: int, write: Callable[[torch.Tensor, torch.Tensor], Any] | None = None) -> None:
         """Deterministic init from `seed`, independent of the global RNG and of device.
 
         Parameters are drawn on CPU in name order from one generator, then copied, so the
-        same seed gives the same weights on every device and world size.
+        same seed gives the same weights on every device and world size. `write(param,
+        full_values)` does the copy (default: param.copy_); a sharded parameter's writer
+        keeps only its own shard, so one full parameter exists at a time, never the model.
         """
+        write = write or (lambda param, values: param.copy_(values))
         gen = torch.Generator(device="cpu").manual_seed(seed)
         std = self.cfg.init_std
         residual_std = std / math.sqrt(2 * self.cfg.n_layer)
@@ -183,7 +188,7 @@ class Transformer(nn.Module):
                 values = torch.ones(param.shape)
             else:
                 values = torch.randn(param.shape, generator=gen) * std
-            param.copy_(values)
+            write(param, values)
         if self.rope_cos is not None:
             cos, sin = rope_tables(self.cfg.d_model // self.cfg.n_head, self.cfg.max_seq_len, self.cfg.rope_theta)
             self.rope_cos.copy_(cos)
@@ -197,11 +202,12 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int 
     return materialize(model, device, seed)
 
 
-def materialize(model: Transformer, device: str | torch.device, seed: int) -> Transformer:
+def materialize(model: Transformer, device: str | torch.device, seed: int,
+                write: Callable[[torch.Tensor, torch.Tensor], Any] | None = None) -> Transformer:
     model.to_empty(device=device)
-    if model.cfg.tie_embeddings:  # to_empty() re-creates parameters; re-tie them
-        model.lm_head.weight = model.tok_emb.weight
-    model.init_weights(seed)
+    if model.cfg.tie_embeddings and model.lm_head.weight is not model.tok_emb.weight:
+        model.lm_head.weight = model.tok_emb.weight  # to_empty() re-created the parameters: re-tie them
+    model.init_weights(seed, write)
     return model
 
 

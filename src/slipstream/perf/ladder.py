@@ -5,7 +5,8 @@ repeat by repeat (rung 1, 2, ..., n, then again), so slow drift of the machine h
 rung alike; each rung reports the median and spread over its repeats.
 
     memory ladder (book: gpt2-large, batch 32): baseline -> gradient accumulation ->
-        activation checkpointing -> optimizer step in backward -> optimizer offload to CPU.
+        activation checkpointing -> optimizer step in backward -> optimizer offload to CPU
+        -> sharding (FSDP over 2 ranks under torchrun, same global batch; memory per rank).
         Reports the measured peak memory of a training step (and step time: the cost).
     speed ladder (book: gpt-mini, batch 32, CPU-bound text augmentation, no workers):
         baseline -> larger batch -> data workers -> pinned memory + non-blocking copies ->
@@ -34,13 +35,14 @@ class Rung:
     name: str
     overrides: tuple[str, ...]  # cumulative: everything from the rungs before plus this one
     note: str = ""
+    sharded_ranks: int = 0  # > 0: an FSDP run over this many processes (torchrun), memory per rank
 
 
-def _cumulative(steps: list[tuple[str, list[str], str]]) -> list[Rung]:
+def _cumulative(steps: list[tuple]) -> list[Rung]:
     rungs, acc = [], []
-    for name, overrides, note in steps:
+    for name, overrides, note, *ranks in steps:
         acc = acc + overrides
-        rungs.append(Rung(name, tuple(acc), note))
+        rungs.append(Rung(name, tuple(acc), note, *ranks))
     return rungs
 
 
@@ -70,6 +72,10 @@ def memory_ladder(batch: int, device: str) -> list[Rung]:
         ("optimizer offload", ["--optim.in_backward=false", "--optim.offload=true"],
          "fp32 master weights + Adam state in CPU memory" + ("" if device == "cuda" else
                                                              " (on CPU the training device IS host memory: no saving)")),
+        ("sharding (fsdp x2)", [f"--train.micro_batch_size={max(1, batch // accum // 2)}", "--optim.offload=false",
+                                "--optim.implementation=auto"],
+         "FSDP over 2 ranks instead of offload: parameters, gradients and Adam state sharded; each rank takes "
+         "half of every micro-batch (same global batch); peak of the worst rank", 2),
     ])
 
 
@@ -92,10 +98,28 @@ def speed_ladder(batch: int, device: str, augment_ms: float) -> list[Rung]:
     ])
 
 
+def _run_sharded_rung(base: list[str], rung: Rung, steps: int, run_dir: str) -> dict[str, Any]:
+    import json
+
+    from slipstream.perf.sharding import run_strategy
+
+    summary = run_strategy("fsdp", rung.sharded_ranks, base + list(rung.overrides), run_dir, steps=steps)
+    records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    steady = [r for r in records if "loss" in r and r["step"] >= min(3, steps)]
+    worst = max(summary["ranks"], key=lambda r: r["step_peak_bytes"] or 0)
+    return {"step_time_s": statistics.median(r["step_time_s"] for r in steady),
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in steady),
+            "peak_bytes": worst["step_peak_bytes"], "optimizer_phase_peak_bytes": None,
+            "memory": {"ranks": summary["ranks"]}, "loss": summary["final_loss"]}
+
+
 def _run_rung(base: list[str], rung: Rung, steps: int, run_dir: str) -> dict[str, Any]:
     import json
 
     from slipstream.train.lm import build_lm_trainer
+
+    if rung.sharded_ranks:
+        return _run_sharded_rung(base, rung, steps, run_dir)
 
     overrides = base + list(rung.overrides) + [
         f"--run.dir={run_dir}", f"--train.max_steps={steps}", "--train.eval_steps=0",
@@ -130,6 +154,8 @@ def run_ladder(which: str, device: str = "cpu", size: str = "tiny", repeats: int
     if repeats < 1 or steps < 2 or batch < 1:
         raise UserError("--repeats >= 1, --steps >= 2 and --batch >= 1 are required")
     rungs = memory_ladder(batch, device) if which == "memory" else speed_ladder(batch, device, augment_ms)
+    if device == "cuda" and _cuda_count() < 2:
+        rungs = [r for r in rungs if not r.sharded_ranks]  # sharding needs 2 GPUs
     base = [f"--train.device={device}", *SIZES[which][size]] + ([f"--data.dir={data_dir}"] if data_dir else [])
     ensure_data(load_config(None, base))  # prepare once, outside every timed region
     results: dict[str, list[dict[str, Any]]] = {r.name: [] for r in rungs}
@@ -162,6 +188,12 @@ def run_ladder(which: str, device: str = "cpu", size: str = "tiny", repeats: int
     _plot(result, f"{stem}.png")
     print(f"wrote {stem}.json and {stem}.png")
     return result
+
+
+def _cuda_count() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _print_table(result: dict[str, Any]) -> None:

@@ -86,7 +86,8 @@ def describe_model(cfg: Config) -> str:
 def build_lm_trainer(cfg: Config):
     """Everything `slipstream train` needs, assembled in the one documented order."""
     from slipstream.data import TokenLoader, get_tokenizer, tokenizer_spec_for
-    from slipstream.distributed.mesh import init_parallel
+    from slipstream.distributed.data_parallel import init_device, write_full_or_shard
+    from slipstream.distributed.mesh import SHARDED, init_parallel
     from slipstream.models.transformer import Transformer, materialize
     from slipstream.observe.flops import flops_per_token
     from slipstream.perf.repro import seed_all
@@ -116,8 +117,14 @@ def build_lm_trainer(cfg: Config):
     seed_all(cfg.train.seed)
     with torch.device("meta"):
         model = Transformer(cfg.model)
-    # Every rank draws the same full weights from the seed; data parallelism then replicates or shards them.
-    model = materialize(model, device, cfg.train.seed)
+    init_model = None
+    if par.dims.strategy in SHARDED:
+        # Sharded strategies materialize after fully_shard: a rank never holds the whole model,
+        # yet gets exactly the shards of the weights a single process would draw from the seed.
+        where = init_device(cfg, device)
+        init_model = functools.partial(materialize, device=where, seed=cfg.train.seed, write=write_full_or_shard)
+    else:
+        model = materialize(model, device, cfg.train.seed)
 
     t = cfg.train
     d = cfg.data
@@ -138,7 +145,8 @@ def build_lm_trainer(cfg: Config):
     return Trainer(model, train_loader, loss_fn, config=cfg, val_data=val_loader,
                    tokens_per_batch=t.micro_batch_size * t.seq_len,
                    flops_per_token=flops_per_token(cfg.model, t.seq_len), device=device,
-                   checkpoint_meta=meta, checkpoint_files=files, model_summary=describe_model(cfg), parallel=par)
+                   checkpoint_meta=meta, checkpoint_files=files, model_summary=describe_model(cfg), parallel=par,
+                   init_model=init_model)
 
 
 def train_lm(cfg: Config) -> dict[str, Any]:

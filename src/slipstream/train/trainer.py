@@ -74,6 +74,9 @@ def _batch_size(batch: Any) -> int:
 class Trainer:
     """Trains `model` on `train_data` with `loss_fn(model, batch) -> mean loss`.
 
+    init_model: for a model built on the meta device, a function that materializes and
+    initializes it; called after data-parallel wrapping (FSDP: on each rank's shards only).
+
     tokens_per_batch: tokens in one micro-batch (LMs: batch x seq); None counts samples.
     flops_per_token: training FLOPs per token (or per sample) for MFU; None -> mfu null.
     """
@@ -81,7 +84,8 @@ class Trainer:
     def __init__(self, model: nn.Module, train_data: Any, loss_fn: LossFn, config: Config | None = None,
                  val_data: Any = None, tokens_per_batch: int | None = None, flops_per_token: float | None = None,
                  collate_fn=None, device: torch.device | None = None, checkpoint_meta: dict | None = None,
-                 checkpoint_files: dict[str, str] | None = None, model_summary: str = "", parallel=None):
+                 checkpoint_files: dict[str, str] | None = None, model_summary: str = "", parallel=None,
+                 init_model: Callable[[nn.Module], Any] | None = None):
         from slipstream.distributed.data_parallel import apply_data_parallel
         from slipstream.distributed.mesh import init_parallel
 
@@ -90,9 +94,15 @@ class Trainer:
         self.parallel = parallel or init_parallel(self.cfg)
         self.device = device or self.parallel.device
         configure_runtime(self.cfg, self.device)
+        on_meta = any(p.is_meta for p in model.parameters())
+        if on_meta and init_model is None:
+            raise UserError("the model is on the meta device; pass init_model= (a function that materializes "
+                            "and initializes it) or build it on a real device")
         # The one fixed order: single-device techniques (fp8 -> AC -> compile), then data parallelism.
-        self.model = apply_data_parallel(apply_optimizations(model.to(self.device), self.cfg, self.device),
-                                         self.cfg, self.parallel)
+        model = apply_optimizations(model if on_meta else model.to(self.device), self.cfg, self.device)
+        self.model = apply_data_parallel(model, self.cfg, self.parallel)
+        if on_meta:  # after sharding: each rank allocates only its own shards of the parameters
+            init_model(self.model)
         self.loss_fn = loss_fn
         self.train_loader = _as_loader(train_data, self.cfg, self.device, shuffle=True, collate_fn=collate_fn)
         self.val_loader = _as_loader(val_data, self.cfg, self.device, shuffle=False, collate_fn=collate_fn)
