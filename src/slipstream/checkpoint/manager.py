@@ -161,10 +161,18 @@ def _state_payload(model: torch.nn.Module, optimizer: Any | None) -> dict[str, A
         return {"model": get_model_state_dict(model)}
     if _is_zero1(optimizer):
         # Each rank holds the state of its own partition only: saved under a per-rank key.
+        # The outer groups hold the current hyper-parameters (the scheduler sets them there;
+        # ZeRO copies them inward only when it steps): bring the local optimizer up to date.
+        _copy_hyperparameters(optimizer.param_groups, optimizer.optim.param_groups)
         return {"model": get_model_state_dict(model),
                 _zero1_key(): get_optimizer_state_dict(model, optimizer.optim)}
     model_sd, optim_sd = get_state_dict(model, torch_optimizers(optimizer))
     return {"model": model_sd, "optim": optim_sd}
+
+
+def _copy_hyperparameters(source: list[dict], target: list[dict]) -> None:
+    for src, dst in zip(source, target):
+        dst.update({k: v for k, v in src.items() if k != "params"})
 
 
 def _is_zero1(optimizer: Any) -> bool:
@@ -281,6 +289,9 @@ def _load_weights(path: Path, model: torch.nn.Module, optimizer: Any | None) -> 
     elif _is_zero1(optimizer):
         set_model_state_dict(model, payload["model"])
         set_optimizer_state_dict(model, optimizer.optim, payload[_zero1_key()])
+        # ZeRO copies its outer groups' hyper-parameters (lr, ...) into the local optimizer at
+        # every step: they must hold the restored values, not the fresh optimizer's.
+        _copy_hyperparameters(optimizer.optim.param_groups, optimizer.param_groups)
     else:
         set_state_dict(model, torch_optimizers(optimizer), model_state_dict=payload["model"],
                        optim_state_dict=payload["optim"])

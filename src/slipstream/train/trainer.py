@@ -45,8 +45,9 @@ LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
 # --- data ------------------------------------------------------------------------------------
 
-def _as_loader(data: Any, cfg: Config, device: torch.device, shuffle: bool, collate_fn=None):
-    """Wrap a map-style Dataset in our stateful loader; pass stateful loaders through."""
+def _as_loader(data: Any, cfg: Config, device: torch.device, shuffle: bool, collate_fn=None, parallel=None):
+    """Wrap a map-style Dataset in our stateful loader (sharded over the data-parallel ranks);
+    pass stateful loaders through."""
     if data is None or (hasattr(data, "state_dict") and hasattr(data, "load_state_dict") and hasattr(data, "__iter__")
                         and not isinstance(data, torch.utils.data.Dataset)):
         return data
@@ -54,7 +55,8 @@ def _as_loader(data: Any, cfg: Config, device: torch.device, shuffle: bool, coll
         from slipstream.data.loader import DatasetLoader
 
         return DatasetLoader(data, batch_size=cfg.train.micro_batch_size, shuffle=shuffle, seed=cfg.train.seed,
-                             drop_last=shuffle, collate_fn=collate_fn, device=device)
+                             drop_last=shuffle, collate_fn=collate_fn, device=device,
+                             rank=parallel.dp_rank if parallel else 0, world_size=parallel.dims.dp if parallel else 1)
     raise UserError(f"train_data must be a torch Dataset or a stateful loader (state_dict/load_state_dict), "
                     f"got {type(data).__name__}")
 
@@ -104,8 +106,10 @@ class Trainer:
         if on_meta:  # after sharding: each rank allocates only its own shards of the parameters
             init_model(self.model)
         self.loss_fn = loss_fn
-        self.train_loader = _as_loader(train_data, self.cfg, self.device, shuffle=True, collate_fn=collate_fn)
-        self.val_loader = _as_loader(val_data, self.cfg, self.device, shuffle=False, collate_fn=collate_fn)
+        self.train_loader = _as_loader(train_data, self.cfg, self.device, shuffle=True, collate_fn=collate_fn,
+                                       parallel=self.parallel)
+        self.val_loader = _as_loader(val_data, self.cfg, self.device, shuffle=False, collate_fn=collate_fn,
+                                     parallel=self.parallel)
         self.tokens_per_batch = tokens_per_batch
         self.flops_per_token = flops_per_token
         self.checkpoint_meta = checkpoint_meta or {}

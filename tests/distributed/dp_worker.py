@@ -1,0 +1,237 @@
+"""Worker for tests/distributed/test_data_parallel.py: many Trainer runs in one torchrun launch.
+
+    python -m torch.distributed.run --standalone --nproc-per-node N tests/distributed/dp_worker.py OUT_DIR [NAME ...]
+
+Runs every scenario of SCENARIOS[N] (or only the named ones) one after the other in the same
+process group and writes, per scenario and rank, OUT_DIR/<name>/rank<R>.json (and, for
+scenarios with `snapshots`, rank<R>.pt: this rank's flat parameter vector after every step).
+Rank 0's Trainer writes metrics.jsonl and the checkpoints into OUT_DIR/<name>/run.
+
+The pytest side imports this module for the shared builders (config, model, data), so the
+single-process references are built exactly like the distributed runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB = 64
+SEQ_LEN = 16
+N_SAMPLES = 64    # divisible by every world x micro-batch used here, so no rank ever sits a sample out
+MICRO = 2         # per-rank micro-batch of every distributed run
+STEPS = 6
+CKPT_INTERVAL = 3
+MODEL_SEED = 7
+
+# Every run, distributed or reference, differs from this only in strategy, micro-batch,
+# accumulation, run dir and the scenario's own extras.
+COMMON = [
+    "--model.preset=tiny", f"--model.vocab_size={VOCAB}", f"--train.seq_len={SEQ_LEN}",
+    f"--train.max_steps={STEPS}", "--train.deterministic=true", "--train.eval_steps=0",
+    "--optim.warmup_steps=1", "--optim.lr=0.01", "--optim.eps=1e-6", "--logging.progress=false", "--logging.tensorboard=false",
+    "--logging.log_interval=1", "--metrics.memory_breakdown=false", f"--checkpoint.interval={CKPT_INTERVAL}",
+    "--parallel.timeout_s=60", "--parallel.init_timeout_s=60",
+]
+
+
+def scenario(name: str, strategy: str, accum: int = 1, extra: tuple[str, ...] = (), kind: str = "fit",
+             snapshots: bool = False) -> dict[str, Any]:
+    """kind: fit (one run), resume (crash after step 3, resume to step 6), dataset (a raw Dataset
+    handed to the Trainer instead of an explicitly sharded loader)."""
+    return dict(name=name, strategy=strategy, accum=accum, extra=list(extra), kind=kind, snapshots=snapshots)
+
+
+POWERSGD = ("--parallel.comm_hook=powersgd", "--parallel.powersgd_start_step=2", "--parallel.powersgd_rank=1")
+LOCAL_SGD_START, LOCAL_SGD_PERIOD = 2, 2
+LOCAL_SGD = (f"--parallel.local_sgd_period={LOCAL_SGD_PERIOD}", f"--parallel.local_sgd_start_step={LOCAL_SGD_START}")
+
+SCENARIOS: dict[int, list[dict[str, Any]]] = {
+    2: [
+        scenario("ddp", "ddp", snapshots=True),
+        scenario("zero1", "zero1"),
+        scenario("zero2", "zero2"),
+        scenario("fsdp", "fsdp"),
+        scenario("ddp_accum2", "ddp", accum=2),
+        scenario("zero2_accum2", "zero2", accum=2),
+        scenario("fsdp_accum2", "fsdp", accum=2),
+        scenario("hook_fp16", "ddp", extra=("--parallel.comm_hook=fp16",), snapshots=True),
+        scenario("hook_bf16", "ddp", extra=("--parallel.comm_hook=bf16",), snapshots=True),
+        scenario("hook_powersgd", "ddp", extra=POWERSGD, snapshots=True),
+        scenario("local_sgd", "ddp", extra=LOCAL_SGD, snapshots=True),
+        scenario("resume_ddp", "ddp", kind="resume"),
+        scenario("resume_zero1", "zero1", kind="resume"),
+        scenario("resume_zero2", "zero2", kind="resume"),
+        scenario("resume_fsdp", "fsdp", kind="resume"),
+        scenario("dataset_ddp", "ddp", kind="dataset"),
+    ],
+    4: [
+        scenario("ddp", "ddp"),
+        scenario("fsdp", "fsdp"),
+        scenario("hsdp", "hsdp", extra=("--parallel.dp_shard=2",)),
+        scenario("resume_hsdp", "hsdp", extra=("--parallel.dp_shard=2",), kind="resume"),
+    ],
+}
+
+
+# --- shared builders (the pytest side uses them for the single-process references) -----------
+
+def overrides(run_dir: Path | str, strategy: str, micro: int, accum: int = 1, extra: list[str] | tuple = ()) -> list[str]:
+    return [*COMMON, f"--run.dir={run_dir}", f"--parallel.dp_strategy={strategy}",
+            f"--train.micro_batch_size={micro}", f"--train.grad_accum_steps={accum}", *extra]
+
+
+def make_config(run_dir, strategy: str, micro: int, accum: int = 1, extra=()):
+    from slipstream.config import load_config
+
+    return load_config(None, overrides(run_dir, strategy, micro, accum, extra))
+
+
+def make_dataset() -> torch.utils.data.Dataset:
+    """Deterministic random token sequences (x, y = x shifted by one)."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (N_SAMPLES, SEQ_LEN + 1), generator=g)
+    return torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def make_model(cfg) -> torch.nn.Module:
+    """The same full weights on every rank (and in the reference process)."""
+    from slipstream.models.transformer import build_model
+
+    return build_model(cfg.model, "cpu", seed=MODEL_SEED)
+
+
+def make_loader(cfg, rank: int, world: int):
+    """This rank's shard of the data, exactly as documented for DatasetLoader: world W with
+    micro-batch B reads the samples one process reads with micro-batch W*B."""
+    from slipstream.data.loader import DatasetLoader
+
+    return DatasetLoader(make_dataset(), batch_size=cfg.train.micro_batch_size, shuffle=True, seed=cfg.train.seed,
+                         drop_last=True, rank=rank, world_size=world)
+
+
+def lm_batch_loss(model, batch):
+    from slipstream.models.transformer import lm_loss
+
+    return lm_loss(model(batch[0]), batch[1])
+
+
+def flat_params(model: torch.nn.Module) -> torch.Tensor:
+    """All parameters of a plain (or DDP-wrapped) model as one fp32 vector, in named order."""
+    from slipstream.distributed.data_parallel import unwrap
+
+    return torch.cat([p.detach().reshape(-1).float().clone() for _, p in unwrap(model).named_parameters()])
+
+
+class Crash(RuntimeError):
+    """Raised by the loss function to kill a run in the middle of a step."""
+
+
+class Recorder:
+    """A loss function that can snapshot the parameters before each training micro-batch and
+    crash at a given training call (the same call on every rank, before any collective)."""
+
+    def __init__(self, snapshots: bool = False, crash_at_call: int | None = None):
+        self.snapshots = snapshots
+        self.crash_at_call = crash_at_call
+        self.calls = 0
+        self.params: list[torch.Tensor] = []
+
+    def __call__(self, model, batch):
+        if model.training:
+            self.calls += 1
+            if self.crash_at_call is not None and self.calls == self.crash_at_call:
+                raise Crash(f"crash at training call {self.calls}")
+            if self.snapshots:
+                self.params.append(flat_params(model))
+        return lm_batch_loss(model, batch)
+
+
+# --- the worker --------------------------------------------------------------------------------
+
+def _run_scenario(sc: dict[str, Any], out: Path, rank: int, world: int) -> dict[str, Any]:
+    from slipstream import Trainer
+
+    run_dir = out / sc["name"] / "run"
+    result: dict[str, Any] = {"name": sc["name"], "rank": rank, "world": world}
+
+    def build(extra=(), recorder: Recorder | None = None):
+        cfg = make_config(run_dir, sc["strategy"], MICRO, sc["accum"], [*sc["extra"], *extra])
+        data = make_dataset() if sc["kind"] == "dataset" else make_loader(cfg, rank, world)
+        trainer = Trainer(make_model(cfg), data, recorder or lm_batch_loss, config=cfg)
+        return trainer
+
+    if sc["kind"] == "resume":
+        # Leg 1: killed inside step 4 (the checkpoint of step 3 exists); same config as the straight run.
+        first = build(recorder=Recorder(crash_at_call=CKPT_INTERVAL * sc["accum"] + 1))
+        try:
+            first.fit()
+        except Crash:
+            result["crashed_at_step"] = first.step
+        else:
+            raise AssertionError("leg 1 did not crash")
+        del first
+        trainer = build(extra=("--checkpoint.resume=auto",))
+        summary = trainer.fit()
+        result["steps_this_run"] = summary["steps_this_run"]
+    else:
+        recorder = Recorder(snapshots=sc["snapshots"])
+        trainer = build(recorder=recorder)
+        loader = trainer.train_loader
+        result["loader"] = {"type": type(loader).__name__, "rank": getattr(loader, "rank", None),
+                            "world_size": getattr(loader, "world_size", None)}
+        summary = trainer.fit()
+        if sc["snapshots"]:
+            recorder.params.append(flat_params(trainer.model))  # after the last step
+            # params[k] = this rank's parameters after step k (k = 0: the initial weights)
+            torch.save(torch.stack(recorder.params), out / sc["name"] / f"rank{rank}.pt")
+    result["summary"] = {k: summary.get(k) for k in ("steps", "final_loss", "checkpoint", "run_dir",
+                                                       "world_size", "dp_strategy")}
+    result["model_type"] = type(trainer.model).__name__
+    result["optimizer_type"] = type(trainer.optimizer).__name__
+    hook_state = getattr(trainer.model, "slipstream_hook_state", None)
+    if hook_state is not None:
+        result["hook_state"] = {"type": type(hook_state).__name__, "iter": getattr(hook_state, "iter", None)}
+    # The process group's view of the mesh this run used.
+    result["mesh"] = dict(zip(trainer.parallel.mesh.mesh_dim_names, trainer.parallel.mesh.shape)) \
+        if trainer.parallel.mesh is not None else None
+    return result
+
+
+def main(argv: list[str]) -> int:
+    import torch.distributed as dist
+
+    out = Path(argv[0])
+    only = set(argv[1:])
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    os.environ.setdefault("SLIPSTREAM_CACHE_DIR", str(out / "cache"))
+    failed = 0
+    for sc in SCENARIOS[world]:
+        if only and sc["name"] not in only:
+            continue
+        (out / sc["name"]).mkdir(parents=True, exist_ok=True)
+        try:
+            result = _run_scenario(sc, out, rank, world)
+        except Exception as e:  # record it and go on: every rank fails alike in these scenarios
+            failed += 1
+            result = {"name": sc["name"], "rank": rank, "error": f"{type(e).__name__}: {e}",
+                      "traceback": traceback.format_exc()}
+            print(f"rank {rank}: scenario {sc['name']} failed:\n{result['traceback']}", file=sys.stderr, flush=True)
+        path = out / sc["name"] / f"rank{rank}.json"
+        path.write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
+        if dist.is_initialized():
+            dist.barrier()
+    from slipstream.distributed.mesh import shutdown
+
+    shutdown()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
