@@ -1,4 +1,4 @@
-"""The training loop: one process, CPU or one accelerator.
+"""The training loop: one process on CPU or one accelerator, or one rank of a data-parallel job.
 
     batch -> forward/backward x grad_accum -> clip -> optimizer -> schedule
           -> metrics (synced only every log_interval) -> eval -> checkpoint
@@ -12,6 +12,10 @@ can a user with their own model, loss and dataset:
 
 Host-device syncs happen only at the logging interval: losses and the gradient norm stay
 on the device as tensors between logs, so a GPU never waits for the host inside a step.
+
+Under torchrun every rank runs this same loop (the data-parallel wrapper does the gradient
+communication); collectives outside the step (loss mean, eval mean, run-dir name,
+checkpoint barriers) happen at the same points on every rank, and only rank 0 logs.
 """
 
 from __future__ import annotations
