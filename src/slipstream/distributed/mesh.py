@@ -256,7 +256,7 @@ def init_parallel(cfg: Config) -> Parallel:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     needs_group = env.launched or dims.strategy != "none"
     if needs_group and not dist.is_initialized():
-        _join_process_group(cfg.parallel, env, device)
+        _join_process_group(cfg.parallel, env, device, cfg.run.dir)
     mesh = _build_mesh(dims, device) if needs_group else None
     if needs_group and env.world_size > 1:
         _first_barrier(cfg.parallel, env, mesh)
@@ -273,13 +273,16 @@ def _backend(p: ParallelConfig, device: torch.device) -> str:
         "nccl" if device.type == "cuda" else "gloo")
 
 
-def _join_process_group(p: ParallelConfig, env: LaunchEnv, device: torch.device) -> None:
+def _join_process_group(p: ParallelConfig, env: LaunchEnv, device: torch.device, run_dir: str = "") -> None:
     if device.type == "cuda":
         # Async error handling tears the job down on a failed/stuck collective instead of hanging,
-        # and the flight recorder keeps the last collectives of every rank for the post-mortem.
+        # and the flight recorder keeps the last collectives of every rank for the post-mortem
+        # (dumped next to the run's other files when the run directory is known).
         os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
         os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
         os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        if run_dir:
+            os.environ.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", os.path.join(run_dir, "nccl_trace_rank_"))
     backend = _backend(p, device)
     timeout = datetime.timedelta(seconds=p.init_timeout_s)
     try:

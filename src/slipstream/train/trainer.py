@@ -40,6 +40,7 @@ from slipstream.observe.memprofile import format_memory_report, measure_step_mem
 from slipstream.optimize.apply import apply_optimizations
 from slipstream.optimize.optimizers import torch_optimizers
 from slipstream.optimize.precision import autocast_context, make_grad_scaler
+from slipstream.train.resume import check_layout, config_changes, resume_target
 from slipstream.train.rundir import make_run_dir, prepare_run_dir
 from slipstream.train.schedule import build_scheduler, scheduler_state
 from slipstream.train.setup import build_optimizer, configure_runtime
@@ -176,34 +177,10 @@ class Trainer:
         return path
 
     def _resume_target(self) -> Path | None:
-        resume = self.cfg.checkpoint.resume
-        existing = ckpt.list_checkpoints(self.run_dir / "checkpoints")
-        if resume == "none":
-            if existing:
-                raise UserError(f"run directory '{self.run_dir}' already has checkpoints; continue it with "
-                                "--checkpoint.resume=auto or choose a new --run.dir")
-            return None
-        if resume == "auto":
-            return existing[-1] if existing else None
-        target = ckpt.resolve_checkpoint(resume)
-        newer = [p for p in existing if p.name > target.name]
-        if newer:
-            # Continuing here would interleave two histories (and a later resume=auto would jump back).
-            raise UserError(f"run directory '{self.run_dir}' has checkpoints newer than '{target.name}' "
-                            f"({', '.join(p.name for p in newer)}); resume into a new --run.dir, "
-                            "or delete the newer checkpoints first")
-        return target
+        return resume_target(self.cfg.checkpoint.resume, self.run_dir)
 
     def _resume(self, path: Path) -> None:
-        saved_layout = {"in_backward": False, "offload": False, "dp_strategy": "none", "world_size": 1,
-                        **ckpt.read_meta(path).get("optimizer_layout", {})}
-        if saved_layout != self._optimizer_layout():
-            names = {"in_backward": "optim.in_backward", "offload": "optim.offload",
-                     "dp_strategy": "parallel.dp_strategy", "world_size": "processes"}
-            changed = ", ".join(f"{names[k]}: {saved_layout.get(k)} -> {v}"
-                                for k, v in self._optimizer_layout().items() if saved_layout.get(k) != v)
-            raise UserError(f"checkpoint '{path}' stores its state for a different layout ({changed}); resume "
-                            "with the checkpoint's optimizer settings, dp_strategy and number of processes")
+        check_layout(path, self._optimizer_layout())
         state = ckpt.load_checkpoint(path, self.model, self.optimizer)
         if state["step"] >= self.cfg.train.max_steps:
             raise UserError(f"checkpoint '{path}' is at step {state['step']}, which is not below "
@@ -226,17 +203,7 @@ class Trainer:
 
     def _report_config_changes(self, path: Path) -> None:
         """Resuming with different settings is allowed (e.g. more steps) but never silent."""
-        from slipstream.config.load import config_from_toml_text
-
-        try:
-            saved = dataclasses.asdict(config_from_toml_text((path / "config.toml").read_text(encoding="utf-8")))
-        except (OSError, UserError):
-            return
-        now = dataclasses.asdict(self.cfg)
-        ignore = {("checkpoint", "resume"), ("run", "dir")}
-        changes = [f"{section}.{key}: {saved[section][key]!r} -> {value!r}"
-                   for section, values in now.items() for key, value in values.items()
-                   if (section, key) not in ignore and saved.get(section, {}).get(key) != value]
+        changes = config_changes(path, self.cfg)
         if changes and self.parallel.is_main:
             print("note: resuming with settings that differ from the checkpoint's: " + "; ".join(changes))
 
