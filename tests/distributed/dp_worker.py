@@ -69,6 +69,8 @@ SCENARIOS: dict[int, list[dict[str, Any]]] = {
         scenario("resume_zero1", "zero1", kind="resume"),
         scenario("resume_zero2", "zero2", kind="resume"),
         scenario("resume_fsdp", "fsdp", kind="resume"),
+        # Local SGD averages during steps 3 and 5: the step-3 checkpoint holds every rank's parameters.
+        scenario("resume_local_sgd", "ddp", extra=LOCAL_SGD, kind="resume"),
         scenario("dataset_ddp", "ddp", kind="dataset"),
     ],
     4: [

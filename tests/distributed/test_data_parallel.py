@@ -330,8 +330,8 @@ def test_local_sgd_averages_every_period(launch2):
 
 # --- 5. checkpoint and resume at the same world size -------------------------------------------
 
-RESUME = [(2, "ddp"), (2, "zero1"), (2, "zero2"), (2, "fsdp"), (4, "hsdp")]
-RESUME_IDS = ["world2-ddp", "world2-zero1", "world2-zero2", "world2-fsdp", "world4-hsdp"]
+RESUME = [(2, "ddp"), (2, "zero1"), (2, "zero2"), (2, "fsdp"), (4, "hsdp"), (2, "local_sgd")]
+RESUME_IDS = ["world2-ddp", "world2-zero1", "world2-zero2", "world2-fsdp", "world4-hsdp", "world2-local-sgd"]
 
 
 @pytest.mark.timeout(300)

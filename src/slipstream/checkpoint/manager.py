@@ -125,8 +125,9 @@ def save_checkpoint(checkpoints_dir: str | Path, step: int, model: torch.nn.Modu
         _write_shards(tmp, model, optimizer)
         _barrier()  # every rank's shard is on disk before the checkpoint can be committed
         if rank == 0:
+            per_rank = optimizer is not None and _is_local_sgd(optimizer)
             _write_checkpoint(tmp, step, optimizer is not None, trainer_state, config_toml,
-                              {"world_size": world, **(meta or {})}, extra_files)
+                              {"world_size": world, "per_rank_model": per_rank, **(meta or {})}, extra_files)
             _commit(tmp, final, checkpoints_dir)
     except BaseException:
         if rank == 0:
@@ -152,13 +153,19 @@ def _zero1_key() -> str:
     return f"optim_zero1_rank{_rank_world()[0]}"
 
 
-def _state_payload(model: torch.nn.Module, optimizer: Any | None) -> dict[str, Any]:
+def _state_payload(model: torch.nn.Module, optimizer: Any | None, model_key: str = "model") -> dict[str, Any]:
     """What DCP saves/loads: model and optimizer state dicts keyed by parameter names.
     DDP wrappers and FSDP's sharded (DTensor) parameters are handled by get_state_dict."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     if optimizer is None:
-        return {"model": get_model_state_dict(model)}
+        return {model_key: get_model_state_dict(model)}
+    if _is_local_sgd(optimizer):
+        # Between averaging steps the replicas differ (parameters and Adam moments): each rank
+        # saves its own. A shared key would be written by whichever rank DCP picks per tensor.
+        rank = _rank_world()[0]
+        model_sd, optim_sd = get_state_dict(model, optimizer.optim)
+        return {f"model_rank{rank}": model_sd, f"optim_rank{rank}": optim_sd}
     if _is_zero1(optimizer):
         # Each rank holds the state of its own partition only: saved under a per-rank key.
         # The outer groups hold the current hyper-parameters (the scheduler sets them there;
@@ -177,6 +184,10 @@ def _copy_hyperparameters(source: list[dict], target: list[dict]) -> None:
 
 def _is_zero1(optimizer: Any) -> bool:
     return type(optimizer).__name__ == "ZeroRedundancyOptimizer"
+
+
+def _is_local_sgd(optimizer: Any) -> bool:
+    return type(optimizer).__name__ == "PostLocalSGDOptimizer"
 
 
 def _write_shards(folder: Path, model: torch.nn.Module, optimizer: Any | None) -> None:
@@ -267,7 +278,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         raise UserError(f"checkpoint '{path}' holds no optimizer state, so training cannot resume from it")
     try:
         with _quiet_dcp():
-            _load_weights(path, model, optimizer)
+            # A model saved per rank (local SGD) is read back from rank 0's copy when loaded alone.
+            _load_weights(path, model, optimizer, "model_rank0" if meta.get("per_rank_model") else "model")
     except UserError:
         raise
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
@@ -279,13 +291,20 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         raise UserError(f"checkpoint '{path}' has an unreadable trainer_state.json ({e}); it is damaged") from None
 
 
-def _load_weights(path: Path, model: torch.nn.Module, optimizer: Any | None) -> None:
+def _load_weights(path: Path, model: torch.nn.Module, optimizer: Any | None, model_key: str) -> None:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    payload = _state_payload(model, optimizer)
+    payload = _state_payload(model, optimizer, model_key)
     dcp.load(payload, checkpoint_id=str(path / "model_optim"))
     if optimizer is None:
-        set_model_state_dict(model, payload["model"])
+        set_model_state_dict(model, payload[model_key])
+    elif _is_local_sgd(optimizer):
+        rank = _rank_world()[0]
+        set_state_dict(model, optimizer.optim, model_state_dict=payload[f"model_rank{rank}"],
+                       optim_state_dict=payload[f"optim_rank{rank}"])
+        # Loading gave the inner optimizer new group dicts; the wrapper (which the scheduler
+        # updates) must share them, or the learning rate would stop following the schedule.
+        optimizer.param_groups = optimizer.optim.param_groups
     elif _is_zero1(optimizer):
         set_model_state_dict(model, payload["model"])
         set_optimizer_state_dict(model, optimizer.optim, payload[_zero1_key()])

@@ -68,3 +68,16 @@ def wrap_local_sgd_optimizer(optimizer: torch.optim.Optimizer, p: ParallelConfig
     averager = PeriodicModelAverager(period=p.local_sgd_period, warmup_steps=p.local_sgd_start_step,
                                      process_group=group)
     return PostLocalSGDOptimizer(optim=optimizer, averager=averager)
+
+
+def restore_step(ddp_model: Any, optimizer: Any, step: int) -> None:
+    """After a resume, put the hooks' and the averager's step counters where the run was, so
+    warm-ups and averaging periods continue on schedule. (PowerSGD's low-rank factors and its
+    error feedback are not checkpointed: they restart from zero, so a resumed PowerSGD run is
+    close to, not equal to, the uninterrupted one.)"""
+    state = getattr(ddp_model, "slipstream_hook_state", None)
+    if state is not None and hasattr(state, "iter"):
+        state.iter = step
+    averager = getattr(optimizer, "averager", None)
+    if averager is not None and hasattr(averager, "step"):
+        averager.step = step

@@ -34,6 +34,7 @@ import torch.nn as nn
 from slipstream.checkpoint import manager as ckpt
 from slipstream.config.load import config_to_toml
 from slipstream.config.schema import Config
+from slipstream.distributed.comm_hooks import restore_step
 from slipstream.distributed.data_parallel import full_value, gradients_live_in_buckets, no_sync
 from slipstream.errors import UserError
 from slipstream.observe.memprofile import format_memory_report, measure_step_memory, record_memory_history
@@ -191,6 +192,7 @@ class Trainer:
         ckpt.restore_rng_state(per_rank[self.parallel.rank] if per_rank else state["rng"])
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
+        restore_step(self.model, self.optimizer, self.step)
         interval = state.get("interval")
         if interval:
             self._interval_loss.fill_(interval["loss_sum"])
