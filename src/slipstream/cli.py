@@ -54,10 +54,10 @@ def cmd_train(args, extra) -> int:
     from slipstream.distributed.mesh import shutdown
     from slipstream.train.lm import train_lm
 
-    try:
-        train_lm(_load(args, extra))
-    finally:
-        shutdown()  # leave the process group cleanly (no-op for one process)
+    train_lm(_load(args, extra))
+    # Leave the process group cleanly (no-op for one process). Not on errors: tearing NCCL down
+    # while other ranks still wait in a collective can hang; the launcher stops them instead.
+    shutdown()
     return 0
 
 

@@ -20,6 +20,7 @@ which is what these strategies are for.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -137,9 +138,19 @@ def write_full_or_shard(param: torch.Tensor, values: torch.Tensor) -> None:
     param.copy_(values)
 
 
-def init_device(cfg: Config, device: torch.device) -> torch.device:
-    """Where sharded parameters are materialized: CPU memory when FSDP offloads them."""
-    return torch.device("cpu") if cfg.parallel.offload else device
+def materialize_sharded(model: nn.Module, materialize: Callable[..., Any], cfg: Config, device: torch.device,
+                        seed: int) -> None:
+    """Allocate and initialize a model sharded on the meta device: each rank only its shards.
+
+    `materialize(model, device, seed, write)` is the model's own init (e.g. transformer.materialize).
+    With CPU offload the sharded parameters live in CPU memory; buffers (e.g. RoPE tables) are
+    not managed by FSDP and must sit on the compute device."""
+    where = torch.device("cpu") if cfg.parallel.offload else device
+    materialize(model, device=where, seed=seed, write=write_full_or_shard)
+    if where != device:
+        for module in model.modules():
+            for name, buffer in module.named_buffers(recurse=False):
+                setattr(module, name, buffer.to(device))
 
 
 def full_value(tensor: torch.Tensor) -> torch.Tensor:

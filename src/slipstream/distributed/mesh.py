@@ -253,7 +253,7 @@ def init_parallel(cfg: Config) -> Parallel:
         torch.accelerator.set_device_index(device.index)
     if env.launched and device.type == "cpu" and not cfg.train.threads:
         # torchrun gives each worker OMP_NUM_THREADS=1; share the cores among the local ranks instead.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
+        torch.set_num_threads(max(1, usable_cores() // env.local_world_size))
     needs_group = env.launched or dims.strategy != "none"
     if needs_group and not dist.is_initialized():
         _join_process_group(cfg.parallel, env, device, cfg.run.dir)
@@ -264,13 +264,23 @@ def init_parallel(cfg: Config) -> Parallel:
     return _CURRENT
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (Slurm --cpus-per-task, container limits), not the node's."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(1, len(os.sched_getaffinity(0)))
+    return os.cpu_count() or 1
+
+
 def _backend(p: ParallelConfig, device: torch.device) -> str:
-    if p.backend != "auto":
-        if p.backend == "nccl" and device.type != "cuda":
+    if p.backend == "gloo" or device.type == "cpu":
+        if p.backend == "nccl":
             raise UserError("parallel.backend = nccl needs CUDA devices; use gloo (or auto) on CPU")
-        return p.backend
-    return dist.get_default_backend_for_device(device) if hasattr(dist, "get_default_backend_for_device") else (
-        "nccl" if device.type == "cuda" else "gloo")
+        return "gloo"
+    if device.type == "cuda":
+        # NCCL for CUDA tensors, plus gloo for CPU tensors: FSDP's CPU offload reduces CPU-resident
+        # gradient norms, and object collectives (run directory, per-rank summaries) may use CPU.
+        return "cpu:gloo,cuda:nccl"
+    return dist.get_default_backend_for_device(device)
 
 
 def _join_process_group(p: ParallelConfig, env: LaunchEnv, device: torch.device, run_dir: str = "") -> None:

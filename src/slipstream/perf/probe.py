@@ -153,7 +153,9 @@ def _init_distributed(device: torch.device) -> bool:
     if device.type == "cpu":
         # torchrun gives each worker OMP_NUM_THREADS=1; share the cores between the local ranks.
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+        from slipstream.distributed.mesh import usable_cores
+
+        torch.set_num_threads(max(1, usable_cores() // local_world))
     dist.init_process_group(
         backend=dist.get_default_backend_for_device(device),
         # A short timeout: a hung peer should fail the probe in minutes, not the 30-minute default.

@@ -86,7 +86,7 @@ def describe_model(cfg: Config) -> str:
 def build_lm_trainer(cfg: Config):
     """Everything `slipstream train` needs, assembled in the one documented order."""
     from slipstream.data import TokenLoader, get_tokenizer, tokenizer_spec_for
-    from slipstream.distributed.data_parallel import init_device, write_full_or_shard
+    from slipstream.distributed.data_parallel import materialize_sharded
     from slipstream.distributed.mesh import SHARDED, init_parallel
     from slipstream.models.transformer import Transformer, materialize
     from slipstream.observe.flops import flops_per_token
@@ -121,8 +121,8 @@ def build_lm_trainer(cfg: Config):
     if par.dims.strategy in SHARDED:
         # Sharded strategies materialize after fully_shard: a rank never holds the whole model,
         # yet gets exactly the shards of the weights a single process would draw from the seed.
-        where = init_device(cfg, device)
-        init_model = functools.partial(materialize, device=where, seed=cfg.train.seed, write=write_full_or_shard)
+        init_model = functools.partial(materialize_sharded, materialize=materialize, cfg=cfg, device=device,
+                                       seed=cfg.train.seed)
     else:
         model = materialize(model, device, cfg.train.seed)
 

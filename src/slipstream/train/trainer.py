@@ -56,6 +56,12 @@ def _as_loader(data: Any, cfg: Config, device: torch.device, shuffle: bool, coll
     pass stateful loaders through."""
     if data is None or (hasattr(data, "state_dict") and hasattr(data, "load_state_dict") and hasattr(data, "__iter__")
                         and not isinstance(data, torch.utils.data.Dataset)):
+        dp = parallel.dims.dp if parallel else 1
+        if data is not None and getattr(data, "world_size", dp) != dp:
+            raise UserError(f"the {'training' if shuffle else 'validation'} loader was built for world_size = "
+                            f"{data.world_size}, but this job has {dp} data-parallel ranks: every rank would "
+                            f"read the same batches. Build it with rank={parallel.dp_rank if parallel else 0}, "
+                            f"world_size={dp}, or pass a Dataset and let the Trainer shard it")
         return data
     if isinstance(data, torch.utils.data.Dataset):
         from slipstream.data.loader import DatasetLoader
@@ -95,7 +101,7 @@ class Trainer:
                  checkpoint_files: dict[str, str] | None = None, model_summary: str = "", parallel=None,
                  init_model: Callable[[nn.Module], Any] | None = None):
         from slipstream.distributed.data_parallel import apply_data_parallel
-        from slipstream.distributed.mesh import init_parallel
+        from slipstream.distributed.mesh import SHARDED, init_parallel
 
         self.cfg = config or Config()
         # Joins the process group under torchrun (idempotent); a single process gets a world-1 context.
@@ -106,10 +112,13 @@ class Trainer:
         if on_meta and init_model is None:
             raise UserError("the model is on the meta device; pass init_model= (a function that materializes "
                             "and initializes it) or build it on a real device")
+        sharded = self.parallel.dims.strategy in SHARDED
+        if on_meta and not sharded:  # DDP needs real parameters to wrap: materialize first
+            init_model(model)
         # The one fixed order: single-device techniques (fp8 -> AC -> compile), then data parallelism.
-        model = apply_optimizations(model if on_meta else model.to(self.device), self.cfg, self.device)
+        model = apply_optimizations(model if on_meta and sharded else model.to(self.device), self.cfg, self.device)
         self.model = apply_data_parallel(model, self.cfg, self.parallel)
-        if on_meta:  # after sharding: each rank allocates only its own shards of the parameters
+        if on_meta and sharded:  # after sharding: each rank allocates only its own shards of the parameters
             init_model(self.model)
         self.loss_fn = loss_fn
         self.train_loader = _as_loader(train_data, self.cfg, self.device, shuffle=True, collate_fn=collate_fn,
@@ -209,6 +218,10 @@ class Trainer:
         if changes and self.parallel.is_main:
             print("note: resuming with settings that differ from the checkpoint's: " + "; ".join(changes))
 
+    def _snapshot_path(self) -> Path:
+        suffix = f"_rank{self.parallel.rank}" if self.parallel.world_size > 1 else ""
+        return self.run_dir / f"memory_snapshot{suffix}.pickle"
+
     def _job_summary(self, summary: dict[str, Any]) -> dict[str, Any]:
         """Distributed runs: the job's shape, and every rank's memory (a collective)."""
         report = self.memory_report
@@ -257,7 +270,9 @@ class Trainer:
 
         if self.flops_per_token is None:
             return None
-        dtype_key = "bf16" if self.cfg.precision.autocast == "bf16" else ("tf32" if self.device.type == "cuda" else "fp32")
+        # The matmuls run in the autocast dtype, or in FSDP's parameter dtype when that is 16-bit.
+        low = {self.cfg.precision.autocast, self.cfg.parallel.param_dtype} & {"bf16", "fp16"}
+        dtype_key = sorted(low)[0] if low else ("tf32" if self.device.type == "cuda" else "fp32")
         peak, _source = device_peak_flops(self.device, dtype_key, self.cfg.metrics.peak_tflops or None)
         return peak
 
@@ -439,7 +454,7 @@ class Trainer:
             while self.step < cfg.train.max_steps:
                 if cfg.metrics.memory_snapshot and self.step == start_step + 1:
                     snapshot = contextlib.ExitStack()  # steps 2-3: the steady state, optimizer state included
-                    snapshot.enter_context(record_memory_history(self.device, self.run_dir / "memory_snapshot.pickle"))
+                    snapshot.enter_context(record_memory_history(self.device, self._snapshot_path()))
                 if self.step + 1 == measure_at:
                     # The tracker slows this one step down (its interval's record carries the
                     # mem_* keys, so it can be told apart); the math is unchanged.
@@ -459,7 +474,7 @@ class Trainer:
                 if snapshot is not None and self.step in (start_step + 3, cfg.train.max_steps):
                     snapshot.close()  # writes the snapshot file
                     snapshot = None
-                    progress.print_line(f"memory snapshot: {self.run_dir / 'memory_snapshot.pickle'} "
+                    progress.print_line(f"memory snapshot: {self._snapshot_path()} "
                                         "(open it at https://pytorch.org/memory_viz)")
 
                 last = self.step == cfg.train.max_steps
