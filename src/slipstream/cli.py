@@ -207,9 +207,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_probe_arguments(p)
     p.set_defaults(func=main_probe)
 
+    from slipstream.checkpoint.export import add_checkpoint_parser
     from slipstream.distributed.launch import add_launch_parser
 
     add_launch_parser(sub)
+    add_checkpoint_parser(sub)
 
     data = sub.add_parser("data", help="prepare token shards, train tokenizers").add_subparsers(dest="data_cmd", required=True)
     p = data.add_parser("prepare", help="tokenize inputs into token shards + manifest")
