@@ -20,6 +20,7 @@ User errors print one line `error: ...` and exit with code 2 (no traceback).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from slipstream.errors import UserError
@@ -280,13 +281,47 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     try:
+        return _run(args, extra)
+    except BaseException:
+        _leave_now_if_distributed(1)
+        raise
+
+
+def _leave_now_if_distributed(code: int) -> None:
+    """A failed rank of a distributed job exits at once: background threads (an asynchronous
+    checkpoint write waiting on a dead peer) must not keep it alive, or the launcher could not
+    restart the group."""
+    dist = sys.modules.get("torch.distributed")
+    if code != 0 and dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        import traceback
+
+        from slipstream.resilience.runtime import Preempted
+
+        if sys.exc_info()[0] is not None and not isinstance(sys.exc_info()[1], (UserError, SystemExit, Preempted)):
+            traceback.print_exc()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def _run(args, extra) -> int:
+    try:
         return args.func(args, extra)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+        _leave_now_if_distributed(EXIT_USER_ERROR)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except Exception as e:
+        from slipstream.resilience.runtime import Preempted
+
+        if isinstance(e, Preempted):  # the checkpoint is saved: a distinct code tells the scheduler to requeue
+            print(f"exiting after preemption: {e}", file=sys.stderr)
+            _leave_now_if_distributed(e.exit_code)
+            return e.exit_code
+        raise
 
 
 if __name__ == "__main__":

@@ -41,7 +41,8 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from slipstream.errors import UserError
 from slipstream.optimize.optimizers import torch_optimizers
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: manifest.json (sizes and CRC32s); 1 is still read
+READABLE_VERSIONS = (1, 2)
 COMPLETE_MARKER = "COMPLETE"
 _PREFIX = "step_"
 
@@ -50,19 +51,19 @@ def checkpoint_name(step: int) -> str:
     return f"{_PREFIX}{step:08d}"
 
 
-def _rank_world() -> tuple[int, int]:
+def rank_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 
 
-def _barrier() -> None:
-    if _rank_world()[1] > 1:
+def barrier() -> None:
+    if rank_world()[1] > 1:
         dist.barrier()
 
 
 @contextlib.contextmanager
-def _quiet_dcp():
+def quiet_dcp():
     # Single-process DCP warns that torch.distributed is not initialized; that is intended here.
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -108,36 +109,18 @@ def save_checkpoint(checkpoints_dir: str | Path, step: int, model: torch.nn.Modu
                     optimizer: torch.optim.Optimizer | None, trainer_state: dict[str, Any],
                     config_toml: str, meta: dict[str, Any] | None = None,
                     extra_files: dict[str, str | Path] | None = None) -> Path:
-    """Write a complete checkpoint atomically; returns its final path. Distributed: every rank
-    calls this (DCP writes each rank's shard); rank 0 writes the rest and commits."""
-    rank, world = _rank_world()
-    checkpoints_dir = Path(checkpoints_dir)
-    final = checkpoints_dir / checkpoint_name(step)
-    # One temporary name for all ranks; only one job writes into a run directory at a time.
-    tmp = checkpoints_dir / f".{final.name}.tmp"
-    if rank == 0:
-        checkpoints_dir.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)  # left by a crashed save
-        tmp.mkdir()
-    _barrier()
-    try:
-        _write_shards(tmp, model, optimizer)
-        _barrier()  # every rank's shard is on disk before the checkpoint can be committed
-        if rank == 0:
-            per_rank = optimizer is not None and _is_local_sgd(optimizer)
-            _write_checkpoint(tmp, step, optimizer is not None, trainer_state, config_toml,
-                              {"world_size": world, "per_rank_model": per_rank, **(meta or {})}, extra_files)
-            _commit(tmp, final, checkpoints_dir)
-    except BaseException:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)  # never leave a half-written folder behind
-        raise
-    _barrier()  # nobody reads or prunes before the commit
-    return final
+    """Write a complete checkpoint atomically and synchronously; returns its final path.
+    Distributed: every rank calls this. (The trainer keeps a CheckpointWriter, which can also
+    save asynchronously and prune.)"""
+    from slipstream.checkpoint.writer import CheckpointWriter
+
+    writer = CheckpointWriter(Path(checkpoints_dir), keep_last=0)
+    writer.save(step, model, optimizer, trainer_state, config_toml, meta or {}, extra_files)
+    barrier()  # nobody reads before the commit
+    return writer.last_committed
 
 
-def _commit(tmp: Path, final: Path, checkpoints_dir: Path) -> None:
+def commit(tmp: Path, final: Path, checkpoints_dir: Path) -> None:
     if final.exists():
             # Re-saving a step: move the old copy aside first, so there is never a moment
             # without a complete checkpoint for this step.
@@ -150,20 +133,20 @@ def _commit(tmp: Path, final: Path, checkpoints_dir: Path) -> None:
 
 
 def _zero1_key() -> str:
-    return f"optim_zero1_rank{_rank_world()[0]}"
+    return f"optim_zero1_rank{rank_world()[0]}"
 
 
-def _state_payload(model: torch.nn.Module, optimizer: Any | None, model_key: str = "model") -> dict[str, Any]:
+def state_payload(model: torch.nn.Module, optimizer: Any | None, model_key: str = "model") -> dict[str, Any]:
     """What DCP saves/loads: model and optimizer state dicts keyed by parameter names.
     DDP wrappers and FSDP's sharded (DTensor) parameters are handled by get_state_dict."""
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
 
     if optimizer is None:
         return {model_key: get_model_state_dict(model)}
-    if _is_local_sgd(optimizer):
+    if is_local_sgd(optimizer):
         # Between averaging steps the replicas differ (parameters and Adam moments): each rank
         # saves its own. A shared key would be written by whichever rank DCP picks per tensor.
-        rank = _rank_world()[0]
+        rank = rank_world()[0]
         model_sd, optim_sd = get_state_dict(model, optimizer.optim)
         return {f"model_rank{rank}": model_sd, f"optim_rank{rank}": optim_sd}
     if _is_zero1(optimizer):
@@ -186,30 +169,33 @@ def _is_zero1(optimizer: Any) -> bool:
     return type(optimizer).__name__ == "ZeroRedundancyOptimizer"
 
 
-def _is_local_sgd(optimizer: Any) -> bool:
+def is_local_sgd(optimizer: Any) -> bool:
     return type(optimizer).__name__ == "PostLocalSGDOptimizer"
 
 
-def _write_shards(folder: Path, model: torch.nn.Module, optimizer: Any | None) -> None:
-    with _quiet_dcp():
-        dcp.save(_state_payload(model, optimizer), checkpoint_id=str(folder / "model_optim"))
+def write_checkpoint_files(folder: Path, step: int, has_optimizer: bool, trainer_state: dict[str, Any],
+                           config_toml: str, meta: dict[str, Any], extra_files: dict[str, str | Path] | None,
+                           manifest: dict[str, list[int]]) -> None:
+    """Rank 0's part of a save, after every rank's shards are on disk: the JSON/TOML files,
+    the manifest (size and CRC32 of every file), and COMPLETE last."""
+    from slipstream.checkpoint.writer import MANIFEST, file_crc32
 
-
-def _write_checkpoint(folder: Path, step: int, has_optimizer: bool, trainer_state: dict[str, Any],
-                      config_toml: str, meta: dict[str, Any], extra_files: dict[str, str | Path] | None) -> None:
-    _write_text(folder / "trainer_state.json", json.dumps(trainer_state))
-    _write_text(folder / "config.toml", config_toml)
+    write_text(folder / "trainer_state.json", json.dumps(trainer_state))
+    write_text(folder / "config.toml", config_toml)
     full_meta = {
         "format_version": FORMAT_VERSION, "step": step, "time": time.time(),
         "torch": torch.__version__, "has_optimizer": has_optimizer, **meta,
     }
     for name, src in (extra_files or {}).items():
         shutil.copyfile(src, folder / name)
-    _write_text(folder / "meta.json", json.dumps(full_meta, indent=2))
-    _write_text(folder / COMPLETE_MARKER, "")  # last: its presence means everything above is on disk
+    write_text(folder / "meta.json", json.dumps(full_meta, indent=2))
+    for name in ("trainer_state.json", "config.toml", "meta.json", *(extra_files or {})):
+        manifest[name] = [(folder / name).stat().st_size, file_crc32(folder / name)]
+    write_text(folder / MANIFEST, json.dumps(manifest, indent=1, sort_keys=True))
+    write_text(folder / COMPLETE_MARKER, "")  # last: its presence means everything above is on disk
 
 
-def _write_text(path: Path, text: str) -> None:
+def write_text(path: Path, text: str) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
         f.flush()
@@ -218,10 +204,9 @@ def _write_text(path: Path, text: str) -> None:
 
 def prune_checkpoints(checkpoints_dir: str | Path, keep_last: int, protect: Path | None = None) -> None:
     """Delete all but the newest `keep_last` complete checkpoints (never `protect`)."""
-    complete = list_checkpoints(checkpoints_dir)
-    for path in complete[:-keep_last] if keep_last > 0 else []:
-        if protect is None or path.resolve() != Path(protect).resolve():
-            shutil.rmtree(path, ignore_errors=True)
+    from slipstream.checkpoint.writer import prune
+
+    prune(Path(checkpoints_dir), keep_last, protect=protect)
 
 
 # --- find ----------------------------------------------------------------------------------
@@ -257,12 +242,51 @@ def resolve_checkpoint(path: str | Path) -> Path:
                     f"with a {COMPLETE_MARKER} marker)")
 
 
+def verify_checkpoint(path: Path, deep: bool = True) -> list[str]:
+    """Problems found in a checkpoint folder (empty: intact). Checks the completion marker,
+    meta.json, and every file of the manifest: present, same size, and (deep) same CRC32.
+    Checkpoints of format 1 have no manifest: only marker and meta are checked."""
+    from slipstream.checkpoint.writer import MANIFEST, file_crc32
+
+    if not (path / COMPLETE_MARKER).is_file():
+        return [f"no {COMPLETE_MARKER} marker (the save was interrupted)"]
+    try:
+        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        return [f"meta.json is unreadable ({e})"]
+    if meta.get("format_version", 1) < 2:
+        return []
+    try:
+        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as e:
+        return [f"{MANIFEST} is unreadable ({e})"]
+    problems = []
+    for name, (size, crc) in sorted(manifest.items()):
+        file = path / name
+        if not file.is_file():
+            problems.append(f"{name} is missing")
+        elif file.stat().st_size != size:
+            problems.append(f"{name} has {file.stat().st_size:,} bytes, the manifest says {size:,}")
+        elif deep and file_crc32(file) != crc:
+            problems.append(f"{name} does not match its checksum (its contents changed after the save)")
+    return problems
+
+
+def check_intact(path: Path, deep: bool = True) -> None:
+    """verify_checkpoint as an error that names the damage and the way out."""
+    problems = verify_checkpoint(path, deep)
+    if problems:
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise UserError(f"checkpoint '{path}' is damaged: {'; '.join(problems[:3])}{more}. Resume from an "
+                        "earlier checkpoint (--checkpoint.resume=auto skips damaged ones by itself)")
+
+
 def read_meta(path: Path) -> dict[str, Any]:
     try:
         meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"checkpoint '{path}' has an unreadable meta.json ({e}); it is damaged") from None
-    if meta.get("format_version") != FORMAT_VERSION:
+    if meta.get("format_version") not in READABLE_VERSIONS:
         raise UserError(f"checkpoint '{path}' has format version {meta.get('format_version')}, "
                         f"this slipstream reads version {FORMAT_VERSION}")
     return meta
@@ -270,14 +294,17 @@ def read_meta(path: Path) -> dict[str, Any]:
 
 # --- load ----------------------------------------------------------------------------------
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
-                    ) -> dict[str, Any]:
-    """Load model (and optimizer) in place; return the trainer state dict."""
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                    verify: bool = True) -> dict[str, Any]:
+    """Load model (and optimizer) in place; return the trainer state dict. With verify, the
+    files are checked against the checkpoint's manifest first (sizes and checksums)."""
     meta = read_meta(path)
+    if verify:
+        check_intact(path)
     if optimizer is not None and not meta.get("has_optimizer", False):
         raise UserError(f"checkpoint '{path}' holds no optimizer state, so training cannot resume from it")
     try:
-        with _quiet_dcp():
+        with quiet_dcp():
             # A model saved per rank (local SGD) is read back from rank 0's copy when loaded alone.
             _load_weights(path, model, optimizer, "model_rank0" if meta.get("per_rank_model") else "model")
     except UserError:
@@ -294,12 +321,12 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
 def _load_weights(path: Path, model: torch.nn.Module, optimizer: Any | None, model_key: str) -> None:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
-    payload = _state_payload(model, optimizer, model_key)
+    payload = state_payload(model, optimizer, model_key)
     dcp.load(payload, checkpoint_id=str(path / "model_optim"))
     if optimizer is None:
         set_model_state_dict(model, payload[model_key])
-    elif _is_local_sgd(optimizer):
-        rank = _rank_world()[0]
+    elif is_local_sgd(optimizer):
+        rank = rank_world()[0]
         set_state_dict(model, optimizer.optim, model_state_dict=payload[f"model_rank{rank}"],
                        optim_state_dict=payload[f"optim_rank{rank}"])
         # Loading gave the inner optimizer new group dicts; the wrapper (which the scheduler

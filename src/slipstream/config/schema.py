@@ -186,16 +186,41 @@ class ParallelConfig:
     reduce_dtype: str = option("none", "zero2/fsdp/hsdp: dtype of the gradient reduce-scatter; none = param_dtype.",
                                choices=("none", "bf16", "fp16", "fp32"))
     offload: bool = option(False, "zero2/fsdp/hsdp: keep sharded parameters, gradients and optimizer state in CPU memory; the optimizer steps on CPU.")
+    sync_batchnorm: bool = option(True, "With more than one process: convert BatchNorm layers to SyncBatchNorm (statistics over the global batch).")
 
 
 @dataclass
 class CheckpointConfig:
     """Saving and resuming."""
 
-    interval: int = option(0, "Save every N steps (0 = only at the end).", min=0)
-    resume: str = option("none", "none, auto (latest complete checkpoint in the run dir, if any) or a checkpoint path.")
+    interval: int = option(0, "Save every N steps (0 = no step trigger; see interval_minutes and save_final).", min=0)
+    interval_minutes: float = option(0.0, "Also save when this many minutes passed since the last save (0 = off); decided by rank 0, checked every step.", min=0.0)
+    resume: str = option("none", "none, auto (newest intact checkpoint in the run dir, if any; damaged ones are skipped) or a checkpoint path.")
     keep_last: int = option(3, "Keep the newest K checkpoints (the final one is always kept).", min=1)
+    keep_every: int = option(0, "Also keep every checkpoint whose step is a multiple of M forever (0 = none).", min=0)
     save_final: bool = option(True, "Save a checkpoint when training ends.")
+    async_save: bool = option(True, "Write checkpoints in a background thread: training stalls only while the state is copied to host memory (the stall is logged as checkpoint_stall_s).")
+    verify: bool = option(True, "Check every file of a checkpoint against its manifest (sizes and CRC32) before loading it.")
+
+
+@dataclass
+class ResilienceConfig:
+    """Surviving preemption and hangs."""
+
+    preemption: bool = option(True, "On SIGUSR1 (and SIGTERM in a single process; under torchrun SIGTERM stays the launcher's stop order): finish the current step, save a checkpoint and exit with code 75 (resume with --checkpoint.resume=auto).")
+    grace_s: float = option(120.0, "Seconds the scheduler allows between the signal and SIGKILL; a warning is printed when a save takes longer.", min=0.0)
+    watchdog_s: float = option(1800.0, "Exit with code 124 after dumping every thread's stack to the run directory when no training step finishes for this many seconds (evaluation, checkpointing and the first step excepted); 0 = off.", min=0.0)
+
+
+@dataclass
+class StabilityConfig:
+    """Guards against NaN/Inf and loss spikes, checked every step (one small host sync per step)."""
+
+    policy: str = option("none", "none (only stop when a logged loss is not finite), skip (drop the update of a step with a NaN/Inf loss or gradient norm, or a loss spike), rollback (reload the last checkpoint and skip the offending batches) or stop (count events, stop at max_events).",
+                         choices=("none", "skip", "rollback", "stop"))
+    max_events: int = option(10, "Stop the run after this many guard events.", min=1)
+    spike_threshold: float = option(6.0, "A loss is a spike when it exceeds the running median by more than this many robust deviations (MAD, at least 5% of the median).", min=0.0, min_exclusive=True)
+    window: int = option(50, "Steps in the running median of the loss.", min=2)
 
 
 @dataclass
@@ -248,6 +273,8 @@ class Config:
     activations: ActivationsConfig = field(default_factory=ActivationsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    resilience: ResilienceConfig = field(default_factory=ResilienceConfig)
+    stability: StabilityConfig = field(default_factory=StabilityConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)

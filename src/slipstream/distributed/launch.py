@@ -67,7 +67,13 @@ def _check(ok: bool, message: str) -> None:
 def _run(cmd: list[str]) -> int:
     """Run `cmd` with our stdout/stderr (so it streams) and return its exit code, shell style."""
     print(f"running: {shlex.join(cmd)}", flush=True)
+    # SIGUSR1 means "preempted: save and exit" to the training ranks only. torchrun does not
+    # handle it (its default action would kill the agent), so the launcher and torchrun ignore
+    # it (an ignored signal stays ignored across exec) and each rank installs its own handler.
+    # Slurm's --signal=USR1@T and `kill -USR1 -<process group>` then reach exactly the ranks.
+    usr1 = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     proc = subprocess.Popen(cmd)
+    signal.signal(signal.SIGUSR1, usr1)
     # `kill <our pid>` must reach torchrun too, or its workers outlive us.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
     try:
@@ -203,7 +209,8 @@ def render_sbatch(args: argparse.Namespace, command: list[str], workdir: Path, o
                         ("account", args.account), ("mem", args.mem)):
         if value:
             sbatch.append(f"--{flag}={value}")
-    sbatch += [f"--chdir={workdir}", "--output=logs/%x-%j.out"]
+    # Preemption warning: SIGUSR1 to the ranks 120 s before the time limit (they save and exit 75).
+    sbatch += [f"--chdir={workdir}", "--output=logs/%x-%j.out", "--signal=USR1@120"]
     threads = max(1, args.cpus_per_task // args.gpus_per_node) if args.cpus_per_task else 1
     srun = ["srun", "--kill-on-bad-exit=1",
             *slurm_node_argv(args.gpus_per_node, args.port, args.max_restarts, args.rdzv_timeout, command)]

@@ -182,6 +182,7 @@ class Parallel:
     dims: ParallelDims
     device: torch.device
     mesh: Any = None  # DeviceMesh, or None for a single process without a sharding strategy
+    side_group: Any = None  # a gloo group for background collectives (async checkpoints); None for one process
 
     @property
     def rank(self) -> int:
@@ -258,10 +259,25 @@ def init_parallel(cfg: Config) -> Parallel:
     if needs_group and not dist.is_initialized():
         _join_process_group(cfg.parallel, env, device, cfg.run.dir)
     mesh = _build_mesh(dims, device) if needs_group else None
+    side_group = None
     if needs_group and env.world_size > 1:
         _first_barrier(cfg.parallel, env, mesh)
-    _CURRENT = Parallel(env, dims, device, mesh)
+        side_group = _new_gloo_group()
+    _CURRENT = Parallel(env, dims, device, mesh, side_group)
     return _CURRENT
+
+
+def _new_gloo_group(attempts: int = 3):
+    """A second gloo group over all ranks, for background work (asynchronous checkpoint writes)
+    that must never interleave with the training step's collectives. Made right after the
+    first barrier, when every rank is listening; a refused connection is retried."""
+    for attempt in range(attempts):
+        try:
+            return dist.new_group(backend="gloo")
+        except RuntimeError:
+            if attempt == attempts - 1:
+                raise
+            dist.barrier()
 
 
 def usable_cores() -> int:

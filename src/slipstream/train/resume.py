@@ -9,6 +9,7 @@ from typing import Any
 from slipstream.checkpoint import manager as ckpt
 from slipstream.config.schema import Config
 from slipstream.errors import UserError
+from slipstream.train.schedule import scheduler_state
 
 # What a checkpoint's optimizer_layout meant before a key existed (older checkpoints).
 LAYOUT_DEFAULTS = {"in_backward": False, "offload": False, "dp_strategy": "none", "world_size": 1}
@@ -16,8 +17,10 @@ LAYOUT_NAMES = {"in_backward": "optim.in_backward", "offload": "optim.offload",
                 "dp_strategy": "parallel.dp_strategy", "world_size": "processes"}
 
 
-def resume_target(resume: str, run_dir: Path) -> Path | None:
-    """The checkpoint checkpoint.resume asks for (none / auto / a path), or None for a fresh run."""
+def resume_target(resume: str, run_dir: Path, verify: bool = True) -> Path | None:
+    """The checkpoint checkpoint.resume asks for (none / auto / a path), or None for a fresh run.
+    auto takes the newest checkpoint whose files match their manifest (verify) and says which
+    damaged ones it skipped."""
     existing = ckpt.list_checkpoints(run_dir / "checkpoints")
     if resume == "none":
         if existing:
@@ -25,7 +28,14 @@ def resume_target(resume: str, run_dir: Path) -> Path | None:
                             "--checkpoint.resume=auto or choose a new --run.dir")
         return None
     if resume == "auto":
-        return existing[-1] if existing else None
+        for path in reversed(existing):
+            problems = ckpt.verify_checkpoint(path) if verify else []
+            if not problems:
+                return path
+            print(f"warning: skipping damaged checkpoint {path}: {'; '.join(problems[:3])}")
+        if existing and verify:
+            raise UserError(f"every checkpoint in '{run_dir / 'checkpoints'}' is damaged; start a new --run.dir")
+        return None
     target = ckpt.resolve_checkpoint(resume)
     newer = [p for p in existing if p.name > target.name]
     if newer:
@@ -34,6 +44,60 @@ def resume_target(resume: str, run_dir: Path) -> Path | None:
                         f"({', '.join(p.name for p in newer)}); resume into a new --run.dir, "
                         "or delete the newer checkpoints first")
     return target
+
+
+def capture_state(trainer) -> dict[str, Any]:
+    """Everything besides model and optimizer that a resumed run needs (JSON)."""
+    par = trainer.parallel
+    return {
+        "step": trainer.step,
+        "tokens_seen": trainer.tokens_seen,
+        "scheduler": scheduler_state(trainer.scheduler),
+        "train_loader": trainer.train_loader.state_dict(),
+        # Each rank's own generators (dropout masks differ per rank only through them).
+        "rng": ckpt.capture_rng_state(),
+        "rng_per_rank": par.gather(ckpt.capture_rng_state()) if par.world_size > 1 else None,
+        # A checkpoint may fall inside a logging interval: keep its partial sums so the
+        # resumed run logs exactly what the uninterrupted one does.
+        "interval": {"loss_sum": par.mean(trainer._interval_loss).item(), "steps": trainer._interval_steps,
+                     "items": trainer._interval_items, "data_wait_s": trainer._interval_wait},
+        "grad_scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
+        "skipped_steps": int(trainer.skipped_steps.item()),
+        "resilience": trainer.resilience.state_dict() if trainer.resilience is not None else None,
+    }
+
+
+def restore_state(trainer, path: Path, keep_data_position: bool = False) -> None:
+    """Load a checkpoint into a trainer. keep_data_position: a rollback, which goes back in
+    weights and steps but keeps reading after the batches that caused it."""
+    from slipstream.distributed.comm_hooks import restore_step
+
+    check_layout(path, trainer._optimizer_layout())
+    state = ckpt.load_checkpoint(path, trainer.model, trainer.optimizer, verify=trainer.cfg.checkpoint.verify)
+    if state["step"] >= trainer.cfg.train.max_steps:
+        raise UserError(f"checkpoint '{path}' is at step {state['step']}, which is not below "
+                        f"train.max_steps = {trainer.cfg.train.max_steps}; raise --train.max_steps to train further")
+    trainer.scheduler.load_state_dict(state["scheduler"])
+    if not keep_data_position:
+        trainer.train_loader.load_state_dict(state["train_loader"])
+        per_rank = state.get("rng_per_rank")
+        ckpt.restore_rng_state(per_rank[trainer.parallel.rank] if per_rank else state["rng"])
+        if trainer.resilience is not None:  # a rollback keeps the live guard: its event count must grow
+            trainer.resilience.load_state_dict(state.get("resilience"))
+    trainer.step = state["step"]
+    trainer.tokens_seen = state["tokens_seen"]
+    restore_step(trainer.model, trainer.optimizer, trainer.step)
+    interval = state.get("interval")
+    if interval and not keep_data_position:
+        trainer._interval_loss.fill_(interval["loss_sum"])
+        trainer._interval_steps, trainer._interval_items = interval["steps"], interval["items"]
+        trainer._interval_wait = interval["data_wait_s"]
+    if trainer.scaler is not None and state.get("grad_scaler"):
+        trainer.scaler.load_state_dict(state["grad_scaler"])
+    trainer.skipped_steps.fill_(state.get("skipped_steps", 0))
+    changes = config_changes(path, trainer.cfg)
+    if changes and trainer.parallel.is_main and not keep_data_position:
+        print("note: resuming with settings that differ from the checkpoint's: " + "; ".join(changes))
 
 
 def check_layout(path: Path, layout: dict[str, Any]) -> None:

@@ -31,19 +31,18 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from slipstream.checkpoint import manager as ckpt
 from slipstream.config.load import config_to_toml
 from slipstream.config.schema import Config
-from slipstream.distributed.comm_hooks import restore_step
 from slipstream.distributed.data_parallel import full_value, gradients_live_in_buckets, no_sync
+from slipstream.checkpoint.writer import CheckpointWriter
 from slipstream.errors import UserError
 from slipstream.observe.memprofile import format_memory_report, measure_step_memory, record_memory_history
 from slipstream.optimize.apply import apply_optimizations
 from slipstream.optimize.optimizers import torch_optimizers
 from slipstream.optimize.precision import autocast_context, make_grad_scaler
-from slipstream.train.resume import check_layout, config_changes, resume_target
+from slipstream.train.resume import capture_state, restore_state, resume_target
 from slipstream.train.rundir import make_run_dir, prepare_run_dir
-from slipstream.train.schedule import build_scheduler, scheduler_state
+from slipstream.train.schedule import build_scheduler
 from slipstream.train.setup import build_optimizer, configure_runtime
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -141,6 +140,15 @@ class Trainer:
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)  # fp16 overflow skips
         self._val_start_state = self.val_loader.state_dict() if self.val_loader is not None else None
         self.profiler = None  # a StepProfiler while fit() runs with profile.enabled
+        c = self.cfg.checkpoint
+        async_save = c.async_save and (self.parallel.world_size == 1 or self.parallel.side_group is not None)
+        self.writer = CheckpointWriter(self.run_dir / "checkpoints", c.keep_last, c.keep_every, async_save,
+                                       commit_timeout_s=self.cfg.parallel.timeout_s, group=self.parallel.side_group)
+        self.resilience = None  # a Resilience while fit() runs: preemption, watchdog, guards
+        self._verdict = None
+        if self.cfg.optim.in_backward and self.cfg.stability.policy in ("skip", "rollback"):
+            raise UserError(f"stability.policy = {self.cfg.stability.policy} must see the gradients before the update, "
+                            "but optim.in_backward updates during backward; use policy stop or none")
         self._reset_interval()
         if self.cfg.metrics.memory_snapshot and self.device.type != "cuda":
             raise UserError("metrics.memory_snapshot records the CUDA caching allocator; this run is on "
@@ -153,70 +161,34 @@ class Trainer:
         the loop never waits on the device between logs."""
         self._interval_loss = torch.zeros((), device=self.device)
         self._interval_steps, self._interval_items, self._interval_wait = 0, 0, 0.0
+        self._interval_dropped = 0  # steps whose update a stability guard dropped
 
     def trainer_state(self) -> dict[str, Any]:
-        return {
-            "step": self.step,
-            "tokens_seen": self.tokens_seen,
-            "scheduler": scheduler_state(self.scheduler),
-            "train_loader": self.train_loader.state_dict(),
-            # Each rank's own generators (dropout masks differ per rank only through them).
-            "rng": ckpt.capture_rng_state(),
-            "rng_per_rank": self.parallel.gather(ckpt.capture_rng_state()) if self.parallel.world_size > 1 else None,
-            # A checkpoint may fall inside a logging interval: keep its partial sums so the
-            # resumed run logs exactly what the uninterrupted one does.
-            "interval": {"loss_sum": self.parallel.mean(self._interval_loss).item(), "steps": self._interval_steps,
-                         "items": self._interval_items, "data_wait_s": self._interval_wait},
-            "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
-            "skipped_steps": int(self.skipped_steps.item()),
-        }
+        return capture_state(self)
 
     def _optimizer_layout(self) -> dict[str, bool]:
         """How the optimizer state is laid out in a checkpoint: resuming needs the same layout."""
         return {"in_backward": self.cfg.optim.in_backward, "offload": self.cfg.optim.offload,
                 "dp_strategy": self.parallel.dims.strategy, "world_size": self.parallel.world_size}
 
-    def save_checkpoint(self) -> Path:
+    def save_checkpoint(self) -> float:
+        """Save (async by default: committed later by writer.poll/wait); returns the stall in seconds."""
         meta = {**self.checkpoint_meta, "optimizer_layout": self._optimizer_layout()}
-        path = ckpt.save_checkpoint(
-            self.run_dir / "checkpoints", self.step, self.model, self.optimizer, self.trainer_state(),
-            config_to_toml(self.cfg), meta=meta, extra_files=self.checkpoint_files)
-        if self.parallel.is_main:
-            ckpt.prune_checkpoints(self.run_dir / "checkpoints", self.cfg.checkpoint.keep_last, protect=path)
-        self.parallel.barrier()  # nobody looks at the folder while rank 0 prunes it
-        return path
+        stall = self.writer.save(self.step, self.model, self.optimizer, self.trainer_state(),
+                                 config_to_toml(self.cfg), meta, self.checkpoint_files)
+        if self.resilience is not None:
+            self.resilience.saved()
+        return stall
 
     def _resume_target(self) -> Path | None:
-        return resume_target(self.cfg.checkpoint.resume, self.run_dir)
+        """checkpoint.resume's target; with auto, the newest intact checkpoint (rank 0 checks the
+        files against their manifests, so every rank resumes from the same one)."""
+        target = resume_target(self.cfg.checkpoint.resume, self.run_dir,
+                               verify=self.cfg.checkpoint.verify and self.parallel.is_main)
+        return Path(name) if (name := self.parallel.broadcast(str(target) if target else None)) else None
 
-    def _resume(self, path: Path) -> None:
-        check_layout(path, self._optimizer_layout())
-        state = ckpt.load_checkpoint(path, self.model, self.optimizer)
-        if state["step"] >= self.cfg.train.max_steps:
-            raise UserError(f"checkpoint '{path}' is at step {state['step']}, which is not below "
-                            f"train.max_steps = {self.cfg.train.max_steps}; raise --train.max_steps to train further")
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.train_loader.load_state_dict(state["train_loader"])
-        per_rank = state.get("rng_per_rank")
-        ckpt.restore_rng_state(per_rank[self.parallel.rank] if per_rank else state["rng"])
-        self.step = state["step"]
-        self.tokens_seen = state["tokens_seen"]
-        restore_step(self.model, self.optimizer, self.step)
-        interval = state.get("interval")
-        if interval:
-            self._interval_loss.fill_(interval["loss_sum"])
-            self._interval_steps, self._interval_items = interval["steps"], interval["items"]
-            self._interval_wait = interval["data_wait_s"]
-        if self.scaler is not None and state.get("grad_scaler"):
-            self.scaler.load_state_dict(state["grad_scaler"])
-        self.skipped_steps.fill_(state.get("skipped_steps", 0))
-        self._report_config_changes(path)
-
-    def _report_config_changes(self, path: Path) -> None:
-        """Resuming with different settings is allowed (e.g. more steps) but never silent."""
-        changes = config_changes(path, self.cfg)
-        if changes and self.parallel.is_main:
-            print("note: resuming with settings that differ from the checkpoint's: " + "; ".join(changes))
+    def _resume(self, path: Path, keep_data_position: bool = False) -> None:
+        restore_state(self, path, keep_data_position)
 
     def _snapshot_path(self) -> Path:
         suffix = f"_rank{self.parallel.rank}" if self.parallel.world_size > 1 else ""
@@ -293,7 +265,7 @@ class Trainer:
         """One optimizer step. Returns (mean loss, grad norm) as device tensors, data wait, items."""
         loss, data_wait, items = self.accumulate_gradients(it)
         with self._label("optimizer"):
-            grad_norm = self.optimizer_step()
+            grad_norm = self.optimizer_step(loss)
         return loss, grad_norm, data_wait, items
 
     def _measured_train_step(self, it: Iterator) -> tuple[torch.Tensor, torch.Tensor, float, int]:
@@ -305,7 +277,7 @@ class Trainer:
 
         def optimizer_step() -> None:
             with self._label("optimizer"):
-                out["grad_norm"] = self.optimizer_step()
+                out["grad_norm"] = self.optimizer_step(out["loss"])
 
         self.memory_report = measure_step_memory(self.model, torch_optimizers(self.optimizer), forward_backward,
                                                  optimizer_step, self.device)
@@ -331,6 +303,8 @@ class Trainer:
             with no_sync(self.model, last_micro_batch=micro == accum - 1):
                 with self._label("forward"), self._autocast:
                     loss = self.loss_fn(self.model, batch)
+                if self.resilience is not None and self.resilience.faults:  # tests only: injected faults
+                    loss = self.resilience.inject(self.step + 1, loss)
                 with self._label("backward"):
                     # Each micro-batch loss is a mean, so dividing by accum makes the summed
                     # gradient equal the gradient of the mean over the whole (big) batch.
@@ -341,10 +315,12 @@ class Trainer:
             loss_sum += loss.detach()
         return loss_sum / accum, data_wait, items
 
-    def optimizer_step(self) -> torch.Tensor:
-        """clip -> step -> schedule -> zero grads; returns the pre-clip gradient norm (device tensor)."""
+    def optimizer_step(self, loss: torch.Tensor | None = None) -> torch.Tensor:
+        """clip -> (guards agree) -> step -> schedule -> zero grads; returns the pre-clip gradient
+        norm (device tensor). The guards' verdict on this step is left in self._verdict."""
         if self.cfg.optim.in_backward:  # the parameters were already updated during backward
             grad_norm = self.optimizer.take_grad_norm()
+            self._decide(loss, grad_norm)
             self.scheduler.step()
             return grad_norm
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -356,6 +332,11 @@ class Trainer:
         else:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         grad_norm = full_value(grad_norm)  # sharded parameters give a DTensor norm (already reduced)
+        if self._decide(loss, grad_norm) in ("skip", "rollback", "stop"):
+            # Drop this update: the scheduler still advances, so the step count stays the schedule's.
+            self.scheduler.step()
+            self.optimizer.zero_grad(set_to_none=not self._grads_in_buckets)
+            return grad_norm
         if self.scaler is not None:
             scale_before = self.scaler._scale.clone()
             self.scaler.step(self.optimizer)  # skipped when the gradients hold inf/nan
@@ -368,6 +349,60 @@ class Trainer:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=not self._grads_in_buckets)
         return grad_norm
+
+    @contextlib.contextmanager
+    def _commit_pending_on_error(self):
+        """A single process that fails still commits the checkpoint it was writing (it holds the
+        state from before the failure). Distributed ranks do not wait: a peer may be gone."""
+        try:
+            yield
+        except BaseException:
+            if self.parallel.world_size == 1:
+                with contextlib.suppress(Exception):
+                    self.writer.wait()
+            raise
+
+    def _act_on(self, verdict, loggers, progress) -> None:
+        """Log the guards' events and carry out what the ranks agreed on after this step."""
+        from slipstream.resilience.runtime import Preempted
+
+        for event in verdict.events:
+            record = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in event.items()
+                      if k not in ("batch_position", "kind", "step")}
+            loggers.log({"step": self.step, "guard_event": event["kind"], "action": verdict.action, **record},
+                        self.step)
+            progress.print_line(f"step {self.step}: {event['kind']} (loss {event['loss']}, grad norm "
+                                f"{event['grad_norm']}): {verdict.action}")
+        if verdict.action == "stop":
+            self.writer.wait()
+            raise UserError(verdict.message)
+        if verdict.action == "rollback":
+            target = self.writer.wait() or self.writer.last_committed or self._resume_target()
+            if target is None:
+                raise UserError(f"step {self.step}: stability.policy = rollback needs a checkpoint to go back to; "
+                                "set --checkpoint.interval (or use policy skip)")
+            bad_step = self.step
+            self._resume(Path(target), keep_data_position=True)
+            self._reset_interval()
+            progress.print_line(f"rolled back from step {bad_step} to {target.name}; the batches since are skipped")
+        if verdict.preempt:
+            self.writer.wait()
+            if self.writer.last_committed is None or not self.writer.last_committed.name.endswith(f"{self.step:08d}"):
+                self.save_checkpoint()
+                self.writer.wait()
+            self.parallel.barrier()
+            left = self.resilience.preemption.seconds_left() if self.resilience.preemption else 0.0
+            progress.print_line(f"preempted: saved {self.writer.last_committed} at step {self.step} "
+                                f"({left:.0f} s of grace left); resume with --checkpoint.resume=auto")
+            raise Preempted(f"preempted at step {self.step}")
+
+    def _decide(self, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> str:
+        if self.resilience is None:
+            self._verdict = None
+            return "ok"
+        position = getattr(self.train_loader, "state_dict", dict)()
+        self._verdict = self.resilience.after_step(self.step + 1, loss, grad_norm, position)
+        return self._verdict.action
 
     @torch.no_grad()  # not inference_mode: FSDP gathers parameters into buffers autograd may see later
     def evaluate(self) -> float | None:
@@ -400,6 +435,9 @@ class Trainer:
             from slipstream.perf.profiling import StepProfiler, current_rank
 
             self.profiler = StepProfiler(cfg.profile, self.device, self.run_dir, rank=current_rank())
+        from slipstream.resilience.runtime import Resilience
+
+        self.resilience = Resilience(cfg, self.parallel, self.run_dir, scaler_active=self.scaler is not None)
         resume_from = self._resume_target()
         if resume_from is not None:
             self._resume(resume_from)
@@ -450,7 +488,7 @@ class Trainer:
         profiling = self.profiler if self.profiler is not None else contextlib.nullcontext()
         with TrainProgress(cfg.train.max_steps, start_step=self.step, enabled=cfg.logging.progress,
                            silent=not main) as progress, \
-                profiling:
+                profiling, self.resilience, self._commit_pending_on_error():
             while self.step < cfg.train.max_steps:
                 if cfg.metrics.memory_snapshot and self.step == start_step + 1:
                     snapshot = contextlib.ExitStack()  # steps 2-3: the steady state, optimizer state included
@@ -462,11 +500,15 @@ class Trainer:
                     memory_record = self.memory_report.to_record()
                 else:
                     loss, grad_norm, wait, items = self.train_step(it)
+                verdict = self._verdict
                 timed_steps += 1
                 timed_items += items
                 self.step += 1
                 self.tokens_seen += items
-                self._interval_loss += loss
+                if verdict is None or verdict.action == "ok":
+                    self._interval_loss += loss
+                else:  # a guarded step's loss is reported as an event, not averaged into the log
+                    self._interval_dropped += 1
                 self._interval_steps += 1
                 self._interval_items += items
                 self._interval_wait += wait
@@ -480,7 +522,7 @@ class Trainer:
                 last = self.step == cfg.train.max_steps
                 if self.step % log_every == 0 or last:
                     # The one host-device sync point of the loop (and, distributed, one all-reduce).
-                    local_loss = self._interval_loss / self._interval_steps
+                    local_loss = self._interval_loss / max(1, self._interval_steps - self._interval_dropped)
                     mean_loss = self.parallel.mean(local_loss).item()
                     norm = grad_norm.item()
                     now = time.perf_counter()
@@ -506,7 +548,7 @@ class Trainer:
                     if self.scaler is not None:
                         record["loss_scale"] = self.scaler.get_scale()
                         record["skipped_steps"] = int(self.skipped_steps.item())
-                    if not math.isfinite(mean_loss):
+                    if not math.isfinite(mean_loss) and self.resilience.guard is None:
                         loggers.log(record, self.step)
                         loggers.close()
                         raise UserError(f"loss became {mean_loss} at step {self.step}; lower optim.lr, "
@@ -529,8 +571,13 @@ class Trainer:
                         loggers.log({"step": self.step, "val_loss": val_loss}, self.step)
                         progress.print_line(f"step {self.step}: val_loss {val_loss:.4f}")
                 interval_save = cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0
-                if interval_save or (last and cfg.checkpoint.save_final):
-                    last_ckpt = self.save_checkpoint()
+                with self.resilience.paused():  # a long eval or save is not a hang
+                    if interval_save or (last and cfg.checkpoint.save_final) or (verdict and verdict.save_due):
+                        stall = self.save_checkpoint()
+                        loggers.log({"step": self.step, "checkpoint_stall_s": stall}, self.step)
+                    self.writer.poll()  # commits a finished asynchronous save
+                    if verdict is not None:
+                        self._act_on(verdict, loggers, progress)
                 if self.profiler is not None and not last:
                     # Ends this iteration's ProfilerStep range (step, logging, eval, checkpoint);
                     # writing the trace happens here once, so it counts as side time, not step time.
@@ -541,6 +588,8 @@ class Trainer:
                 loop_side_time += side_time
 
         loop_time = time.perf_counter() - loop_start - loop_side_time
+        last_ckpt = self.writer.wait() or self.writer.last_committed or last_ckpt
+        self.parallel.barrier()  # every rank's part of the last checkpoint is committed
         loggers.close()
         if rank_logger is not None:
             rank_logger.close()
