@@ -153,13 +153,14 @@ class CheckpointWriter:
             return None
         return self._commit()
 
-    def wait(self) -> Path | None:
+    def wait(self, timeout_s: float | None = None) -> Path | None:
         """Block until the in-flight save is committed (rank 0) or written (other ranks)."""
         if self.pending is None:
             return None
+        timeout_s = self.commit_timeout_s if timeout_s is None else timeout_s
         if self.pending.future is not None:
-            self.pending.future.exception()  # blocks until the writer thread is done
-        deadline = time.monotonic() + self.commit_timeout_s
+            self.pending.future.exception(timeout=timeout_s)  # blocks until the writer thread is done
+        deadline = time.monotonic() + timeout_s
         while not self._shards_done():
             if time.monotonic() > deadline:
                 step = self.pending.step

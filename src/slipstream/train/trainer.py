@@ -352,14 +352,13 @@ class Trainer:
 
     @contextlib.contextmanager
     def _commit_pending_on_error(self):
-        """A single process that fails still commits the checkpoint it was writing (it holds the
-        state from before the failure). Distributed ranks do not wait: a peer may be gone."""
+        """A run that fails still commits the checkpoint it was writing (it holds the state from
+        before the failure), if every rank's part lands soon: a dead peer's never will."""
         try:
             yield
         except BaseException:
-            if self.parallel.world_size == 1:
-                with contextlib.suppress(Exception):
-                    self.writer.wait()
+            with contextlib.suppress(Exception):
+                self.writer.wait(timeout_s=30.0 if self.parallel.world_size > 1 else None)
             raise
 
     def _act_on(self, verdict, loggers, progress) -> None:
