@@ -38,11 +38,19 @@ def _dp_group(par: Parallel):
 
 def apply_data_parallel(model: nn.Module, cfg: Config, par: Parallel) -> nn.Module:
     strategy = par.dims.strategy
+    if cfg.parallel.sync_batchnorm and par.world_size > 1 and _has_batchnorm(model):
+        # Per-rank batch statistics would differ from the global batch's: compute them across ranks.
+        # (Every rank is a data-parallel rank for now, so the group is the whole world.)
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if strategy in REPLICATED:
         return _apply_ddp(model, cfg, par)
     if strategy in SHARDED:
         return _apply_fsdp(model, cfg, par)
     return model
+
+
+def _has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
 def _apply_ddp(model: nn.Module, cfg: Config, par: Parallel) -> nn.Module:

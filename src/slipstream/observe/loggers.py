@@ -175,3 +175,23 @@ class MultiLogger:
                 first_error = first_error or e
         if first_error is not None:
             raise first_error
+
+
+def make_run_loggers(cfg, run_dir: Path, parallel, step: int, resumed: bool):
+    """The job's loggers (rank 0: metrics.jsonl, TensorBoard, W&B; other ranks: none), and this
+    rank's own logs/rank<R>.jsonl when logging.rank_logs asks for it (to find slow or diverging ranks)."""
+    import dataclasses
+
+    rank_logger = None
+    if cfg.logging.rank_logs and parallel.world_size > 1:
+        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+        rank_logger = JsonlLogger(run_dir / "logs" / f"rank{parallel.rank}.jsonl")
+    if not parallel.is_main:
+        return MultiLogger([]), rank_logger
+    loggers = [JsonlLogger(run_dir / "metrics.jsonl")]
+    if cfg.logging.tensorboard:
+        loggers.append(TensorBoardLogger(run_dir / "tensorboard", purge_step=step + 1 if resumed else None))
+    if cfg.logging.wandb:
+        loggers.append(WandbLogger(project=cfg.logging.wandb_project, run_name=run_dir.name,
+                                   config=dataclasses.asdict(cfg), mode=cfg.logging.wandb_mode, dir=str(run_dir)))
+    return MultiLogger(loggers), rank_logger

@@ -17,6 +17,7 @@ comma-separated `kind@step[@rank]` items, kind in nan, spike, crash, stall, sigt
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -178,3 +179,37 @@ class Resilience:
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         if state and state.get("guard") and self.guard is not None:
             self.guard.load_state_dict(state["guard"])
+
+
+def act_on(trainer, verdict: StepVerdict, loggers, progress) -> None:
+    """Log the guards' events and carry out what the ranks agreed on after this step."""
+    for event in verdict.events:
+        record = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in event.items()
+                  if k not in ("batch_position", "kind", "step")}
+        loggers.log({"step": trainer.step, "guard_event": event["kind"], "action": verdict.action, **record},
+                    trainer.step)
+        progress.print_line(f"step {trainer.step}: {event['kind']} (loss {event['loss']}, grad norm "
+                            f"{event['grad_norm']}): {verdict.action}")
+    if verdict.action == "stop":
+        trainer.writer.wait()
+        raise UserError(verdict.message)
+    if verdict.action == "rollback":
+        target = trainer.writer.wait() or trainer.writer.last_committed or trainer._resume_target()
+        if target is None:
+            raise UserError(f"step {trainer.step}: stability.policy = rollback needs a checkpoint to go back to; "
+                            "set --checkpoint.interval (or use policy skip)")
+        bad_step = trainer.step
+        trainer._resume(Path(target), keep_data_position=True)
+        trainer._reset_interval()
+        progress.print_line(f"rolled back from step {bad_step} to {target.name}; the batches since are skipped")
+    if verdict.preempt:
+        trainer.writer.wait()
+        last = trainer.writer.last_committed
+        if last is None or last.name != f"step_{trainer.step:08d}":
+            trainer.save_checkpoint()
+            trainer.writer.wait()
+        trainer.parallel.barrier()
+        left = trainer.resilience.preemption.seconds_left() if trainer.resilience.preemption else 0.0
+        progress.print_line(f"preempted: saved {trainer.writer.last_committed} at step {trainer.step} "
+                            f"({left:.0f} s of grace left); resume with --checkpoint.resume=auto")
+        raise Preempted(f"preempted at step {trainer.step}")

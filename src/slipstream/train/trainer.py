@@ -21,7 +21,6 @@ checkpoint barriers) happen at the same points on every rank, and only rank 0 lo
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -213,29 +212,10 @@ class Trainer:
             prepare_run_dir(self.run_dir, config_to_toml(self.cfg), self.step if resume_from is not None else None)
         self.parallel.barrier()
 
-    def _make_rank_logger(self):
-        """logs/rank<R>.jsonl: this rank's own numbers, to find slow or diverging ranks."""
-        from slipstream.observe.loggers import JsonlLogger
-
-        if not (self.cfg.logging.rank_logs and self.parallel.world_size > 1):
-            return None
-        (self.run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        return JsonlLogger(self.run_dir / "logs" / f"rank{self.parallel.rank}.jsonl")
-
     def _make_loggers(self, resumed: bool):
-        from slipstream.observe.loggers import JsonlLogger, MultiLogger, TensorBoardLogger, WandbLogger
+        from slipstream.observe.loggers import make_run_loggers
 
-        if not self.parallel.is_main:  # rank 0 logs for the job
-            return MultiLogger([])
-        loggers = [JsonlLogger(self.run_dir / "metrics.jsonl")]
-        if self.cfg.logging.tensorboard:
-            loggers.append(TensorBoardLogger(self.run_dir / "tensorboard",
-                                             purge_step=self.step + 1 if resumed else None))
-        if self.cfg.logging.wandb:
-            loggers.append(WandbLogger(project=self.cfg.logging.wandb_project, run_name=self.run_dir.name,
-                                       config=dataclasses.asdict(self.cfg), mode=self.cfg.logging.wandb_mode,
-                                       dir=str(self.run_dir)))
-        return MultiLogger(loggers)
+        return make_run_loggers(self.cfg, self.run_dir, self.parallel, self.step, resumed)
 
     def _peak_flops(self) -> float | None:
         from slipstream.observe.peaks import device_peak_flops
@@ -362,38 +342,9 @@ class Trainer:
             raise
 
     def _act_on(self, verdict, loggers, progress) -> None:
-        """Log the guards' events and carry out what the ranks agreed on after this step."""
-        from slipstream.resilience.runtime import Preempted
+        from slipstream.resilience.runtime import act_on
 
-        for event in verdict.events:
-            record = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in event.items()
-                      if k not in ("batch_position", "kind", "step")}
-            loggers.log({"step": self.step, "guard_event": event["kind"], "action": verdict.action, **record},
-                        self.step)
-            progress.print_line(f"step {self.step}: {event['kind']} (loss {event['loss']}, grad norm "
-                                f"{event['grad_norm']}): {verdict.action}")
-        if verdict.action == "stop":
-            self.writer.wait()
-            raise UserError(verdict.message)
-        if verdict.action == "rollback":
-            target = self.writer.wait() or self.writer.last_committed or self._resume_target()
-            if target is None:
-                raise UserError(f"step {self.step}: stability.policy = rollback needs a checkpoint to go back to; "
-                                "set --checkpoint.interval (or use policy skip)")
-            bad_step = self.step
-            self._resume(Path(target), keep_data_position=True)
-            self._reset_interval()
-            progress.print_line(f"rolled back from step {bad_step} to {target.name}; the batches since are skipped")
-        if verdict.preempt:
-            self.writer.wait()
-            if self.writer.last_committed is None or not self.writer.last_committed.name.endswith(f"{self.step:08d}"):
-                self.save_checkpoint()
-                self.writer.wait()
-            self.parallel.barrier()
-            left = self.resilience.preemption.seconds_left() if self.resilience.preemption else 0.0
-            progress.print_line(f"preempted: saved {self.writer.last_committed} at step {self.step} "
-                                f"({left:.0f} s of grace left); resume with --checkpoint.resume=auto")
-            raise Preempted(f"preempted at step {self.step}")
+        act_on(self, verdict, loggers, progress)
 
     def _decide(self, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> str:
         if self.resilience is None:
@@ -441,8 +392,7 @@ class Trainer:
         if resume_from is not None:
             self._resume(resume_from)
         self._prepare_run_dir(resume_from)
-        loggers = self._make_loggers(resumed=resume_from is not None)
-        rank_logger = self._make_rank_logger()
+        loggers, rank_logger = self._make_loggers(resumed=resume_from is not None)
         peak = self._peak_flops()
         reset_peak_memory(self.device)
         main = self.parallel.is_main
@@ -536,6 +486,8 @@ class Trainer:
                     record = {
                         "step": self.step, "loss": mean_loss, "lr": self.optimizer.param_groups[0]["lr"],
                         "grad_norm": norm, "step_time_s": elapsed / timed_steps,
+                        # after clipping (the norm clip_grad_norm_ leaves behind)
+                        "grad_norm_clipped": min(norm, cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 else norm,
                         "data_wait_s": self._interval_wait / self._interval_steps, "tokens_per_s": tokens_per_s,
                         "mfu": util, "mem_peak_bytes": peak_memory_bytes(self.device),
                         "tokens": self.tokens_seen,
