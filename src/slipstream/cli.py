@@ -11,6 +11,7 @@
     slipstream config reference
     slipstream bench overhead [--config FILE] [--section.key=value ...] [--rounds N] [--out FILE]
     slipstream bench sharding [--nproc N --strategies ddp zero1 zero2 fsdp --steps N]
+    slipstream bench checkpoint [--repeats N] [--model.* overrides]
     slipstream bench fused-ce [--rows N --d D --vocab V --dtype ... --chunk-size ...]
     slipstream bench ladder [memory|speed|both] [--device D --size S --repeats N --steps N --batch B]
 
@@ -142,6 +143,13 @@ def cmd_bench_sharding(args, extra) -> int:
     return 0
 
 
+def cmd_bench_checkpoint(args, extra) -> int:
+    from slipstream.perf.checkpoint_bench import run_checkpoint_bench
+
+    run_checkpoint_bench(repeats=args.repeats, overrides=_split_overrides(extra), out=args.out)
+    return 0
+
+
 def cmd_bench_fused_ce(args, extra) -> int:
     from slipstream.ops.bench_fused_ce import run_fused_ce_bench
 
@@ -263,6 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--data-dir", default="", help="prepared data folder (default: the stdlib corpus, prepared once)")
     p.add_argument("--out", default="", help="JSON file (default benchmarks/sharding-cpu.json)")
     p.set_defaults(func=cmd_bench_sharding)
+    p = bench.add_parser("checkpoint", help="checkpoint save: training stall of synchronous vs asynchronous saves")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="", help="JSON file (default benchmarks/checkpoint-cpu.json)")
+    p.set_defaults(func=cmd_bench_checkpoint)
     p = bench.add_parser("fused-ce", help="fused linear + cross-entropy vs the unfused path: time and peak memory")
     p.add_argument("--rows", type=int, default=4096, help="tokens (batch x sequence)")
     p.add_argument("--d", type=int, default=256, help="hidden size")
