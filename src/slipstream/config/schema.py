@@ -186,7 +186,7 @@ class ParallelConfig:
     reduce_dtype: str = option("none", "zero2/fsdp/hsdp: dtype of the gradient reduce-scatter; none = param_dtype.",
                                choices=("none", "bf16", "fp16", "fp32"))
     offload: bool = option(False, "zero2/fsdp/hsdp: keep sharded parameters, gradients and optimizer state in CPU memory; the optimizer steps on CPU.")
-    sync_batchnorm: bool = option(True, "With more than one process: convert BatchNorm layers to SyncBatchNorm (statistics over the global batch).")
+    sync_batchnorm: bool = option(True, "With more than one process on GPUs: convert BatchNorm layers to SyncBatchNorm (statistics over the global batch; torch supports it on accelerators only).")
 
 
 @dataclass

@@ -39,9 +39,14 @@ def _dp_group(par: Parallel):
 def apply_data_parallel(model: nn.Module, cfg: Config, par: Parallel) -> nn.Module:
     strategy = par.dims.strategy
     if cfg.parallel.sync_batchnorm and par.world_size > 1 and _has_batchnorm(model):
-        # Per-rank batch statistics would differ from the global batch's: compute them across ranks.
-        # (Every rank is a data-parallel rank for now, so the group is the whole world.)
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        if par.device.type == "cpu":
+            # torch's SyncBatchNorm (and DDP with it) needs accelerator tensors.
+            if par.is_main:
+                print("note: parallel.sync_batchnorm needs GPUs; on CPU each rank normalizes with its own batch statistics")
+        else:
+            # Per-rank batch statistics would differ from the global batch's: compute them across
+            # ranks (every rank is a data-parallel rank for now, so the group is the whole world).
+            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if strategy in REPLICATED:
         return _apply_ddp(model, cfg, par)
     if strategy in SHARDED:
