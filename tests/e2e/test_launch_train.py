@@ -96,12 +96,42 @@ def test_fsdp_options_compose(extra, rel, reference, data_dir, tmp_path):
     assert losses == pytest.approx(reference[0], rel=rel)
 
 
+@pytest.mark.timeout(400)
+def test_resharding_resume_continues_the_same_training(data_dir, tmp_path):
+    """Saved by 2 FSDP ranks (4 sequences each), resumed by 1 process (8 sequences), and the other
+    way round from DDP: same global batch, and the sequential loader continues at the same
+    position, so the resumed steps match the uninterrupted run (fp32, different reduction order)."""
+    import shutil
+
+    common = COMMON + [f"--data.dir={data_dir}", "--checkpoint.interval=3"]
+    two = tmp_path / "two"
+    proc = _launch(["train", *common, "--train.micro_batch_size=4", f"--run.dir={two}", "--parallel.dp_strategy=fsdp"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    straight, _ = _records(two)
+    # 2 -> 1: keep the step-3 checkpoint only and continue in one process.
+    one = tmp_path / "one"
+    shutil.copytree(two, one)
+    shutil.rmtree(one / "checkpoints" / "step_00000006")
+    train_lm(load_config(None, common + ["--train.micro_batch_size=8", f"--run.dir={one}",
+                                         "--checkpoint.resume=auto"]))
+    resumed, _ = _records(one)
+    assert resumed == pytest.approx(straight, rel=5e-6)  # measured max 9.6e-8 (both directions)
+    # 1 -> 2 (as DDP): from the single process's step-3 checkpoint.
+    back = tmp_path / "back"
+    shutil.copytree(one, back)
+    shutil.rmtree(back / "checkpoints" / "step_00000006")
+    proc = _launch(["train", *common, "--train.micro_batch_size=4", f"--run.dir={back}", "--parallel.dp_strategy=ddp",
+                    "--checkpoint.resume=auto"])
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
+    assert _records(back)[0] == pytest.approx(straight, rel=5e-6)
+
+
 @pytest.mark.timeout(120)
-def test_resuming_with_another_world_size_or_strategy_is_a_clear_error(data_dir, tmp_path):
+def test_resuming_a_per_rank_layout_elsewhere_is_a_clear_error(data_dir, tmp_path):
     run = tmp_path / "run"
-    train_lm(load_config(None, COMMON + [f"--data.dir={data_dir}", f"--run.dir={run}", "--train.max_steps=2",
-                                         "--train.micro_batch_size=4"]))
     proc = _launch(["train", *COMMON, f"--data.dir={data_dir}", f"--run.dir={run}", "--train.micro_batch_size=4",
-                    "--parallel.dp_strategy=ddp", "--checkpoint.resume=auto"])
-    assert proc.returncode != 0
-    assert "parallel.dp_strategy: none -> ddp" in proc.stderr and "processes: 1 -> 2" in proc.stderr
+                    "--train.max_steps=2", "--parallel.dp_strategy=zero1"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with pytest.raises(Exception, match="parallel.dp_strategy: zero1 -> none.*processes: 2 -> 1"):
+        train_lm(load_config(None, COMMON + [f"--data.dir={data_dir}", f"--run.dir={run}", "--train.micro_batch_size=8",
+                                             "--checkpoint.resume=auto"]))

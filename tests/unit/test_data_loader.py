@@ -219,3 +219,34 @@ def test_dataset_loader_errors():
     state = DatasetLoader(Recording(10), batch_size=2, seed=1).state_dict()
     with pytest.raises(UserError, match="batch_size: saved 2, now 3"):
         DatasetLoader(Recording(10), batch_size=3, seed=1).load_state_dict(state)
+
+
+@pytest.mark.parametrize("saved, resumed", [((2, 2), (1, 4)), ((1, 4), (2, 2)), ((2, 3), (4, 1)), ((4, 1), (2, 3))])
+def test_a_sequential_position_is_resharded_without_repeats(data_dir, saved, resumed):
+    """Saved by W ranks of batch B, resumed by W' ranks of batch B': no window of the epoch is
+    read twice, and fewer than two global batches of the new layout are skipped."""
+    from slipstream.data.loader import TokenLoader
+
+    (world, batch), (new_world, new_batch) = saved, resumed
+    old = [TokenLoader(str(data_dir), "train", batch, 32, seed=3, mode="sequential", rank=r, world_size=world)
+           for r in range(world)]
+    read = set()
+    for loader in old:
+        for index in range(5):
+            read |= set(loader._batch_starts(index).tolist())
+        loader._batch_index = 5
+    state = old[0].state_dict()
+    new = [TokenLoader(str(data_dir), "train", new_batch, 32, seed=3, mode="sequential", rank=r, world_size=new_world)
+           for r in range(new_world)]
+    following = set()
+    for loader in new:
+        loader.load_state_dict(state)
+        following |= set(loader._batch_starts(loader._batch_index).tolist())
+    assert not read & following
+    import numpy as np
+
+    from slipstream.data.loader import _seed_key
+
+    epoch_order = np.random.default_rng([_seed_key(3), 0]).permutation(old[0]._n_windows) * 32  # window starts
+    first_new = min(list(epoch_order).index(s) for s in following)
+    assert first_new >= len(read) and first_new - len(read) < 2 * new_batch * new_world

@@ -318,9 +318,37 @@ class TokenLoader:
         return {"kind": "TokenLoader", **self._identity(), "rank": self.rank, "batch_index": self._batch_index}
 
     def load_state_dict(self, state: dict) -> None:
-        _check_state("TokenLoader", state, self._identity())
+        """Resume at a saved position. A state saved by another number of ranks or another batch
+        size is resharded (see `_resharded_index`); everything else must match."""
+        layout = ("batch_size", "world_size")
+        same_data = {k: v for k, v in self._identity().items() if k not in layout}
+        _check_state("TokenLoader", state, same_data)
         self.close()  # drop batches prefetched from the old position
-        self._batch_index = int(state["batch_index"])
+        if all(state.get(k) == getattr(self, k) for k in layout):
+            self._batch_index = int(state["batch_index"])
+        else:
+            self._batch_index = self._resharded_index(int(state["batch_index"]), int(state["batch_size"]),
+                                                      int(state["world_size"]))
+
+    def _resharded_index(self, index: int, batch_size: int, world_size: int) -> int:
+        """The first batch of this loader that starts at or after everything the saved loaders read.
+
+        sequential: the saved ranks had read the first `consumed` windows of the epoch order
+        (rank r reads positions r, r+W, ...). This loader continues at the first of its batch
+        boundaries at or after that position: no window of the epoch is read twice, and fewer
+        than two of its global batches (batch_size x world_size windows each) are skipped.
+        random: batches are independent draws; the batch count carries over unchanged.
+        """
+        if self.mode == "random":
+            return index
+        saved_per_rank = self._n_windows // world_size
+        position = index * batch_size  # this rank's position in its epoch lists, counted over epochs
+        epoch, offset = divmod(position, saved_per_rank)
+        consumed = offset * world_size  # windows of the current epoch's order already read by all ranks
+        per_global_batch = self.batch_size * self.world_size
+        batches_in_epoch = -(-consumed // per_global_batch)  # round up: never re-read a window
+        my_position = epoch * self._per_rank + batches_in_epoch * self.batch_size
+        return -(-my_position // self.batch_size)
 
 
 class _CountFrom(torch.utils.data.Sampler):

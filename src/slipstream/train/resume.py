@@ -81,7 +81,9 @@ def restore_state(trainer, path: Path, keep_data_position: bool = False) -> None
     if not keep_data_position:
         trainer.train_loader.load_state_dict(state["train_loader"])
         per_rank = state.get("rng_per_rank")
-        ckpt.restore_rng_state(per_rank[trainer.parallel.rank] if per_rank else state["rng"])
+        same_ranks = per_rank and len(per_rank) == trainer.parallel.world_size
+        # Resharded: no rank's generators carry over one to one; every rank takes rank 0's.
+        ckpt.restore_rng_state(per_rank[trainer.parallel.rank] if same_ranks else state["rng"])
         if trainer.resilience is not None:  # a rollback keeps the live guard: its event count must grow
             trainer.resilience.load_state_dict(state.get("resilience"))
     trainer.step = state["step"]
@@ -100,9 +102,19 @@ def restore_state(trainer, path: Path, keep_data_position: bool = False) -> None
         print("note: resuming with settings that differ from the checkpoint's: " + "; ".join(changes))
 
 
+# Strategies whose checkpoints hold one named, shardable state (DCP reshards it on load).
+RESHARDABLE = ("none", "ddp", "zero2", "fsdp", "hsdp")
+
+
 def check_layout(path: Path, layout: dict[str, Any]) -> None:
-    """The optimizer state is stored per layout (variant, strategy, number of ranks): refuse a mismatch."""
+    """The optimizer state is stored per layout. Changing the number of ranks or moving between
+    none / ddp / zero2 / fsdp / hsdp is resharding, which DCP does on load; per-rank layouts
+    (zero1, local SGD) and other optimizer variants must match."""
     saved = {**LAYOUT_DEFAULTS, **ckpt.read_meta(path).get("optimizer_layout", {})}
+    reshard = (saved["dp_strategy"] in RESHARDABLE and layout["dp_strategy"] in RESHARDABLE
+               and not ckpt.read_meta(path).get("per_rank_model"))
+    if reshard:
+        saved = {**saved, "dp_strategy": layout["dp_strategy"], "world_size": layout["world_size"]}
     if saved != layout:
         changed = ", ".join(f"{LAYOUT_NAMES[k]}: {saved.get(k)} -> {v}" for k, v in layout.items() if saved.get(k) != v)
         raise UserError(f"checkpoint '{path}' stores its state for a different layout ({changed}); resume "
