@@ -90,6 +90,18 @@ def test_damaged_or_unfinished_checkpoints_are_skipped_by_resume_auto(straight, 
 
 
 @pytest.mark.timeout(120)
+def test_a_time_trigger_saves_without_a_step_interval(data_dir, tmp_path):
+    run = tmp_path / "run"
+    proc = _run(_common(data_dir) + [f"--run.dir={run}", "--checkpoint.interval_minutes=0.00001",
+                                     "--checkpoint.keep_last=20", "--checkpoint.save_final=false"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    saved = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert len(saved) >= 6  # a save is due after every step at this interval (one may still be in flight)
+    stalls = [r["checkpoint_stall_s"] for r in _records(run) if "checkpoint_stall_s" in r]
+    assert len(stalls) >= 6 and all(s >= 0 for s in stalls)
+
+
+@pytest.mark.timeout(120)
 def test_nan_and_spike_are_skipped_and_logged(data_dir, tmp_path):
     run = tmp_path / "run"
     proc = _run(_common(data_dir, steps=20) + [f"--run.dir={run}", "--stability.policy=skip"],

@@ -209,7 +209,12 @@ def act_on(trainer, verdict: StepVerdict, loggers, progress) -> None:
             trainer.save_checkpoint()
             trainer.writer.wait()
         trainer.parallel.barrier()
-        left = trainer.resilience.preemption.seconds_left() if trainer.resilience.preemption else 0.0
+        handler = trainer.resilience.preemption
+        left = handler.seconds_left() if handler is not None else 0.0
         progress.print_line(f"preempted: saved {trainer.writer.last_committed} at step {trainer.step} "
                             f"({left:.0f} s of grace left); resume with --checkpoint.resume=auto")
+        if handler is not None and handler.requested and left <= 0:
+            progress.print_line(f"warning: finishing the step and saving took longer than resilience.grace_s = "
+                                f"{handler.grace_s:g} s; a scheduler would have killed the job first. Save more "
+                                "often, make saves cheaper, or ask the scheduler for a longer warning")
         raise Preempted(f"preempted at step {trainer.step}")
