@@ -21,6 +21,7 @@ User errors print one line `error: ...` and exit with code 2 (no traceback).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 
@@ -299,6 +300,16 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
+def _report_final_exit(code: int) -> None:
+    """Tell `slipstream launch` that this exit must not be retried (a user error or a preemption):
+    torchrun's own exit code does not carry the workers' codes."""
+    path = os.environ.get("SLIPSTREAM_EXIT_FILE")
+    if path:
+        with contextlib.suppress(OSError):
+            with open(path, "w", encoding="ascii") as f:
+                f.write(str(code))
+
+
 def _leave_now_if_distributed(code: int) -> None:
     """A failed rank of a distributed job exits at once: background threads (an asynchronous
     checkpoint write waiting on a dead peer) must not keep it alive, or the launcher could not
@@ -321,6 +332,7 @@ def _run(args, extra) -> int:
         return args.func(args, extra)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
+        _report_final_exit(EXIT_USER_ERROR)
         _leave_now_if_distributed(EXIT_USER_ERROR)
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
@@ -331,6 +343,7 @@ def _run(args, extra) -> int:
 
         if isinstance(e, Preempted):  # the checkpoint is saved: a distinct code tells the scheduler to requeue
             print(f"exiting after preemption: {e}", file=sys.stderr)
+            _report_final_exit(e.exit_code)
             _leave_now_if_distributed(e.exit_code)
             return e.exit_code
         raise

@@ -98,8 +98,8 @@ def test_fsdp_options_compose(extra, rel, reference, data_dir, tmp_path):
 
 @pytest.mark.timeout(400)
 def test_resharding_resume_continues_the_same_training(data_dir, tmp_path):
-    """Saved by 2 FSDP ranks (4 sequences each), resumed by 1 process (8 sequences), and the other
-    way round from DDP: same global batch, and the sequential loader continues at the same
+    """Saved by 2 FSDP ranks (4 sequences each), resumed by 1 process (8 sequences), back to 2 DDP
+    ranks, and from FSDP to DDP at 2 ranks: same global batch, and the sequential loader continues at the same
     position, so the resumed steps match the uninterrupted run (fp32, different reduction order)."""
     import shutil
 
@@ -124,6 +124,14 @@ def test_resharding_resume_continues_the_same_training(data_dir, tmp_path):
                     "--checkpoint.resume=auto"])
     assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
     assert _records(back)[0] == pytest.approx(straight, rel=5e-6)
+    # fsdp -> ddp at the same world size.
+    swapped = tmp_path / "swapped"
+    shutil.copytree(two, swapped)
+    shutil.rmtree(swapped / "checkpoints" / "step_00000006")
+    proc = _launch(["train", *common, "--train.micro_batch_size=4", f"--run.dir={swapped}",
+                    "--parallel.dp_strategy=ddp", "--checkpoint.resume=auto"])
+    assert proc.returncode == 0 and "resumed from" in proc.stdout, proc.stderr[-3000:]
+    assert _records(swapped)[0] == pytest.approx(straight, rel=5e-6)
 
 
 @pytest.mark.timeout(120)

@@ -109,10 +109,40 @@ def cmd_local(args: argparse.Namespace, command: list[str]) -> int:
     _check(args.nproc >= 1, f"--nproc must be >= 1 (got {args.nproc})")
     _check(args.max_restarts >= 0, f"--max-restarts must be >= 0 (got {args.max_restarts})")
     _check(args.monitor_interval > 0, f"--monitor-interval must be > 0 seconds (got {args.monitor_interval})")
-    cmd = _torchrun() + ["--standalone", "--nproc-per-node", str(args.nproc),
-                         "--max-restarts", str(args.max_restarts), "--monitor-interval", str(args.monitor_interval),
-                         "-m", "slipstream", *command]
-    return _run(cmd)
+    cmd = _torchrun() + ["--standalone", "--nproc-per-node", str(args.nproc), "--max-restarts", "0",
+                         "--monitor-interval", str(args.monitor_interval), "-m", "slipstream", *command]
+    return run_with_restarts(cmd, args.max_restarts)
+
+
+# Worker exit codes that must not be retried: a user error (2) would fail again, and a
+# preempted job (75) was told to stop.
+FINAL_EXIT_CODES = (2, 75)
+EXIT_FILE_ENV = "SLIPSTREAM_EXIT_FILE"
+RESTART_ENV = "SLIPSTREAM_RESTART_COUNT"
+
+
+def run_with_restarts(cmd: list[str], max_restarts: int) -> int:
+    """Run torchrun; after a failure, start it again (all ranks, a fresh rendezvous and store) up to
+    max_restarts times. The ranks resume from their last checkpoint with --checkpoint.resume=auto.
+
+    Restarting the whole torchrun (instead of its in-place elastic restart) gives every attempt a
+    new store: on CPU/gloo, in-place restarts failed to re-form the group about every second time.
+    A rank reports a final exit code (user error, preemption) through SLIPSTREAM_EXIT_FILE, since
+    torchrun itself exits 1 whatever its workers returned."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="slipstream-launch-") as tmp:
+        exit_file = Path(tmp) / "exit_code"
+        for attempt in range(max_restarts + 1):
+            os.environ[EXIT_FILE_ENV], os.environ[RESTART_ENV] = str(exit_file), str(attempt)
+            rc = _run(cmd)
+            final = int(exit_file.read_text()) if exit_file.exists() else None
+            if rc == 0 or final in FINAL_EXIT_CODES:
+                return final if rc != 0 and final is not None else rc
+            if attempt < max_restarts:
+                print(f"launch: attempt {attempt + 1} failed (exit {rc}); restarting all ranks "
+                      f"({max_restarts - attempt} restart(s) left)", flush=True)
+    return rc
 
 
 # ------------------------------------------------------------------ slurm-node
@@ -376,7 +406,8 @@ def add_launch_parser(sub) -> None:
 
     p = where.add_parser("local", help="torchrun on this machine")
     p.add_argument("--nproc", type=int, default=1, help="processes (ranks) on this machine")
-    p.add_argument("--max-restarts", type=int, default=0, help="restart all ranks this often after a failure")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="after a failure, start all ranks again this often (they resume with --checkpoint.resume=auto)")
     p.add_argument("--monitor-interval", type=float, default=0.1, help="seconds between torchrun's health checks")
     with_command(p, cmd_local)
 

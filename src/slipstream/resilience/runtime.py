@@ -11,8 +11,8 @@ host each step (one small sync; the price of per-step NaN/spike protection).
 
 Fault injection for tests (never set in production): SLIPSTREAM_INJECT_FAULT holds
 comma-separated `kind@step[@rank]` items, kind in nan, spike, crash, stall, sigterm, sigusr1; e.g.
-`nan@5,crash@7@1`. A crash fires only in the first attempt of a torchrun-restarted job
-(TORCHELASTIC_RESTART_COUNT = 0), so a restarted run can get past it.
+`nan@5,crash@7@1`. A crash fires only in the first attempt of a restarted job
+(TORCHELASTIC_RESTART_COUNT and SLIPSTREAM_RESTART_COUNT = 0), so a restarted run can get past it.
 """
 
 from __future__ import annotations
@@ -129,7 +129,8 @@ class Resilience:
                 loss = loss * float("nan")
             elif kind == "spike":
                 loss = loss * 100.0
-            elif kind == "crash" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            elif kind == "crash" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" \
+                    and os.environ.get("SLIPSTREAM_RESTART_COUNT", "0") == "0":
                 print(f"injected crash at step {step} on rank {self.parallel.rank}", flush=True)
                 os._exit(13)
             elif kind == "stall":
