@@ -116,6 +116,17 @@ def test_nan_and_spike_are_skipped_and_logged(data_dir, tmp_path):
 
 
 @pytest.mark.timeout(120)
+def test_skip_works_with_fp16_loss_scaling(data_dir, tmp_path):
+    """The guard drops the update after the scaler has unscaled the gradients: the scaler must
+    still be updated, or the next step's unscale_ fails."""
+    run = tmp_path / "run"
+    proc = _run(_common(data_dir) + [f"--run.dir={run}", "--stability.policy=skip", "--precision.autocast=fp16"],
+                fault="nan@5")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert [r["step"] for r in _records(run) if "guard_event" in r] == [5]
+
+
+@pytest.mark.timeout(120)
 def test_stop_policy_ends_the_run_after_k_events(data_dir, tmp_path):
     proc = _run(_common(data_dir) + [f"--run.dir={tmp_path / 'run'}", "--stability.policy=stop",
                                      "--stability.max_events=2"], fault="nan@3,nan@4")

@@ -310,6 +310,10 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     except UserError:
         raise
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
+        if rank_world()[1] > 1:
+            # The files passed their checksums; with several ranks a failure here is most likely a
+            # peer that died: let it surface as a crash, which a launcher with restarts retries.
+            raise
         raise UserError(f"could not load checkpoint '{path}': {type(e).__name__}: {str(e).splitlines()[0][:300]}. "
                         "The checkpoint is damaged or was saved for a different model shape.") from None
     try:

@@ -29,9 +29,13 @@ from typing import Any
 import torch.distributed.checkpoint as dcp
 
 from slipstream.checkpoint import manager as ckpt
-from slipstream.errors import UserError
 
 MANIFEST = "manifest.json"
+
+
+class CheckpointWriteError(RuntimeError):
+    """A save that could not finish (a failed write, or a rank that never reported back). Not a
+    user error: a launcher with restarts should retry the job."""
 
 
 def file_crc32(path: Path, chunk: int = 1 << 22) -> int:
@@ -141,8 +145,8 @@ class CheckpointWriter:
                 self.pending = None
                 if self.rank == 0:
                     shutil.rmtree(pending.tmp, ignore_errors=True)
-                raise UserError(f"saving checkpoint step {pending.step} failed: {type(error).__name__}: "
-                                f"{str(error).splitlines()[0][:300] if str(error) else ''}")
+                raise CheckpointWriteError(f"saving checkpoint step {pending.step} failed: {type(error).__name__}: "
+                                           f"{str(error).splitlines()[0][:300] if str(error) else ''}")
         if self.rank != 0:  # only rank 0 commits (and then renames the folder these files are in)
             return (pending.tmp / f"rank{self.rank}.manifest.json").exists() or pending.final.exists()
         return all((pending.tmp / f"rank{r}.manifest.json").exists() for r in range(self.world))
@@ -159,13 +163,17 @@ class CheckpointWriter:
             return None
         timeout_s = self.commit_timeout_s if timeout_s is None else timeout_s
         if self.pending.future is not None:
-            self.pending.future.exception(timeout=timeout_s)  # blocks until the writer thread is done
+            try:
+                self.pending.future.exception(timeout=timeout_s)  # blocks until the writer thread is done
+            except TimeoutError:
+                raise CheckpointWriteError(f"checkpoint step {self.pending.step}: the write did not finish within "
+                                           f"{timeout_s:g} s") from None
         deadline = time.monotonic() + timeout_s
         while not self._shards_done():
             if time.monotonic() > deadline:
                 step = self.pending.step
-                raise UserError(f"checkpoint step {step}: not every rank finished writing within "
-                                f"{self.commit_timeout_s:g} s; a rank may have died")
+                raise CheckpointWriteError(f"checkpoint step {step}: not every rank finished writing within "
+                                           f"{timeout_s:g} s; a rank may have died")
             time.sleep(0.01)
         return self._commit()
 

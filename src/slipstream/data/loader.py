@@ -347,7 +347,8 @@ class TokenLoader:
         consumed = offset * world_size  # windows of the current epoch's order already read by all ranks
         per_global_batch = self.batch_size * self.world_size
         batches_in_epoch = -(-consumed // per_global_batch)  # round up: never re-read a window
-        my_position = epoch * self._per_rank + batches_in_epoch * self.batch_size
+        # This layout may read fewer windows per epoch than were consumed: then start the next epoch.
+        my_position = epoch * self._per_rank + min(batches_in_epoch * self.batch_size, self._per_rank)
         return -(-my_position // self.batch_size)
 
 

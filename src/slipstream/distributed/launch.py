@@ -18,6 +18,7 @@ Everything after `--` is the slipstream command each rank runs (`train --paralle
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import datetime
 import os
@@ -68,12 +69,13 @@ def _run(cmd: list[str]) -> int:
     """Run `cmd` with our stdout/stderr (so it streams) and return its exit code, shell style."""
     print(f"running: {shlex.join(cmd)}", flush=True)
     # SIGUSR1 means "preempted: save and exit" to the training ranks only. torchrun does not
-    # handle it (its default action would kill the agent), so the launcher and torchrun ignore
-    # it (an ignored signal stays ignored across exec) and each rank installs its own handler.
-    # Slurm's --signal=USR1@T and `kill -USR1 -<process group>` then reach exactly the ranks.
+    # handle it (its default action would kill the agent), so torchrun is started with it
+    # ignored (an ignored signal stays ignored across exec; each rank installs its own handler).
+    # This launcher forwards a SIGUSR1 it receives to the ranks, torchrun's children, which run
+    # in sessions of their own; Slurm's --signal=USR1@T reaches every process of the step itself.
     usr1 = signal.signal(signal.SIGUSR1, signal.SIG_IGN)
     proc = subprocess.Popen(cmd)
-    signal.signal(signal.SIGUSR1, usr1)
+    signal.signal(signal.SIGUSR1, lambda signum, frame: _signal_children(proc.pid, signum))
     # `kill <our pid>` must reach torchrun too, or its workers outlive us.
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: proc.send_signal(signum))
     try:
@@ -86,7 +88,16 @@ def _run(cmd: list[str]) -> int:
                 continue
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGUSR1, usr1)
     return 128 - rc if rc < 0 else rc
+
+
+def _signal_children(pid: int, signum: int) -> None:
+    """Send `signum` to the direct children of `pid` (Linux /proc; elsewhere: nothing to do)."""
+    for tasks in Path(f"/proc/{pid}/task").glob("*/children"):
+        for child in tasks.read_text().split():
+            with contextlib.suppress(OSError):
+                os.kill(int(child), signum)
 
 
 def _torchrun() -> list[str]:
@@ -131,18 +142,33 @@ def run_with_restarts(cmd: list[str], max_restarts: int) -> int:
     torchrun itself exits 1 whatever its workers returned."""
     import tempfile
 
-    with tempfile.TemporaryDirectory(prefix="slipstream-launch-") as tmp:
-        exit_file = Path(tmp) / "exit_code"
-        for attempt in range(max_restarts + 1):
-            os.environ[EXIT_FILE_ENV], os.environ[RESTART_ENV] = str(exit_file), str(attempt)
-            rc = _run(cmd)
-            final = int(exit_file.read_text()) if exit_file.exists() else None
-            if rc == 0 or final in FINAL_EXIT_CODES:
-                return final if rc != 0 and final is not None else rc
-            if attempt < max_restarts:
-                print(f"launch: attempt {attempt + 1} failed (exit {rc}); restarting all ranks "
-                      f"({max_restarts - attempt} restart(s) left)", flush=True)
-    return rc
+    saved_env = {key: os.environ.get(key) for key in (EXIT_FILE_ENV, RESTART_ENV)}
+    try:
+        with tempfile.TemporaryDirectory(prefix="slipstream-launch-") as tmp:
+            exit_file = Path(tmp) / "exit_code"
+            for attempt in range(max_restarts + 1):
+                os.environ[EXIT_FILE_ENV], os.environ[RESTART_ENV] = str(exit_file), str(attempt)
+                rc = _run(cmd)
+                final = _read_exit_code(exit_file)
+                if rc == 0 or final in FINAL_EXIT_CODES:
+                    return final if rc != 0 and final is not None else rc
+                if attempt < max_restarts:
+                    print(f"launch: attempt {attempt + 1} failed (exit {rc}); restarting all ranks "
+                          f"({max_restarts - attempt} restart(s) left)", flush=True)
+        return rc
+    finally:
+        for key, value in saved_env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _read_exit_code(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
 
 
 # ------------------------------------------------------------------ slurm-node

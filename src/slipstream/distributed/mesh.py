@@ -267,17 +267,12 @@ def init_parallel(cfg: Config) -> Parallel:
     return _CURRENT
 
 
-def _new_gloo_group(attempts: int = 3):
+def _new_gloo_group():
     """A second gloo group over all ranks, for background work (asynchronous checkpoint writes)
     that must never interleave with the training step's collectives. Made right after the
-    first barrier, when every rank is listening; a refused connection is retried."""
-    for attempt in range(attempts):
-        try:
-            return dist.new_group(backend="gloo")
-        except RuntimeError:
-            if attempt == attempts - 1:
-                raise
-            dist.barrier()
+    first barrier, when every rank is listening. (No retry: it is a collective, and a retry on
+    one rank only would pair with another collective on the others.)"""
+    return dist.new_group(backend="gloo")
 
 
 def usable_cores() -> int:

@@ -161,7 +161,8 @@ class Resilience:
                 preempt, time_due = flags.tolist()
             verdict.preempt, verdict.save_due = preempt > 0, time_due > 0
             return verdict
-        values = torch.stack([loss.detach().float().reshape(()), grad_norm.detach().float().reshape(()),
+        # The norm can live elsewhere than the loss (FSDP's CPU offload keeps gradients on the host).
+        values = torch.stack([loss.detach().float().reshape(()), grad_norm.detach().float().reshape(()).to(loss.device),
                               torch.tensor(preempt, device=loss.device), torch.tensor(time_due, device=loss.device)])
         if self.parallel.world_size > 1:
             dist.all_reduce(values)  # loss and norm summed (norm is equal on all ranks), flags: any
@@ -195,7 +196,10 @@ def act_on(trainer, verdict: StepVerdict, loggers, progress) -> None:
         trainer.writer.wait()
         raise UserError(verdict.message)
     if verdict.action == "rollback":
-        target = trainer.writer.wait() or trainer.writer.last_committed or trainer._resume_target()
+        trainer.writer.wait()
+        trainer.parallel.barrier()  # rank 0 has committed what the others wrote
+        local = trainer.writer.last_committed or trainer._resume_target()
+        target = Path(name) if (name := trainer.parallel.broadcast(str(local) if local else None)) else None
         if target is None:
             raise UserError(f"step {trainer.step}: stability.policy = rollback needs a checkpoint to go back to; "
                             "set --checkpoint.interval (or use policy skip)")

@@ -60,7 +60,8 @@ def capture_state(trainer) -> dict[str, Any]:
         # A checkpoint may fall inside a logging interval: keep its partial sums so the
         # resumed run logs exactly what the uninterrupted one does.
         "interval": {"loss_sum": par.mean(trainer._interval_loss).item(), "steps": trainer._interval_steps,
-                     "items": trainer._interval_items, "data_wait_s": trainer._interval_wait},
+                     "items": trainer._interval_items, "data_wait_s": trainer._interval_wait,
+                     "dropped": trainer._interval_dropped},
         "grad_scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
         "skipped_steps": int(trainer.skipped_steps.item()),
         "resilience": trainer.resilience.state_dict() if trainer.resilience is not None else None,
@@ -94,6 +95,7 @@ def restore_state(trainer, path: Path, keep_data_position: bool = False) -> None
         trainer._interval_loss.fill_(interval["loss_sum"])
         trainer._interval_steps, trainer._interval_items = interval["steps"], interval["items"]
         trainer._interval_wait = interval["data_wait_s"]
+        trainer._interval_dropped = interval.get("dropped", 0)
     if trainer.scaler is not None and state.get("grad_scaler"):
         trainer.scaler.load_state_dict(state["grad_scaler"])
     trainer.skipped_steps.fill_(state.get("skipped_steps", 0))

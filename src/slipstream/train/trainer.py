@@ -314,6 +314,8 @@ class Trainer:
         grad_norm = full_value(grad_norm)  # sharded parameters give a DTensor norm (already reduced)
         if self._decide(loss, grad_norm) in ("skip", "rollback", "stop"):
             # Drop this update: the scheduler still advances, so the step count stays the schedule's.
+            if self.scaler is not None:
+                self.scaler.update()  # closes the scaler's unscale_ of this step (and backs off on inf)
             self.scheduler.step()
             self.optimizer.zero_grad(set_to_none=not self._grads_in_buckets)
             return grad_norm
@@ -523,7 +525,9 @@ class Trainer:
                         progress.print_line(f"step {self.step}: val_loss {val_loss:.4f}")
                 interval_save = cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0
                 with self.resilience.paused():  # a long eval or save is not a hang
-                    if interval_save or (last and cfg.checkpoint.save_final) or (verdict and verdict.save_due):
+                    rolling_back = verdict is not None and verdict.action == "rollback"  # that state is the bad one
+                    if not rolling_back and (interval_save or (last and cfg.checkpoint.save_final)
+                                             or (verdict and verdict.save_due)):
                         stall = self.save_checkpoint()
                         loggers.log({"step": self.step, "checkpoint_stall_s": stall}, self.step)
                     self.writer.poll()  # commits a finished asynchronous save
