@@ -202,13 +202,6 @@ def write_text(path: Path, text: str) -> None:
         os.fsync(f.fileno())
 
 
-def prune_checkpoints(checkpoints_dir: str | Path, keep_last: int, protect: Path | None = None) -> None:
-    """Delete all but the newest `keep_last` complete checkpoints (never `protect`)."""
-    from slipstream.checkpoint.writer import prune
-
-    prune(Path(checkpoints_dir), keep_last, protect=protect)
-
-
 # --- find ----------------------------------------------------------------------------------
 
 def is_complete(path: Path) -> bool:

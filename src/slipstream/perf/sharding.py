@@ -52,9 +52,7 @@ def run_strategy(strategy: str, nproc: int, overrides: list[str], run_dir: str, 
 
 
 def _rank_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
-    ranks = summary.get("ranks") or [{"rank": 0, "mem_peak_bytes": summary["mem_peak_bytes"],
-                                      "step_peak_bytes": (summary.get("memory") or {}).get("peak_bytes"),
-                                      "backward_end_categories": None}]
+    ranks = summary["ranks"]  # runs here always have >= 2 ranks, which the summary lists
     return [{"rank": r["rank"], "step_peak_bytes": r["step_peak_bytes"], "process_peak_rss_bytes": r["mem_peak_bytes"],
              "end_of_backward": r.get("backward_end_categories")} for r in ranks]
 

@@ -88,7 +88,6 @@ class Resilience:
         self.watchdog = StepWatchdog(r.watchdog_s, self.run_dir, rank=parallel.rank) if r.watchdog_s > 0 else None
         self.last_save = time.monotonic()
         self.faults = parse_faults(os.environ.get(FAULT_ENV))
-        self.events: list[dict[str, Any]] = []
         self._armed = False
 
     # --- lifecycle
@@ -139,9 +138,6 @@ class Resilience:
                 os.kill(os.getpid(), signal.SIGTERM if kind == "sigterm" else signal.SIGUSR1)
         return loss
 
-    def needs_loss(self) -> bool:
-        return self.guard is not None
-
     def after_step(self, step: int, loss: torch.Tensor | None, grad_norm: torch.Tensor | None,
                    batch_position: Any) -> StepVerdict:
         """Agree across ranks on what happens after this step's gradients exist."""
@@ -172,7 +168,6 @@ class Resilience:
                                     batch_position)
         verdict.action, verdict.events, verdict.message = decision.action, decision.events, decision.message
         verdict.preempt, verdict.save_due = preempt_any > 0, due_any > 0
-        self.events.extend(decision.events)
         return verdict
 
     def state_dict(self) -> dict[str, Any]:

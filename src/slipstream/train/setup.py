@@ -61,17 +61,15 @@ def build_optimizer(model: nn.Module, cfg: Config, parallel=None):
     groups = param_groups(model, o.weight_decay)
     if not any(g["params"] for g in groups):
         raise UserError("the model has no trainable parameters")
+    hyper = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                 implementation=o.implementation, state_dtype=o.state_dtype)
     if parallel is not None and parallel.dims.strategy != "none":
         from slipstream.distributed.data_parallel import build_zero1_optimizer, wrap_optimizer
 
         if parallel.dims.strategy == "zero1":
             return build_zero1_optimizer(groups, cfg, parallel)
-        hyper = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-                     implementation=o.implementation, state_dtype=o.state_dtype)
         base = CPUOffloadOptimizer(groups, **hyper) if o.offload else make_adamw(groups, **hyper)
         return wrap_optimizer(base, model, cfg, parallel)
-    hyper = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
-                 implementation=o.implementation, state_dtype=o.state_dtype)
     if o.in_backward:
         if cfg.train.grad_accum_steps > 1:
             print("note: optim.in_backward with train.grad_accum_steps > 1 steps only in the last micro-batch's "

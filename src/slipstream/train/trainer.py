@@ -352,7 +352,8 @@ class Trainer:
         if self.resilience is None:
             self._verdict = None
             return "ok"
-        position = getattr(self.train_loader, "state_dict", dict)()
+        # The data position is only needed to log a guard event; not worth building on every step otherwise.
+        position = self.train_loader.state_dict() if self.resilience.guard is not None else None
         self._verdict = self.resilience.after_step(self.step + 1, loss, grad_norm, position)
         return self._verdict.action
 
