@@ -1,0 +1,1 @@
+"""Planning: predict memory and step time of a configuration before it runs."""

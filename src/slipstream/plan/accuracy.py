@@ -1,0 +1,183 @@
+"""How right is the memory model? Planned peak vs measured peak, on this CPU.
+
+    slipstream bench planner [--out benchmarks/planner-accuracy-cpu.json]
+
+Every case runs two real training steps of slipstream's transformer (AdamW, gradient
+clipping, zero_grad(set_to_none), the trainer's order of operations) and measures the
+second one with PyTorch's MemTracker (single process) or FSDPMemTracker over a fake
+process group of 8 ranks (sharded strategies: one real rank whose collectives are
+no-ops, so the tensors each rank holds are real and counted). The planner predicts the
+same step from shapes alone. Tests guard the error (tests/unit/test_plan_accuracy.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from slipstream.config.schema import ModelConfig
+from slipstream.models.presets import PRESETS
+from slipstream.plan.memory import estimate_memory
+from slipstream.plan.space import PlanModel, Strategy
+
+TARGET_ERROR = 0.10
+FAKE_WORLD = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    preset: str
+    strategy: Strategy
+    seq_len: int = 128
+    overrides: tuple[tuple[str, Any], ...] = ()
+
+    def model_config(self) -> ModelConfig:
+        values = {**PRESETS[self.preset], "preset": self.preset, "vocab_size": 512, **dict(self.overrides)}
+        values["max_seq_len"] = max(values["max_seq_len"], self.seq_len)
+        return ModelConfig(**values)
+
+    def label(self) -> str:
+        extra = ",".join(f"{k}={v}" for k, v in self.overrides)
+        return f"{self.preset}{'[' + extra + ']' if extra else ''} seq{self.seq_len} {self.strategy.precision} {self.strategy.label()}"
+
+
+def default_cases() -> list[Case]:
+    """The grid: two model families x AC modes x precisions x strategies."""
+    cases = []
+    wide = (("n_layer", 4), ("d_model", 128), ("n_head", 4))
+    for preset, overrides in (("tiny", wide), ("llama-tiny", (("n_layer", 4),)), ("gpt-mini", ())):
+        for precision in ("fp32", "bf16"):
+            for ac in ("none", "selective", "full"):
+                cases.append(Case(preset, Strategy(micro_batch=8, ac=ac, precision=precision), overrides=overrides))
+        cases.append(Case(preset, Strategy(micro_batch=4, grad_accum=2, precision="fp32"), overrides=overrides))
+        cases.append(Case(preset, Strategy(micro_batch=8, precision="fp32", fused_loss=True, loss_chunk=256),
+                          overrides=overrides))
+        for dp in ("fsdp", "zero2"):
+            cases.append(Case(preset, Strategy(dp_strategy=dp, dp=FAKE_WORLD, micro_batch=8, precision="fp32"),
+                              overrides=overrides))
+    return cases
+
+
+def _train_step(model, optimizer, batch, targets, s: Strategy, fused_loss) -> None:
+    from slipstream.models.transformer import lm_loss
+
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.precision == "bf16" and s.dp_strategy == "none")
+    for micro in range(s.grad_accum):
+        x, y = batch[micro], targets[micro]
+        with autocast:
+            if fused_loss is not None:
+                loss = fused_loss(model, x, y)
+            else:
+                loss = lm_loss(model(x), y)
+        (loss / s.grad_accum).backward()
+
+
+def _optimizer_step(model, optimizer) -> None:
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+@contextlib.contextmanager
+def _fake_process_group(world: int) -> Iterator[Any]:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=world, store=FakeStore())
+    try:
+        yield init_device_mesh("cpu", (world,))
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_case(case: Case) -> int:
+    """Measured peak bytes of the second training step (MemTracker / FSDPMemTracker)."""
+    from slipstream.models.transformer import Transformer, build_model, materialize
+    from slipstream.observe.memprofile import measure_step_memory
+    from slipstream.optimize.activations import apply_activation_checkpointing
+
+    s, cfg = case.strategy, case.model_config()
+    torch.manual_seed(0)
+    batch = torch.randint(0, cfg.vocab_size, (s.grad_accum, s.micro_batch, case.seq_len))
+    targets = torch.randint(0, cfg.vocab_size, (s.grad_accum, s.micro_batch, case.seq_len))
+    fused = None
+    if s.fused_loss:
+        from slipstream.ops.fused_ce import fused_linear_cross_entropy
+
+        def fused(model, x, y):
+            hidden = model(x, return_hidden=True)
+            return fused_linear_cross_entropy(hidden.view(-1, hidden.shape[-1]), model.lm_head.weight, y.view(-1),
+                                              chunk_size=s.loss_chunk)
+
+    if s.dp_strategy == "none":
+        model = build_model(cfg)
+        apply_activation_checkpointing(model, s.ac)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        _train_step(model, optimizer, batch, targets, s, fused)
+        _optimizer_step(model, optimizer)
+        report = measure_step_memory(model, optimizer, lambda: _train_step(model, optimizer, batch, targets, s, fused),
+                                     lambda: _optimizer_step(model, optimizer), "cpu")
+        return report.peak_bytes
+    return _measure_sharded(case, cfg, batch, targets, fused)
+
+
+def _measure_sharded(case: Case, cfg: ModelConfig, batch, targets, fused) -> int:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.fsdp import fully_shard
+
+    from slipstream.models.transformer import Transformer, materialize
+    from slipstream.optimize.activations import apply_activation_checkpointing
+
+    s = case.strategy
+    with _fake_process_group(s.dp) as mesh:
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        apply_activation_checkpointing(model, s.ac)
+        reshard = s.dp_strategy != "zero2"
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+        model.to_empty(device="cpu")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+        _train_step(model, optimizer, batch, targets, s, fused)
+        _optimizer_step(model, optimizer)
+        tracker = FSDPMemTracker(model, optimizer)
+        tracker.track_inputs((batch, targets))
+        with tracker:
+            _train_step(model, optimizer, batch, targets, s, fused)
+            _optimizer_step(model, optimizer)
+        return int(sum(tracker.get_tracker_snapshot("peak")[torch.device("cpu")].values()) -
+                   0) if False else _peak_total(tracker)
+
+
+def _peak_total(tracker) -> int:
+    snapshot = tracker.get_tracker_snapshot("peak")
+    for device, by_kind in snapshot.items():
+        if torch.device(device).type == "cpu":
+            return int(by_kind["Total"])
+    raise RuntimeError("FSDPMemTracker recorded no CPU memory")
+
+
+def plan_case(case: Case) -> int:
+    model = PlanModel(case.preset, case.model_config())
+    return estimate_memory(model, case.strategy, case.seq_len, device="cpu").peak_bytes
+
+
+def run_accuracy(cases: list[Case] | None = None) -> list[dict[str, Any]]:
+    rows = []
+    for case in cases or default_cases():
+        t0 = time.perf_counter()
+        measured = measure_case(case)
+        planned = plan_case(case)
+        rows.append({"case": case.label(), "measured_bytes": measured, "planned_bytes": planned,
+                     "error": (planned - measured) / measured, "seconds": round(time.perf_counter() - t0, 2)})
+    return rows

@@ -1,0 +1,271 @@
+"""Peak memory per GPU of one training step, predicted from shapes alone (docs/planner.md).
+
+The step is walked phase by phase, as it runs:
+
+    forward   parameters + optimizer state (+ gradients when they persist) + the activations
+              saved so far + the loss's logits
+    backward  layer by layer from the top: saved activations are freed as gradients appear,
+              plus the backward temporaries of the layer being differentiated
+    optimizer parameters + gradients + optimizer state
+
+and the peak is the highest point of that walk. Every byte is counted from the same
+shapes the model code uses (param counts come from observe.flops, the one source of
+truth), by category: parameters, gradients, optimizer_state, activations, temporaries.
+
+Activation bytes per block were derived from what autograd keeps for backward in
+slipstream's transformer and checked against MemTracker (tests/unit/test_plan_memory.py):
+
+  saved per block, n = tokens in the micro-batch, d = width, F = MLP width, r = bytes of
+  the residual stream (fp32 under autocast), a = bytes of matmul outputs (2 under bf16)
+    residual stream      2 n d r        the block's input and the mid-block residual
+    norm outputs         n d (4 | a x consumers)   one fp32 tensor shared by the matmuls, or
+                                        under autocast one low-precision copy per matmul
+    rmsnorm              + n d 4 per norm (the normalized input, composite kernel)
+    norm statistics      n 4 (rms) or 2 n 4 (layer norm) per norm
+    q, k, v              n (d + 2 d_kv) a
+    attention output     n d a + n heads 4 (the softmax log-sum-exp; flash kernels keep no T x T matrix)
+    MLP                  2 n F a (gelu: up output, gelu output), 4 n F a (swiglu)
+  activation checkpointing: full keeps only the block input; selective keeps the outputs of
+  the matmuls and attention plus the block input.
+  autocast keeps a low-precision copy of every weight its matmuls saved (2 bytes per matmul
+  parameter), freed as backward goes past the layer; checkpointed blocks keep none.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from slipstream.observe.flops import param_count
+from slipstream.plan.space import PlanModel, Strategy
+
+GIB = 2**30
+CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
+# CUDA's caching allocator rounds blocks and keeps freed blocks for reuse: the reserved
+# bytes run above the allocated ones. A margin on the device total, not on CPU (MemTracker
+# and the CPU allocator count tensor bytes only).
+CUDA_FRAGMENTATION = 0.08
+
+
+@dataclass
+class MemoryEstimate:
+    """Predicted peak bytes per GPU, with the breakdown at the peak."""
+
+    peak_bytes: int
+    peak_phase: str
+    breakdown: dict[str, int]
+    fragmentation_bytes: int = 0
+    host_bytes: int = 0          # offloaded state in host memory, per GPU
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def total_bytes(self) -> int:
+        return self.peak_bytes + self.fragmentation_bytes
+
+    def to_record(self) -> dict:
+        return {"peak_bytes": self.peak_bytes, "total_bytes": self.total_bytes, "peak_phase": self.peak_phase,
+                "fragmentation_bytes": self.fragmentation_bytes, "host_bytes": self.host_bytes,
+                "breakdown": dict(self.breakdown), "notes": list(self.notes)}
+
+
+@dataclass(frozen=True)
+class _Dtypes:
+    residual: int      # residual stream, norm inputs, embeddings
+    compute: int       # matmul inputs/outputs, attention
+    autocast: bool     # low-precision copies made per op (weights cached, norm outputs per consumer)
+    gathered: int      # FSDP all-gathered parameters
+    reduce: int        # gradient reduction
+
+
+def _dtypes(s: Strategy) -> _Dtypes:
+    low = s.precision != "fp32"
+    # Sharded strategies run low precision as FSDP mixed precision (parameters gathered in
+    # bf16, gradients reduced in fp32): no autocast, so the residual stream is low precision too.
+    fsdp_mp = low and s.dp_strategy in ("zero2", "fsdp", "hsdp")
+    if fsdp_mp:
+        return _Dtypes(residual=2, compute=2, autocast=False, gathered=2, reduce=4)
+    return _Dtypes(residual=4, compute=2 if low else 4, autocast=low, gathered=4, reduce=4)
+
+
+def block_activation_bytes(model: PlanModel, tokens: int, s: Strategy, mode: str | None = None) -> int:
+    """Bytes one transformer block saves for backward for `tokens` tokens on this GPU."""
+    cfg, dt = model.cfg, _dtypes(s)
+    mode = s.ac if mode is None else mode
+    d, n, tp = cfg.d_model, tokens, s.tp
+    # Sequence parallel splits the residual/norm tensors over tp ranks too; without it they are replicated.
+    seq_split = tp if (tp > 1 and s.sequence_parallel) else 1
+    r, a = dt.residual, dt.compute
+    block_input = n * d * r // seq_split
+    if mode == "full":
+        return block_input
+    head_dim = d // cfg.n_head
+    kv = (cfg.n_kv_head or cfg.n_head) * head_dim
+    hidden = _mlp_hidden(model)
+    active_hidden = hidden * (model.moe.top_k if model.moe else 1)
+    swiglu = cfg.mlp == "swiglu"
+    qkv = n * (d + 2 * kv) * a // tp
+    attention = n * d * a // tp + n * cfg.n_head * 4 // tp
+    projections = n * d * a // seq_split                    # o_proj and down_proj outputs (selective keeps them)
+    mlp_inner = n * active_hidden * a // tp
+    if mode == "selective":
+        return block_input + qkv + attention + projections * 2 + mlp_inner * (2 if swiglu else 1)
+    stats = n * 4 * (1 if cfg.norm == "rmsnorm" else 2) // seq_split
+    rms_extra = n * d * 4 // seq_split if cfg.norm == "rmsnorm" else 0
+    if dt.autocast:
+        norm_outs = n * d * a * 3 // seq_split + n * d * a * (2 if swiglu else 1) // seq_split
+    else:
+        norm_outs = 2 * n * d * r // seq_split
+    residual_mid = n * d * r // seq_split
+    mlp = mlp_inner * (4 if swiglu else 2)
+    return block_input + residual_mid + norm_outs + 2 * (stats + rms_extra) + qkv + attention + mlp
+
+
+def _mlp_hidden(model: PlanModel) -> int:
+    from slipstream.models.transformer import mlp_hidden
+
+    return mlp_hidden(model.cfg)
+
+
+def _stage_layers(model: PlanModel, s: Strategy) -> int:
+    return math.ceil(model.cfg.n_layer / s.pp)
+
+
+def in_flight_microbatches(s: Strategy) -> float:
+    """Micro-batches whose activations the busiest pipeline stage holds at once."""
+    if s.pp == 1:
+        return 1.0
+    m = s.grad_accum
+    if s.pp_schedule == "gpipe":
+        return float(m)
+    in_flight = float(min(s.pp, m))
+    if s.pp_schedule == "interleaved":
+        # Narayanan et al. 2021 (section 2.2.2): interleaving holds (1 + (p-1)/(p v)) x 1F1B's activations.
+        in_flight *= 1 + (s.pp - 1) / (s.pp * s.pp_virtual)
+    return in_flight
+
+
+def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "cuda",
+                    optimizer_state_bytes: int = 4) -> MemoryEstimate:
+    """Predicted peak memory per GPU of one training step of `model` laid out as `s`.
+
+    seq_len: tokens per sequence; s.micro_batch sequences go through each forward.
+    optimizer_state_bytes: bytes per Adam moment (4 fp32, 2 bf16).
+    device: "cuda" adds the allocator's fragmentation margin; "cpu" does not.
+    """
+    cfg, dt = model.cfg, _dtypes(s)
+    pc = param_count(cfg, (model.moe.n_experts, model.moe.top_k) if model.moe else None)
+    shard_opt, shard_grad, shard_param = s.shards()
+    group = s.shard_group
+    layers = _stage_layers(model, s)
+    notes: list[str] = []
+
+    # ---- parameters per GPU: this stage's blocks (split by tp, experts by ep) + embedding / head
+    expert_share = (pc.mlp / s.ep if model.moe else pc.mlp)
+    block_params = (pc.attn + expert_share) / s.tp + pc.norm
+    vocab_params = pc.embedding - (cfg.max_seq_len * cfg.d_model if cfg.position == "learned" else 0)
+    pos_params = pc.embedding - vocab_params
+    first_stage = vocab_params / s.tp + pos_params
+    last_stage = (pc.head or (vocab_params if s.pp > 1 else 0)) / s.tp + cfg.d_model
+    edge = first_stage + last_stage if s.pp == 1 else max(first_stage, last_stage)
+    if s.pp == 1 and cfg.tie_embeddings:
+        edge = first_stage + cfg.d_model
+    local_params = layers * block_params + edge
+
+    def sharded(count: float, is_sharded: bool) -> float:
+        return count / group if is_sharded else count
+
+    param_bytes = sharded(local_params, shard_param) * 4
+    grad_bytes = sharded(local_params, shard_grad) * 4
+    optim_bytes = sharded(local_params, shard_opt) * 2 * optimizer_state_bytes
+    host = 0
+    if s.offload:
+        host = int(param_bytes + grad_bytes + optim_bytes)
+        param_bytes = grad_bytes = optim_bytes = 0
+        notes.append("offload: sharded parameters, gradients and optimizer state live in host memory")
+
+    # ---- activations of one micro-batch on this GPU
+    tokens = s.micro_batch * seq_len // s.cp
+    per_block = block_activation_bytes(model, tokens, s)
+    seq_split = s.tp if (s.tp > 1 and s.sequence_parallel) else 1
+    final_norm = tokens * cfg.d_model * (dt.residual + (dt.compute if dt.autocast else dt.residual)) // seq_split
+    if cfg.norm == "rmsnorm":
+        final_norm += tokens * cfg.d_model * 4 // seq_split
+    in_flight = in_flight_microbatches(s)
+    acts = (layers * per_block + final_norm) * in_flight
+
+    # Autocast keeps a bf16 copy of each weight a saved matmul needs (blocks without AC).
+    weight_copies = 0.0
+    if dt.autocast and s.ac == "none":
+        matmul_per_block = (pc.active_matmul - vocab_params) / cfg.n_layer / s.tp
+        weight_copies = layers * matmul_per_block * dt.compute + vocab_params / s.tp * dt.compute
+
+    # ---- the loss: logits (tokens x vocab) and their fp32 log-softmax (on the last stage;
+    # with a pipeline we add it to the busiest stage, which errs on the safe side)
+    v_local = vocab_params // cfg.d_model / s.tp
+    if s.fused_loss:
+        chunk = min(s.loss_chunk, tokens)
+        loss_fwd = chunk * v_local * 4 * 2
+        loss_bwd = chunk * v_local * 4 * 2 + tokens * cfg.d_model * 4
+        notes.append("fused loss: logits exist one chunk at a time")
+    else:
+        low_logits = tokens * v_local * dt.compute if dt.compute != 4 else 0   # before the fp32 upcast
+        loss_fwd = low_logits + 2 * tokens * v_local * 4     # fp32 logits and their log-softmax
+        # backward of the log-softmax: its saved output, the incoming gradient and the outgoing
+        # one (the low-precision logits are gone by then; their gradient comes after these go)
+        loss_bwd = 3 * tokens * v_local * 4
+
+    # ---- gathered parameters and communication buffers
+    gather_unit = block_params * dt.gathered
+    comm = 0.0
+    if s.dp_strategy in ("fsdp", "hsdp"):
+        comm = 2 * gather_unit                        # the block being computed and the prefetched next one
+    elif s.dp_strategy == "zero2":
+        comm = layers * gather_unit + edge * dt.gathered   # parameters stay gathered between forward and backward
+    reduce_buffer = block_params * dt.reduce if s.dp_strategy in ("zero2", "fsdp", "hsdp") else 0.0
+    # DDP/zero1 gradients are views into the all-reduce buckets and never freed; with
+    # accumulation every gradient exists from the second micro-batch on.
+    persistent_grads = s.dp_strategy in ("ddp", "zero1") or s.grad_accum > 1
+
+    def phase(grads: float, activations: float, temporaries: float) -> dict[str, float]:
+        return {"parameters": param_bytes, "gradients": grads, "optimizer_state": optim_bytes,
+                "activations": activations, "temporaries": temporaries}
+
+    all_grads = grad_bytes if persistent_grads else 0.0
+    phases = {"forward": phase(all_grads, acts + weight_copies, loss_fwd + comm)}
+    # Backward: the loss's gradient first, then down the blocks: block i's activations go as
+    # its gradients arrive, while its backward temporaries (and recomputation) are alive.
+    head_grad = sharded((pc.head or vocab_params) / s.tp, shard_grad) * 4 if s.pp == 1 else 0.0
+    block_grad = sharded(block_params, shard_grad) * 4
+    transient = _block_backward_transient(model, tokens, s)
+    # A checkpointed block's backward first recomputes what it did not keep.
+    recompute = block_activation_bytes(model, tokens, s, mode="none") - per_block if s.ac != "none" else 0
+    other_micro = acts - (layers * per_block + final_norm)          # other in-flight micro-batches stay
+    worst = phase(all_grads or head_grad, acts + weight_copies, loss_bwd + comm + reduce_buffer)
+    copies_per_block = weight_copies / max(layers, 1)
+    for i in range(layers, 0, -1):                # blocks 1..i still hold their activations
+        grads = all_grads or head_grad + (layers - i) * block_grad
+        # zero2 frees a block's gathered parameters once its gradients are reduced.
+        gathered = i * gather_unit + edge * dt.gathered if s.dp_strategy == "zero2" else comm
+        candidate = phase(grads, other_micro + i * (per_block + copies_per_block),
+                          recompute + transient + gathered + reduce_buffer)
+        if sum(candidate.values()) > sum(worst.values()):
+            worst = candidate
+    phases["backward"] = worst
+    phases["optimizer"] = phase(grad_bytes, 0.0, comm if s.dp_strategy == "zero2" else 0.0)
+
+    peak_phase = max(phases, key=lambda name: sum(phases[name].values()))
+    breakdown = {k: int(v) for k, v in phases[peak_phase].items()}
+    peak = sum(breakdown.values())
+    frag = int(peak * CUDA_FRAGMENTATION) if device != "cpu" else 0
+    return MemoryEstimate(peak_bytes=peak, peak_phase=peak_phase, breakdown=breakdown,
+                          fragmentation_bytes=frag, host_bytes=host, notes=notes)
+
+
+def _block_backward_transient(model: PlanModel, tokens: int, s: Strategy) -> int:
+    """Gradients of activations alive while one block is differentiated, beyond what the block
+    already saved: the MLP's inner gradient (gelu: one n x F tensor; swiglu: two, the gate's
+    and the up projection's) next to the residual stream's gradient and its copy."""
+    cfg, dt = model.cfg, _dtypes(s)
+    hidden = _mlp_hidden(model) * (model.moe.top_k if model.moe else 1)
+    inner = tokens * hidden * dt.compute // s.tp * (2 if cfg.mlp == "swiglu" else 1)
+    return inner + 2 * tokens * cfg.d_model * dt.residual

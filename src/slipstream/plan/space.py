@@ -1,0 +1,140 @@
+"""What a plan is made of: the model to train, the work, and one parallel layout (a Strategy).
+
+A Strategy is everything the memory and time models need to know about how a step runs
+on the cluster. `runnable()` says whether slipstream can run it today; the planner still
+plans the layouts it cannot run yet (tensor, pipeline, context and expert parallelism),
+and flags them, so that a user sees what they would buy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from slipstream.config.schema import ModelConfig
+from slipstream.errors import UserError
+
+DP_STRATEGIES = ("none", "ddp", "zero1", "zero2", "fsdp", "hsdp")
+# How much each data-parallel strategy shards: (optimizer state, gradients, parameters).
+# zero2 runs as FSDP2 without resharding after forward: the parameters' storage is sharded,
+# and a gathered copy lives from the forward until each block's backward (plan/memory.py).
+SHARDS = {
+    "none": (False, False, False),
+    "ddp": (False, False, False),
+    "zero1": (True, False, False),
+    "zero2": (True, True, True),
+    "fsdp": (True, True, True),
+    "hsdp": (True, True, True),
+}
+PP_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero-bubble")
+AC_MODES = ("none", "selective", "full")
+PRECISIONS = ("fp32", "bf16", "fp16")
+# What slipstream runs today; the rest is planned and flagged.
+RUNNABLE_TP = RUNNABLE_PP = RUNNABLE_CP = RUNNABLE_EP = 1
+
+
+@dataclass(frozen=True)
+class MoE:
+    """A mixture-of-experts MLP in every block (planning only: slipstream's model is dense)."""
+
+    n_experts: int
+    top_k: int
+
+
+@dataclass(frozen=True)
+class PlanModel:
+    """The model a plan is for: a transformer config (+ MoE), or a traced user module."""
+
+    name: str
+    cfg: ModelConfig
+    moe: MoE | None = None
+    # A user nn.Module measured on fake tensors (see plan/trace.py); None for transformer configs.
+    traced: object | None = None
+
+
+@dataclass(frozen=True)
+class Workload:
+    seq_len: int
+    global_batch: int          # sequences per optimizer step, over all data-parallel ranks
+    tokens: float = 0.0        # tokens to train (for cost and wall time); 0 = unknown
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 1 or self.global_batch < 1:
+            raise UserError(f"sequence length and global batch must be >= 1, got seq {self.seq_len}, "
+                            f"global batch {self.global_batch}")
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One way to lay a training step out on `world` GPUs: world = dp x tp x pp x cp.
+
+    dp is the data-parallel degree (ranks that see different data); for hsdp it is
+    dp_replicate x dp_shard. ep (experts) splits the experts over ranks of the dp x cp group.
+    """
+
+    dp_strategy: str = "none"
+    dp: int = 1
+    dp_shard: int = 0          # hsdp: ranks per shard group (0 = not hsdp)
+    tp: int = 1
+    sequence_parallel: bool = True   # with tp > 1: norms/residuals split along the sequence too
+    pp: int = 1
+    pp_schedule: str = "1f1b"
+    pp_virtual: int = 1        # interleaved: model chunks per pipeline rank
+    cp: int = 1
+    ep: int = 1
+    micro_batch: int = 1
+    grad_accum: int = 1        # micro-batches per step per data-parallel rank
+    ac: str = "none"
+    precision: str = "bf16"    # autocast dtype for compute; sharded strategies use FSDP mixed precision
+    offload: bool = False      # fsdp/zero2/hsdp: sharded state in host memory
+    fused_loss: bool = False   # chunked linear + cross-entropy: logits never materialized whole
+    loss_chunk: int = 4096
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    @property
+    def shard_group(self) -> int:
+        """Ranks over which sharded state is split (the whole dp group, or hsdp's shard group)."""
+        if self.dp_strategy == "hsdp":
+            return self.dp_shard
+        return self.dp if SHARDS[self.dp_strategy][0] else 1
+
+    def shards(self) -> tuple[bool, bool, bool]:
+        return SHARDS[self.dp_strategy]
+
+    def not_runnable(self) -> list[str]:
+        """Why slipstream cannot run this layout yet (empty: it can)."""
+        reasons = []
+        for name, value, limit in (("tensor parallel", self.tp, RUNNABLE_TP), ("pipeline parallel", self.pp, RUNNABLE_PP),
+                                   ("context parallel", self.cp, RUNNABLE_CP), ("expert parallel", self.ep, RUNNABLE_EP)):
+            if value > limit:
+                reasons.append(f"{name} {value}")
+        if self.ac == "selective" and self.tp > 1:
+            reasons.append("selective AC with TP")
+        return reasons
+
+    def label(self) -> str:
+        parts = [self.dp_strategy + (f"{self.dp}" if self.dp > 1 else "")]
+        if self.dp_strategy == "hsdp":
+            parts[0] = f"hsdp{self.dp // self.dp_shard}x{self.dp_shard}"
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}" + ("+sp" if self.sequence_parallel else ""))
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}:{self.pp_schedule}" + (f"x{self.pp_virtual}" if self.pp_virtual > 1 else ""))
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}")
+        if self.ep > 1:
+            parts.append(f"ep{self.ep}")
+        parts.append(f"mb{self.micro_batch}x{self.grad_accum}")
+        if self.ac != "none":
+            parts.append(f"ac:{self.ac}")
+        if self.offload:
+            parts.append("offload")
+        if self.fused_loss:
+            parts.append("fused-loss")
+        return " ".join(parts)
+
+    def replace(self, **changes) -> Strategy:
+        return dataclasses.replace(self, **changes)
