@@ -98,7 +98,7 @@ def _fake_process_group(world: int) -> Iterator[Any]:
 
 def measure_case(case: Case) -> int:
     """Measured peak bytes of the second training step (MemTracker / FSDPMemTracker)."""
-    from slipstream.models.transformer import Transformer, build_model, materialize
+    from slipstream.models.transformer import build_model
     from slipstream.observe.memprofile import measure_step_memory
     from slipstream.optimize.activations import apply_activation_checkpointing
 
@@ -106,14 +106,7 @@ def measure_case(case: Case) -> int:
     torch.manual_seed(0)
     batch = torch.randint(0, cfg.vocab_size, (s.grad_accum, s.micro_batch, case.seq_len))
     targets = torch.randint(0, cfg.vocab_size, (s.grad_accum, s.micro_batch, case.seq_len))
-    fused = None
-    if s.fused_loss:
-        from slipstream.ops.fused_ce import fused_linear_cross_entropy
-
-        def fused(model, x, y):
-            hidden = model(x, return_hidden=True)
-            return fused_linear_cross_entropy(hidden.view(-1, hidden.shape[-1]), model.lm_head.weight, y.view(-1),
-                                              chunk_size=s.loss_chunk)
+    fused = _fused_loss(s.loss_chunk) if s.fused_loss else None
 
     if s.dp_strategy == "none":
         model = build_model(cfg)
@@ -131,7 +124,7 @@ def _measure_sharded(case: Case, cfg: ModelConfig, batch, targets, fused) -> int
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed.fsdp import fully_shard
 
-    from slipstream.models.transformer import Transformer, materialize
+    from slipstream.models.transformer import Transformer
     from slipstream.optimize.activations import apply_activation_checkpointing
 
     s = case.strategy
@@ -155,8 +148,18 @@ def _measure_sharded(case: Case, cfg: ModelConfig, batch, targets, fused) -> int
         with tracker:
             _train_step(model, optimizer, batch, targets, s, fused)
             _optimizer_step(model, optimizer)
-        return int(sum(tracker.get_tracker_snapshot("peak")[torch.device("cpu")].values()) -
-                   0) if False else _peak_total(tracker)
+        return _peak_total(tracker)
+
+
+def _fused_loss(chunk: int):
+    """The trainer's fused linear + cross-entropy loss (train.fused_loss)."""
+    from slipstream.ops.fused_ce import fused_linear_cross_entropy
+
+    def loss(model, x, y):
+        hidden = model(x, return_hidden=True)
+        return fused_linear_cross_entropy(hidden.view(-1, hidden.shape[-1]), model.lm_head.weight, y.view(-1),
+                                          chunk_size=chunk)
+    return loss
 
 
 def _peak_total(tracker) -> int:

@@ -111,8 +111,6 @@ class Strategy:
                                    ("context parallel", self.cp, RUNNABLE_CP), ("expert parallel", self.ep, RUNNABLE_EP)):
             if value > limit:
                 reasons.append(f"{name} {value}")
-        if self.ac == "selective" and self.tp > 1:
-            reasons.append("selective AC with TP")
         return reasons
 
     def label(self) -> str:

@@ -1,0 +1,171 @@
+"""Search the layouts of a model on a cluster: evaluate each, keep what fits, rank by speed.
+
+    result = plan(model, cluster, Workload(seq_len=8192, global_batch=1024))
+    result.ranked[0]        # the fastest layout that fits, with its memory and time
+    result.rejected         # (layout, why it does not fit), fastest first
+
+The space: tensor parallel within a node (divisors of the heads), pipeline degree (with
+its schedule), context parallel for long sequences, expert parallel for MoE, every
+data-parallel strategy, every micro-batch that divides the global batch, activation
+checkpointing none/selective/full, the fused loss, and CPU offload for FSDP.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from slipstream.errors import UserError
+from slipstream.plan.hardware import Cluster
+from slipstream.plan.memory import GIB, MemoryEstimate, estimate_memory
+from slipstream.plan.space import AC_MODES, PlanModel, Strategy, Workload
+from slipstream.plan.timing import TimeEstimate, estimate_time
+
+MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
+MAX_TP = 8
+
+
+@dataclass
+class Candidate:
+    strategy: Strategy
+    memory: MemoryEstimate
+    time: TimeEstimate
+    fits: bool
+    why_not: str = ""                                   # the binding constraint when it does not fit
+    not_runnable: list[str] = field(default_factory=list)  # what slipstream cannot run yet
+
+    def to_record(self) -> dict:
+        return {"layout": self.strategy.label(), "strategy": _strategy_record(self.strategy),
+                "fits": self.fits, "why_not": self.why_not, "runnable": not self.not_runnable,
+                "not_runnable": self.not_runnable, "memory": self.memory.to_record(), "time": self.time.to_record()}
+
+
+@dataclass
+class PlanResult:
+    model: PlanModel
+    cluster: Cluster
+    workload: Workload
+    ranked: list[Candidate]
+    rejected: list[Candidate]
+    evaluated: int
+
+    def best(self, runnable_only: bool = False) -> Candidate | None:
+        for c in self.ranked:
+            if not runnable_only or not c.not_runnable:
+                return c
+        return None
+
+
+def _strategy_record(s: Strategy) -> dict:
+    import dataclasses
+
+    return dataclasses.asdict(s)
+
+
+def _divisors(n: int, limit: int) -> list[int]:
+    return [d for d in range(1, min(n, limit) + 1) if n % d == 0]
+
+
+def layouts(model: PlanModel, cluster: Cluster, work: Workload, *, dp_strategies: tuple[str, ...] | None = None,
+            tp: tuple[int, ...] | None = None, pp: tuple[int, ...] | None = None, cp: tuple[int, ...] | None = None,
+            ac: tuple[str, ...] | None = None, micro_batches: tuple[int, ...] | None = None,
+            precision: str = "bf16", runnable_only: bool = False) -> list[Strategy]:
+    """Every layout worth evaluating (the constraints each parallelism puts on the shapes)."""
+    cfg, world = model.cfg, cluster.world
+    kv = cfg.n_kv_head or cfg.n_head
+    tp_options = tp or tuple(t for t in _divisors(cluster.gpus_per_node, MAX_TP)
+                             if cfg.n_head % t == 0 and kv % t == 0)
+    pp_options = pp or tuple(p for p in (1, 2, 4, 8, 16, 32) if p <= cfg.n_layer and p <= world)
+    cp_options = cp or tuple(c for c in (1, 2, 4, 8, 16) if c == 1 or work.seq_len >= 8192 * c // 2)
+    ep_options = (1,) if not model.moe else tuple(e for e in (1, 2, 4, 8, 16, 32, 64)
+                                                  if model.moe.n_experts % e == 0)
+    ac_options = ac or AC_MODES
+    mb_options = micro_batches or MICRO_BATCHES
+    if runnable_only:
+        tp_options, pp_options, cp_options, ep_options = (1,), (1,), (1,), (1,)
+    out = []
+    for t, p, c, e in itertools.product(tp_options, pp_options, cp_options, ep_options):
+        if world % (t * p * c):
+            continue
+        dp = world // (t * p * c)
+        if e > 1 and (dp * c) % e:
+            continue
+        strategies = dp_strategies or (("none",) if dp == 1 else ("ddp", "zero1", "zero2", "fsdp", "hsdp"))
+        for dp_strategy in strategies:
+            if (dp == 1) != (dp_strategy == "none"):
+                continue
+            shard = 0
+            if dp_strategy == "hsdp":
+                shard = cluster.gpus_per_node // (t * c) if cluster.gpus_per_node % (t * c) == 0 else 0
+                if cluster.nodes == 1 or shard <= 1 or dp % shard or dp == shard:
+                    continue
+            for mb in mb_options:
+                if work.global_batch % (dp * mb):
+                    continue
+                accum = work.global_batch // (dp * mb)
+                for a in ac_options:
+                    for offload in ((False, True) if dp_strategy in ("fsdp", "hsdp") else (False,)):
+                        base = Strategy(dp_strategy=dp_strategy, dp=dp, dp_shard=shard, tp=t, pp=p, cp=c, ep=e,
+                                        micro_batch=mb, grad_accum=accum, ac=a, precision=precision,
+                                        offload=offload, pp_schedule="interleaved" if p > 1 else "1f1b",
+                                        pp_virtual=2 if p > 1 and cfg.n_layer % (2 * p) == 0 else 1)
+                        if base.pp_schedule == "interleaved" and base.pp_virtual == 1:
+                            base = base.replace(pp_schedule="1f1b")
+                        out.append(base)
+                        out.append(base.replace(fused_loss=True))
+    return out
+
+
+def evaluate(model: PlanModel, s: Strategy, work: Workload, cluster: Cluster, efficiency: float = 1.0,
+             device: str = "cuda") -> Candidate:
+    memory = estimate_memory(model, s, work.seq_len, device=device)
+    time = estimate_time(model, s, work, cluster, efficiency=efficiency)
+    fits = memory.total_bytes <= cluster.memory_bytes
+    why = "" if fits else (f"needs {memory.total_bytes / GIB:.1f} GiB > {cluster.memory_bytes / GIB:.1f} GiB "
+                           f"per GPU ({_largest(memory)})")
+    return Candidate(s, memory, time, fits, why, s.not_runnable())
+
+
+def _largest(memory: MemoryEstimate) -> str:
+    name, value = max(memory.breakdown.items(), key=lambda kv: kv[1])
+    return f"largest: {name.replace('_', ' ')} {value / GIB:.1f} GiB"
+
+
+def plan(model: PlanModel, cluster: Cluster, work: Workload, *, efficiency: float = 1.0,
+         runnable_only: bool = False, **space) -> PlanResult:
+    """Evaluate every layout; feasible ones ranked by predicted tokens/s (ties: less memory)."""
+    if work.seq_len > model.cfg.max_seq_len and model.cfg.position == "learned":
+        raise UserError(f"--seq {work.seq_len} is longer than the model's learned position table "
+                        f"({model.cfg.max_seq_len}); plan a shorter sequence or a model with max_seq_len >= {work.seq_len}.")
+    device = "cpu" if cluster.short_name == "cpu" else "cuda"
+    candidates = [evaluate(model, s, work, cluster, efficiency, device)
+                  for s in layouts(model, cluster, work, runnable_only=runnable_only, **space)]
+    if not candidates:
+        raise UserError(_no_layout_reason(model, cluster, work))
+    fitting = sorted((c for c in candidates if c.fits), key=lambda c: (-c.time.tokens_per_s, c.memory.total_bytes))
+    rejected = sorted((c for c in candidates if not c.fits), key=lambda c: -c.time.tokens_per_s)
+    return PlanResult(model, cluster, work, fitting, rejected, len(candidates))
+
+
+def _no_layout_reason(model: PlanModel, cluster: Cluster, work: Workload) -> str:
+    world = cluster.world
+    return (f"no layout divides the work: global batch {work.global_batch} must be a multiple of the "
+            f"data-parallel degree times the micro-batch, and the {world} GPUs must factor into "
+            f"tensor x pipeline x context x data parallel degrees that the model's {model.cfg.n_head} heads "
+            f"and {model.cfg.n_layer} layers allow. Try a global batch that is a multiple of {world}.")
+
+
+def explain_infeasible(result: PlanResult) -> str:
+    """Why nothing fits: the smallest layout and the constraint it still breaks."""
+    smallest = min(result.rejected, key=lambda c: c.memory.total_bytes)
+    b = smallest.memory.breakdown
+    states = b["parameters"] + b["gradients"] + b["optimizer_state"]
+    usable = result.cluster.memory_bytes
+    text = (f"nothing fits in {usable / GIB:.1f} GiB per GPU. The leanest layout ({smallest.strategy.label()}) "
+            f"still needs {smallest.memory.total_bytes / GIB:.1f} GiB: model states {states / GIB:.1f} GiB, "
+            f"activations {b['activations'] / GIB:.1f} GiB, temporaries {b['temporaries'] / GIB:.1f} GiB.")
+    if states > usable:
+        text += " The model states alone do not fit: add GPUs (--nodes) or a GPU with more memory."
+    else:
+        text += " Shorten the sequence, or add GPUs so the activations split further."
+    return text

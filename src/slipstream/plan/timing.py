@@ -1,0 +1,190 @@
+"""Step time of a layout on a cluster, predicted from FLOPs, bytes and links (docs/planner.md).
+
+    step = compute x (1 + pipeline bubble) + exposed communication + optimizer step
+
+compute      matmul FLOPs (observe.flops, the one source of truth; + the recomputed forward
+             of activation checkpointing) over the achievable matmul rate (datasheet peak x
+             the cluster's matmul efficiency, measured by `slipstream probe` when given),
+             plus the memory-bound ops (norms, activations, softmax, residual adds): they
+             move about three times the block's activation bytes through device memory.
+comm         each strategy's exact collective volumes over the link its group crosses,
+             ring algorithms (bus bandwidth as nccl-tests defines it) plus a latency per
+             ring step. Overlap rules: DDP/zero1 gradient all-reduce hides behind backward
+             except the last bucket; FSDP all-gathers and reduce-scatters hide behind the
+             block they prefetch for (only what is longer than the compute shows); TP
+             collectives sit on the critical path; CP's ring exchange hides behind attention;
+             EP's all-to-all and PP's point-to-point sends are exposed.
+bubble       1F1B / GPipe (p-1)/m, interleaved (p-1)/(m v), zero-bubble ~0 (Qi et al. 2023).
+offload      parameters up and gradients down over the host link, Adam on the CPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from slipstream.observe.flops import flops_per_token, param_count
+from slipstream.plan.hardware import Cluster, Link
+from slipstream.plan.memory import block_activation_bytes
+from slipstream.plan.space import PlanModel, Strategy, Workload
+
+# Memory-bound ops read and write the block's activations about this many times per step
+# (forward writes them and reads them back; backward reads them and writes their gradients).
+POINTWISE_TRAFFIC = 3.0
+# Fraction of a DDP all-reduce that cannot hide behind backward: the last bucket.
+DDP_UNHIDDEN = 0.1
+# CPU Adam for offloaded state: bytes of state it streams per second (fp32 params, grads, two moments).
+HOST_ADAM_GBS = 10.0
+# Bytes Adam reads and writes per parameter on the device (param, grad, two moments, in and out).
+ADAM_BYTES_PER_PARAM = 28
+
+
+@dataclass
+class TimeEstimate:
+    step_s: float
+    tokens_per_s: float
+    mfu: float
+    breakdown: dict[str, float] = field(default_factory=dict)   # seconds per component
+
+    def to_record(self) -> dict:
+        return {"step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
+                "breakdown_s": {k: round(v, 6) for k, v in self.breakdown.items()}}
+
+
+def ring_time(nbytes: float, group: int, link: Link, factor: float) -> float:
+    """Seconds of one ring collective moving `nbytes` (the full buffer) over `link`:
+    factor = 2(n-1)/n for all-reduce, (n-1)/n for all-gather / reduce-scatter (nccl-tests' bus bandwidth)."""
+    if group <= 1:
+        return 0.0
+    return nbytes * factor / (link.bandwidth_gbs * 1e9) + 2 * (group - 1) * link.latency_us * 1e-6
+
+
+def all_reduce(nbytes: float, group: int, link: Link) -> float:
+    return ring_time(nbytes, group, link, 2 * (group - 1) / max(group, 1))
+
+
+def gather_or_scatter(nbytes: float, group: int, link: Link) -> float:
+    return ring_time(nbytes, group, link, (group - 1) / max(group, 1))
+
+
+def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluster,
+                  efficiency: float = 1.0) -> TimeEstimate:
+    """Predicted step time, tokens/s and MFU of `model` laid out as `s` on `cluster`.
+
+    efficiency: a calibration factor on the compute rate (1.0 = the cluster's matmul rate;
+    `slipstream tune system` and the accuracy report fit it from measured runs).
+    """
+    cfg = model.cfg
+    experts = (model.moe.n_experts, model.moe.top_k) if model.moe else None
+    dtype = "bf16" if s.precision == "bf16" else ("fp16" if s.precision == "fp16" else "tf32")
+    rate = cluster.achievable_flops(dtype) * efficiency
+    mem_bw = cluster.gpu.mem_bw_gbs * 1e9
+    pc = param_count(cfg, experts)
+
+    tokens_step = work.global_batch * work.seq_len
+    model_flops = flops_per_token(cfg, work.seq_len, experts) * tokens_step   # the whole job, one step
+    # Activation checkpointing re-runs forward work in backward: full recomputes the whole
+    # forward of each block (+1/3 of the block FLOPs), selective only pointwise ops.
+    recompute = {"none": 0.0, "selective": 0.0, "full": 1.0 / 3.0}[s.ac]
+    from slipstream.models.transformer import padded_vocab_size
+
+    head_flops = 6.0 * padded_vocab_size(cfg) * cfg.d_model * tokens_step     # the output head is never recomputed
+    block_flops = model_flops - head_flops
+    flops_per_gpu = (model_flops + recompute * block_flops) / s.world
+    matmul_s = flops_per_gpu / rate
+
+    micro_batches = s.grad_accum
+    tokens_micro = s.micro_batch * work.seq_len // s.cp
+    layers_per_gpu = cfg.n_layer / s.pp
+    act_bytes = block_activation_bytes(model, tokens_micro, s.replace(ac="none"))
+    pointwise_factor = POINTWISE_TRAFFIC + (1.0 if s.ac != "none" else 0.0)
+    pointwise_s = act_bytes * layers_per_gpu * micro_batches * pointwise_factor / mem_bw
+    compute_s = matmul_s + pointwise_s
+    forward_s, backward_s = compute_s / 3, compute_s * 2 / 3
+
+    out: dict[str, float] = {"compute": compute_s}
+    # ---- pipeline bubble
+    if s.pp > 1:
+        bubble = (s.pp - 1) / micro_batches
+        if s.pp_schedule == "interleaved":
+            bubble /= s.pp_virtual
+        elif s.pp_schedule == "zero-bubble":
+            bubble *= 0.05
+        out["pp_bubble"] = compute_s * bubble
+        p2p_bytes = tokens_micro * cfg.d_model * (2 if s.precision != "fp32" else 4) / (s.tp if s.sequence_parallel else 1)
+        link = cluster.link_for(s.pp, s.tp * s.cp * s.dp)
+        # one send forward and one backward per micro-batch per stage boundary; the first and last are exposed
+        out["pp_p2p"] = 2 * (p2p_bytes / (link.bandwidth_gbs * 1e9) + link.latency_us * 1e-6) * (s.pp - 1 + s.pp_virtual)
+
+    # ---- tensor parallel: per layer 2 collectives forward + 2 backward of the block's activations
+    if s.tp > 1:
+        link = cluster.link_for(s.tp, 1)
+        act = tokens_micro * cfg.d_model * (2 if s.precision != "fp32" else 4)
+        per_layer = 4 * all_reduce(act, s.tp, link) * (1.5 if s.ac == "full" else 1.0)
+        out["tp_comm"] = per_layer * layers_per_gpu * micro_batches
+
+    # ---- context parallel: ring exchange of K and V, hidden behind attention
+    if s.cp > 1:
+        link = cluster.link_for(s.cp, s.tp)
+        kv = 2 * (cfg.n_kv_head or cfg.n_head) * (cfg.d_model // cfg.n_head) * tokens_micro * 2 / s.tp
+        ring = (s.cp - 1) * (kv / (link.bandwidth_gbs * 1e9) + link.latency_us * 1e-6) * 3  # fwd + 2x bwd
+        attn_s = 12.0 * cfg.d_model * work.seq_len * tokens_micro / s.tp / rate   # attention FLOPs of the layer
+        out["cp_comm"] = max(0.0, ring - attn_s) * layers_per_gpu * micro_batches
+
+    # ---- expert parallel: all-to-all dispatch and combine, forward and backward
+    if s.ep > 1 and model.moe:
+        link = cluster.link_for(s.ep, s.tp * s.cp)
+        routed = tokens_micro * cfg.d_model * 2 * model.moe.top_k / (s.tp if s.sequence_parallel else 1)
+        out["ep_comm"] = 4 * gather_or_scatter(routed, s.ep, link) * layers_per_gpu * micro_batches
+
+    # ---- data parallel
+    out.update(_data_parallel_time(model, s, cluster, forward_s, backward_s))
+
+    # ---- optimizer step: memory-bound over this rank's share of the state
+    shard_opt = s.shards()[0]
+    local_params = pc.total / (s.tp * s.pp) / (s.shard_group if shard_opt else 1)
+    if s.offload:
+        out["offload"] = (local_params * 4 * 2 / (cluster.host_link_gbs * 1e9)
+                          + local_params * ADAM_BYTES_PER_PARAM / (HOST_ADAM_GBS * 1e9))
+    else:
+        out["optimizer"] = local_params * ADAM_BYTES_PER_PARAM / mem_bw
+
+    step = sum(out.values())
+    tokens_per_s = tokens_step / step
+    peak = cluster.peak_flops(dtype)
+    mfu = tokens_per_s * flops_per_token(cfg, work.seq_len, experts) / (peak * s.world)
+    return TimeEstimate(step_s=step, tokens_per_s=tokens_per_s, mfu=mfu, breakdown=out)
+
+
+def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward_s: float,
+                        backward_s: float) -> dict[str, float]:
+    """Exposed seconds of the data-parallel collectives per step."""
+    if s.dp <= 1 or s.dp_strategy == "none":
+        return {}
+    experts = (model.moe.n_experts, model.moe.top_k) if model.moe else None
+    params = param_count(model.cfg, experts).total / (s.tp * s.pp)
+    grad_bytes = params * 4
+    low = s.precision != "fp32"
+    stride = s.tp * s.cp
+    if s.dp_strategy in ("ddp", "zero1"):
+        link = cluster.link_for(s.dp, stride)
+        comm = all_reduce(grad_bytes, s.dp, link)         # zero1: reduce-scatter + all-gather, same volume
+        exposed = max(0.0, comm - backward_s / s.grad_accum) + DDP_UNHIDDEN * comm
+        return {"dp_comm": exposed}
+    # FSDP family: all-gather parameters (forward, and again in backward unless zero2),
+    # reduce-scatter gradients once per step (no_sync between micro-batches).
+    shard = s.shard_group
+    link = cluster.link_for(shard, stride)
+    gathered = params * (2 if low else 4)
+    gather = gather_or_scatter(gathered, shard, link)
+    scatter = gather_or_scatter(grad_bytes, shard, link)
+    gathers_per_micro = 1 if s.dp_strategy == "zero2" else 2
+    micro = s.grad_accum
+    fwd_exposed = max(0.0, gather - forward_s / micro) * (micro if s.dp_strategy != "zero2" else 1)
+    bwd_comm = (gather if gathers_per_micro == 2 else 0.0)
+    bwd_exposed = max(0.0, bwd_comm - backward_s / micro) * micro + max(0.0, scatter - backward_s / micro)
+    first_layer = gather / max(model.cfg.n_layer / s.pp, 1)     # nothing to hide the first gather behind
+    out = {"dp_comm": fwd_exposed + bwd_exposed + first_layer}
+    if s.dp_strategy == "hsdp":
+        replicas = s.dp // shard
+        out["dp_replicate_comm"] = all_reduce(grad_bytes / shard, replicas, cluster.link_for(replicas, stride * shard))
+    return out
