@@ -287,6 +287,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--out", default="", help="JSON file (default benchmarks/fused-ce-<device>.json)")
     p.set_defaults(func=cmd_bench_fused_ce)
+
+    from slipstream.plan.cli import add_plan_parsers
+
+    add_plan_parsers(sub, bench)
     return parser
 
 

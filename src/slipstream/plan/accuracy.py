@@ -58,15 +58,26 @@ def default_cases() -> list[Case]:
         cases.append(Case(preset, Strategy(micro_batch=8, precision="fp32", fused_loss=True, loss_chunk=256),
                           overrides=overrides))
         for dp in ("fsdp", "zero2"):
-            cases.append(Case(preset, Strategy(dp_strategy=dp, dp=FAKE_WORLD, micro_batch=8, precision="fp32"),
-                              overrides=overrides))
+            for precision in ("fp32", "bf16"):
+                cases.append(Case(preset, Strategy(dp_strategy=dp, dp=FAKE_WORLD, micro_batch=8, precision=precision),
+                                  overrides=overrides))
+        for dp in ("ddp", "zero1"):
+            for precision in ("fp32", "bf16"):
+                cases.append(Case(preset, Strategy(dp_strategy=dp, dp=FAKE_WORLD, micro_batch=8, precision=precision),
+                                  overrides=overrides))
+        cases.append(Case(preset, Strategy(dp_strategy="fsdp", dp=FAKE_WORLD, micro_batch=4, grad_accum=2,
+                                           ac="full", precision="bf16"), overrides=overrides))
+    # A larger world: the shards get smaller, the gathered blocks and activations do not.
+    cases.append(Case("gpt-mini", Strategy(dp_strategy="fsdp", dp=16, micro_batch=8, precision="bf16")))
     return cases
 
 
 def _train_step(model, optimizer, batch, targets, s: Strategy, fused_loss) -> None:
     from slipstream.models.transformer import lm_loss
 
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.precision == "bf16" and s.dp_strategy == "none")
+    # Low precision is autocast, except on the FSDP family, where it is FSDP mixed precision.
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16,
+                              enabled=s.precision == "bf16" and s.dp_strategy in ("none", "ddp", "zero1"))
     for micro in range(s.grad_accum):
         x, y = batch[micro], targets[micro]
         with autocast:
@@ -80,7 +91,8 @@ def _train_step(model, optimizer, batch, targets, s: Strategy, fused_loss) -> No
 def _optimizer_step(model, optimizer) -> None:
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    # DDP's gradients are views into its buckets: the trainer zeroes them instead of freeing them.
+    optimizer.zero_grad(set_to_none=not hasattr(model, "no_sync"))
 
 
 @contextlib.contextmanager
@@ -98,6 +110,8 @@ def _fake_process_group(world: int) -> Iterator[Any]:
 
 def measure_case(case: Case) -> int:
     """Measured peak bytes of the second training step (MemTracker / FSDPMemTracker)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     from slipstream.models.transformer import build_model
     from slipstream.observe.memprofile import measure_step_memory
     from slipstream.optimize.activations import apply_activation_checkpointing
@@ -108,23 +122,47 @@ def measure_case(case: Case) -> int:
     targets = torch.randint(0, cfg.vocab_size, (s.grad_accum, s.micro_batch, case.seq_len))
     fused = _fused_loss(s.loss_chunk) if s.fused_loss else None
 
-    if s.dp_strategy == "none":
+    if s.dp_strategy not in ("none", "ddp", "zero1"):
+        return _measure_sharded(case, cfg, batch, targets, fused)
+    with _fake_process_group(s.dp) if s.dp > 1 else contextlib.nullcontext():
         model = build_model(cfg)
         apply_activation_checkpointing(model, s.ac)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        if s.dp_strategy == "none":
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+        else:
+            model = _ddp_without_traffic(model)
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True) if s.dp_strategy == "ddp" else \
+                ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4, fused=True)
         _train_step(model, optimizer, batch, targets, s, fused)
         _optimizer_step(model, optimizer)
-        report = measure_step_memory(model, optimizer, lambda: _train_step(model, optimizer, batch, targets, s, fused),
+        tracked = optimizer.optim if s.dp_strategy == "zero1" else optimizer  # ZeRO keeps its shard's state inside
+        report = measure_step_memory(model, tracked, lambda: _train_step(model, optimizer, batch, targets, s, fused),
                                      lambda: _optimizer_step(model, optimizer), "cpu")
         return report.peak_bytes
-    return _measure_sharded(case, cfg, batch, targets, fused)
+
+
+def _ddp_without_traffic(model):
+    """DDP whose all-reduce is a no-op hook: the fake process group cannot run DDP's own, and
+    the memory (gradients as views into the buckets) is DDP's, not the collective's."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp = DistributedDataParallel(model, gradient_as_bucket_view=True)
+
+    def skip_all_reduce(state, bucket):
+        done = torch.futures.Future()
+        done.set_result(bucket.buffer())
+        return done
+
+    ddp.register_comm_hook(None, skip_all_reduce)
+    return ddp
 
 
 def _measure_sharded(case: Case, cfg: ModelConfig, batch, targets, fused) -> int:
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from slipstream.models.transformer import Transformer
+    from slipstream.observe.memprofile import _reset_tracker_per_top_level_forward
     from slipstream.optimize.activations import apply_activation_checkpointing
 
     s = case.strategy
@@ -133,9 +171,12 @@ def _measure_sharded(case: Case, cfg: ModelConfig, batch, targets, fused) -> int
             model = Transformer(cfg)
         apply_activation_checkpointing(model, s.ac)
         reshard = s.dp_strategy != "zero2"
+        # Low precision on sharded strategies is FSDP mixed precision, as the trainer runs it.
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if s.precision == "bf16" else MixedPrecisionPolicy()
         for block in model.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard)
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
         model.to_empty(device="cpu")
         with torch.no_grad():
             for p in model.parameters():
@@ -145,7 +186,9 @@ def _measure_sharded(case: Case, cfg: ModelConfig, batch, targets, fused) -> int
         _optimizer_step(model, optimizer)
         tracker = FSDPMemTracker(model, optimizer)
         tracker.track_inputs((batch, targets))
-        with tracker:
+        # Accumulation runs several forwards in one tracked step, which the tracker refuses
+        # unless its per-module stats are cleared before each (the peaks are kept).
+        with _reset_tracker_per_top_level_forward(tracker), tracker:
             _train_step(model, optimizer, batch, targets, s, fused)
             _optimizer_step(model, optimizer)
         return _peak_total(tracker)

@@ -154,8 +154,7 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
     """
     cfg, dt = model.cfg, _dtypes(s)
     pc = param_count(cfg, (model.moe.n_experts, model.moe.top_k) if model.moe else None)
-    shard_opt, shard_grad, shard_param = s.shards()
-    group = s.shard_group
+    shard_grad, group = s.shards()[1], s.shard_group
     layers = _stage_layers(model, s)
     notes: list[str] = []
 
@@ -174,9 +173,7 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
     def sharded(count: float, is_sharded: bool) -> float:
         return count / group if is_sharded else count
 
-    param_bytes = sharded(local_params, shard_param) * 4
-    grad_bytes = sharded(local_params, shard_grad) * 4
-    optim_bytes = sharded(local_params, shard_opt) * 2 * optimizer_state_bytes
+    param_bytes, grad_bytes, optim_bytes = model_state_bytes(local_params, s, optimizer_state_bytes)
     host = 0
     if s.offload:
         host = int(param_bytes + grad_bytes + optim_bytes)
@@ -216,15 +213,22 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
 
     # ---- gathered parameters and communication buffers
     gather_unit = block_params * dt.gathered
+    # zero2 keeps the gathered parameters from forward to backward; so does FSDP under a
+    # pipeline (as torchtitan runs it), or every micro-batch would gather them again.
+    keeps_gathered = s.dp_strategy == "zero2" or (s.pp > 1 and s.dp_strategy in ("fsdp", "hsdp"))
     comm = 0.0
-    if s.dp_strategy in ("fsdp", "hsdp"):
+    if s.dp_strategy in ("fsdp", "hsdp") and not keeps_gathered:
         comm = 2 * gather_unit                        # the block being computed and the prefetched next one
-    elif s.dp_strategy == "zero2":
+    elif keeps_gathered:
         comm = layers * gather_unit + edge * dt.gathered   # parameters stay gathered between forward and backward
     reduce_buffer = block_params * dt.reduce if s.dp_strategy in ("zero2", "fsdp", "hsdp") else 0.0
     # DDP/zero1 gradients are views into the all-reduce buckets and never freed; with
     # accumulation every gradient exists from the second micro-batch on.
     persistent_grads = s.dp_strategy in ("ddp", "zero1") or s.grad_accum > 1
+    # Under a pipeline, FSDP reduces gradients only after the last micro-batch (torch's
+    # pipelining stages turn gradient sync off before it): the unsharded gradients accumulate.
+    if keeps_gathered and s.pp > 1:
+        grad_bytes += local_params * dt.reduce
 
     def phase(grads: float, activations: float, temporaries: float) -> dict[str, float]:
         return {"parameters": param_bytes, "gradients": grads, "optimizer_state": optim_bytes,
@@ -245,13 +249,13 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
     for i in range(layers, 0, -1):                # blocks 1..i still hold their activations
         grads = all_grads or head_grad + (layers - i) * block_grad
         # zero2 frees a block's gathered parameters once its gradients are reduced.
-        gathered = i * gather_unit + edge * dt.gathered if s.dp_strategy == "zero2" else comm
+        gathered = i * gather_unit + edge * dt.gathered if keeps_gathered else comm
         candidate = phase(grads, other_micro + i * (per_block + copies_per_block),
                           recompute + transient + gathered + reduce_buffer)
         if sum(candidate.values()) > sum(worst.values()):
             worst = candidate
     phases["backward"] = worst
-    phases["optimizer"] = phase(grad_bytes, 0.0, comm if s.dp_strategy == "zero2" else 0.0)
+    phases["optimizer"] = phase(grad_bytes, 0.0, 0.0)
 
     peak_phase = max(phases, key=lambda name: sum(phases[name].values()))
     breakdown = {k: int(v) for k, v in phases[peak_phase].items()}
@@ -259,6 +263,18 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
     frag = int(peak * CUDA_FRAGMENTATION) if device != "cpu" else 0
     return MemoryEstimate(peak_bytes=peak, peak_phase=peak_phase, breakdown=breakdown,
                           fragmentation_bytes=frag, host_bytes=host, notes=notes)
+
+
+def model_state_bytes(params: float, s: Strategy, optimizer_state_bytes: int = 4) -> tuple[float, float, float]:
+    """(parameters, gradients, optimizer state) bytes per GPU for the `params` parameters of
+    this GPU's part of the model: fp32 parameters and gradients (low precision runs through
+    autocast or FSDP mixed precision, so there is no separate master copy) and AdamW's two
+    moments, each divided by the shard group where the strategy shards it."""
+    shard_opt, shard_grad, shard_param = s.shards()
+    group = s.shard_group
+    return (params * 4 / (group if shard_param else 1),
+            params * 4 / (group if shard_grad else 1),
+            params * 2 * optimizer_state_bytes / (group if shard_opt else 1))
 
 
 def _block_backward_transient(model: PlanModel, tokens: int, s: Strategy) -> int:

@@ -136,3 +136,32 @@ class Strategy:
 
     def replace(self, **changes) -> Strategy:
         return dataclasses.replace(self, **changes)
+
+
+def strategy_overrides(s: Strategy, seq_len: int) -> dict[str, object]:
+    """The `slipstream train` config values that run layout `s` (runnable layouts only)."""
+    reasons = s.not_runnable()
+    if reasons:
+        raise UserError(f"layout {s.label()} needs {', '.join(reasons)}, which slipstream cannot run yet")
+    sharded = s.dp_strategy in ("zero2", "fsdp", "hsdp")
+    low = s.precision != "fp32"
+    values: dict[str, object] = {
+        "train.seq_len": seq_len,
+        "train.micro_batch_size": s.micro_batch,
+        "train.grad_accum_steps": s.grad_accum,
+        "train.fused_loss": s.fused_loss,
+        "parallel.dp_strategy": s.dp_strategy,
+        "activations.checkpointing": s.ac,
+        # Sharded strategies compute in low precision through FSDP's mixed precision
+        # (parameters gathered in bf16, gradients reduced in fp32), the others through autocast.
+        "precision.autocast": s.precision if (low and not sharded) else "none",
+        "parallel.param_dtype": s.precision if (low and sharded) else "none",
+        "parallel.reduce_dtype": "fp32" if (low and sharded) else "none",
+        "parallel.offload": s.offload,
+    }
+    if s.fused_loss:
+        values["train.fused_loss_chunk"] = s.loss_chunk
+    if s.dp_strategy == "hsdp":
+        values["parallel.dp_shard"] = s.dp_shard
+        values["parallel.dp_replicate"] = s.dp // s.dp_shard
+    return values

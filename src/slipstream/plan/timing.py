@@ -27,6 +27,10 @@ from slipstream.plan.hardware import Cluster, Link
 from slipstream.plan.memory import block_activation_bytes
 from slipstream.plan.space import PlanModel, Strategy, Workload
 
+# A factor on the compute rate: the fraction of the cluster's matmul rate a whole step
+# sustains. Fitted to the published runs of plan/published.py by plan/report.fit_efficiency
+# (best fit 0.99 with the matmul efficiencies of plan/hardware.py), so 1.0.
+DEFAULT_EFFICIENCY = 1.0
 # Memory-bound ops read and write the block's activations about this many times per step
 # (forward writes them and reads them back; backward reads them and writes their gradients).
 POINTWISE_TRAFFIC = 3.0
@@ -67,7 +71,7 @@ def gather_or_scatter(nbytes: float, group: int, link: Link) -> float:
 
 
 def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluster,
-                  efficiency: float = 1.0) -> TimeEstimate:
+                  efficiency: float = DEFAULT_EFFICIENCY) -> TimeEstimate:
     """Predicted step time, tokens/s and MFU of `model` laid out as `s` on `cluster`.
 
     efficiency: a calibration factor on the compute rate (1.0 = the cluster's matmul rate;

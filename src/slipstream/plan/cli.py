@@ -1,0 +1,275 @@
+"""`slipstream plan`, `slipstream cost` and `slipstream bench planner`: the planner's commands.
+
+    slipstream plan --model llama-70b --gpus 8xH100 --nodes 8 --seq 8192 --global-batch 512 [--top 10]
+                    [--write-config best.toml] [--json]
+    slipstream cost --model llama-70b --tokens 300e9 --gpus 8xH100 --nodes 8 [--price 3.5]
+    slipstream bench planner [--out benchmarks/planner-accuracy-cpu.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from slipstream.errors import UserError
+from slipstream.plan.memory import GIB
+from slipstream.plan.search import Candidate, PlanResult, explain_infeasible, plan
+from slipstream.plan.space import AC_MODES, DP_STRATEGIES, PRECISIONS, Workload, strategy_overrides
+from slipstream.plan.timing import DEFAULT_EFFICIENCY
+
+# cost: tokens per optimizer step when --global-batch is not given (a common LLM setting;
+# Llama 3 used 4M-16M, GPT-3 0.5M-3.2M).
+DEFAULT_STEP_TOKENS = 2**21
+
+
+def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="preset (e.g. gpt2, llama-70b, mixtral-8x7b), a TOML config, "
+                   "or a factory 'package.module:function' returning an nn.Module")
+    p.add_argument("--gpus", required=True, help="GPUs per node and type, e.g. 8xH100, 1xA100, 2xcpu")
+    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--intra", default=None, help="intra-node link (e.g. nvlink4, pcie5); default: the GPU's usual one")
+    p.add_argument("--inter", default=None, help="network between nodes (e.g. ib-ndr, roce-400g, ethernet-100g)")
+    p.add_argument("--probe", default=None, help="a `slipstream probe --out FILE` result: measured rates replace the defaults")
+    p.add_argument("--memory-gib", type=float, default=None, help="usable memory per GPU (default: datasheet minus a reserve)")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: the model's, or GPT-2's 50257)")
+    p.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    p.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY,
+                   help="compute efficiency factor (fitted to published runs; `slipstream tune system` measures yours)")
+    p.add_argument("--runnable-only", action="store_true", help="only layouts slipstream can run today")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def add_plan_parsers(sub, bench) -> None:
+    p = sub.add_parser("plan", help="predict memory and speed of every layout on a cluster; rank the ones that fit")
+    _add_cluster_arguments(p)
+    p.add_argument("--seq", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step (all GPUs)")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--rejected", type=int, default=5, help="rejected layouts to show (the fastest ones)")
+    p.add_argument("--dp-strategy", nargs="+", choices=DP_STRATEGIES, help="only these data-parallel strategies")
+    p.add_argument("--tp", type=int, nargs="+", help="only these tensor-parallel degrees")
+    p.add_argument("--pp", type=int, nargs="+", help="only these pipeline degrees")
+    p.add_argument("--cp", type=int, nargs="+", help="only these context-parallel degrees")
+    p.add_argument("--ac", nargs="+", choices=AC_MODES, help="only these activation-checkpointing modes")
+    p.add_argument("--micro-batch", type=int, nargs="+", help="only these micro-batch sizes")
+    p.add_argument("--write-config", default="", help="write the best runnable layout as a TOML for `slipstream train`")
+    p.set_defaults(func=main_plan)
+
+    p = sub.add_parser("cost", help="wall time, GPU-hours and money of a training run, with failure and preemption losses")
+    _add_cluster_arguments(p)
+    p.add_argument("--tokens", type=float, required=True, help="tokens to train, e.g. 300e9")
+    p.add_argument("--seq", type=int, default=0, help="tokens per sequence (default: the model's, at most 8192)")
+    p.add_argument("--global-batch", type=int, default=0, help=f"sequences per step (default: about {DEFAULT_STEP_TOKENS:,} tokens)")
+    p.add_argument("--price", type=float, default=None, help="on-demand USD per GPU-hour")
+    p.add_argument("--spot-price", type=float, default=None, help="spot USD per GPU-hour")
+    p.add_argument("--reserved-price", type=float, default=None, help="reserved USD per GPU-hour")
+    p.add_argument("--checkpoint-interval", default="", help="e.g. 30m (default: the Young/Daly optimum)")
+    p.add_argument("--save-time", default="30s", help="time one checkpoint save stalls training")
+    p.add_argument("--restart-time", default="5m", help="time from a failure to training again")
+    p.add_argument("--mtbf-gpu-hours", type=float, default=None, help="GPU-hours between job-killing failures per GPU")
+    p.add_argument("--spot-preemptions-per-day", type=float, default=None, help="per GPU")
+    p.set_defaults(func=main_cost)
+
+    p = bench.add_parser("planner", help="planner accuracy: planned vs measured memory on this CPU, vs published runs")
+    p.add_argument("--out", default="benchmarks/planner-accuracy-cpu.json")
+    p.set_defaults(func=main_bench_planner)
+
+
+def _setup(args, seq_len: int | None):
+    from slipstream.plan.hardware import make_cluster
+    from slipstream.plan.model import resolve_model
+
+    if args.nodes < 1:
+        raise UserError(f"--nodes must be >= 1, got {args.nodes}")
+    if not 0 < args.efficiency <= 2:
+        raise UserError(f"--efficiency must be in (0, 2], got {args.efficiency}")
+    cluster = make_cluster(args.gpus, nodes=args.nodes, intra=args.intra, inter=args.inter, probe=args.probe,
+                           memory_gib=args.memory_gib)
+    return resolve_model(args.model, vocab=args.vocab, seq_len=seq_len), cluster
+
+
+def _space(args) -> dict:
+    space = {"precision": args.precision}
+    for key in ("dp_strategy", "tp", "pp", "cp", "ac", "micro_batch"):
+        value = getattr(args, key, None)
+        if value:
+            name = {"dp_strategy": "dp_strategies", "micro_batch": "micro_batches"}.get(key, key)
+            space[name] = tuple(value)
+    return space
+
+
+def main_plan(args, extra) -> int:
+    if extra:
+        raise UserError(f"unexpected arguments: {' '.join(extra)}")
+    if args.top < 1:
+        raise UserError(f"--top must be >= 1, got {args.top}")
+    model, cluster = _setup(args, args.seq)
+    work = Workload(seq_len=args.seq, global_batch=args.global_batch)
+    result = plan(model, cluster, work, efficiency=args.efficiency, runnable_only=args.runnable_only, **_space(args))
+    if not result.ranked:
+        raise UserError(explain_infeasible(result))
+    written = _write_best_config(result, args.write_config) if args.write_config else None
+    if args.json:
+        print(json.dumps(_plan_record(result, args.top, args.rejected, written), indent=2))
+    else:
+        print(format_plan(result, args.top, args.rejected))
+        if written:
+            print(written)
+    return 0
+
+
+def _plan_record(result: PlanResult, top: int, rejected: int, written: str | None) -> dict:
+    return {"model": result.model.name, "cluster": _cluster_record(result.cluster),
+            "workload": {"seq_len": result.workload.seq_len, "global_batch": result.workload.global_batch},
+            "evaluated": result.evaluated, "feasible": len(result.ranked),
+            "ranked": [c.to_record() for c in result.ranked[:top]],
+            "rejected": [c.to_record() for c in result.rejected[:rejected]], "wrote": written}
+
+
+def _cluster_record(cluster) -> dict:
+    return {"gpu": cluster.gpu.name, "gpus_per_node": cluster.gpus_per_node, "nodes": cluster.nodes,
+            "intra": cluster.intra.name, "inter": cluster.inter.name, "memory_gib": cluster.memory_bytes / GIB,
+            "sources": list(cluster.sources)}
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f}"
+
+
+def format_plan(result: PlanResult, top: int, rejected: int) -> str:
+    c, w = result.cluster, result.workload
+    lines = [f"{result.model.name} on {c.world} x {c.gpu.name} ({c.nodes} node(s) x {c.gpus_per_node}, "
+             f"{c.intra.name} / {c.inter.name}, {_gib(c.memory_bytes)} GiB usable per GPU)",
+             f"seq {w.seq_len}, global batch {w.global_batch} sequences = {w.seq_len * w.global_batch:,} tokens per step; "
+             f"{result.evaluated} layouts evaluated, {len(result.ranked)} fit", ""]
+    header = f"{'#':>3}  {'layout':<44} {'tokens/s':>11} {'MFU':>6} {'step s':>8} {'GiB/GPU':>8}  {'params':>6} {'grads':>6} {'optim':>6} {'acts':>6} {'temp':>6}  runnable"
+    lines.append(header)
+    for i, cand in enumerate(result.ranked[:top], 1):
+        b = cand.memory.breakdown
+        runnable = "yes" if not cand.not_runnable else "no: " + ", ".join(cand.not_runnable)
+        lines.append(f"{i:>3}  {cand.strategy.label():<44} {cand.time.tokens_per_s:>11,.0f} {cand.time.mfu:>6.1%} "
+                     f"{cand.time.step_s:>8.3f} {_gib(cand.memory.total_bytes):>8}  {_gib(b['parameters']):>6} "
+                     f"{_gib(b['gradients']):>6} {_gib(b['optimizer_state']):>6} {_gib(b['activations']):>6} "
+                     f"{_gib(b['temporaries'] + cand.memory.fragmentation_bytes):>6}  {runnable}")
+    best = result.ranked[0]
+    parts = ", ".join(f"{k} {v:.3f}s" for k, v in best.time.breakdown.items())
+    lines += ["", f"best: {best.strategy.label()}: step {best.time.step_s:.3f}s = {parts}"]
+    if best.not_runnable:
+        runnable = result.best(runnable_only=True)
+        lines.append(f"  (slipstream cannot run {', '.join(best.not_runnable)} yet; best runnable: "
+                     f"{runnable.strategy.label() + f' at {runnable.time.tokens_per_s:,.0f} tokens/s' if runnable else 'none'})")
+    if rejected and result.rejected:
+        lines += ["", "rejected (fastest first):"]
+        for cand in result.rejected[:rejected]:
+            lines.append(f"  {cand.strategy.label():<44} {cand.why_not}")
+    if c.sources:
+        lines += ["", "inputs:"] + [f"  {s}" for s in c.sources]
+    return "\n".join(lines)
+
+
+def _write_best_config(result: PlanResult, path: str) -> str:
+    """Write the fastest runnable layout as a TOML for `slipstream train` / `launch` (atomically)."""
+    import tomli_w
+
+    best = result.best(runnable_only=True)
+    if best is None:
+        raise UserError("no runnable layout fits, so there is no config to write; drop --write-config or "
+                        "add GPUs (the fitting layouts need parallelisms slipstream cannot run yet)")
+    if result.model.traced is not None:
+        raise UserError("--write-config needs a slipstream model (a preset or a TOML config), not a traced module")
+    values: dict[str, dict] = {"model": {"preset": result.model.cfg.preset}}
+    cfg = result.model.cfg
+    for key in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "vocab_size", "max_seq_len"):
+        values["model"][key] = getattr(cfg, key)
+    for dotted, value in strategy_overrides(best.strategy, result.workload.seq_len).items():
+        section, key = dotted.split(".")
+        values.setdefault(section, {})[key] = value
+    c = result.cluster
+    if c.nodes > 1:
+        launch = f"slipstream launch slurm --nodes {c.nodes} --gpus-per-node {c.gpus_per_node} -- train --config {path}"
+    elif c.world > 1:
+        launch = f"slipstream launch local --nproc {c.gpus_per_node} -- train --config {path}"
+    else:
+        launch = f"slipstream train --config {path}"
+    header = (f"# Written by `slipstream plan`: {best.strategy.label()} for {result.model.name} on "
+              f"{result.cluster.world} x {result.cluster.gpu.name}.\n"
+              f"# Predicted: {best.time.tokens_per_s:,.0f} tokens/s, MFU {best.time.mfu:.1%}, "
+              f"{best.memory.total_bytes / GIB:.1f} GiB per GPU.\n# Run: {launch}\n")
+    text = header + tomli_w.dumps(values)
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return f"wrote {path} ({best.strategy.label()}); run it with: {launch}"
+
+
+def main_cost(args, extra) -> int:
+    from slipstream.plan.cost import DEFAULT_MTBF_GPU_HOURS, DEFAULT_SPOT_PREEMPTIONS_PER_DAY, cost_record, estimate_cost, \
+        format_cost, prices_for
+    from slipstream.resilience.advice import parse_duration
+
+    if extra:
+        raise UserError(f"unexpected arguments: {' '.join(extra)}")
+    model, cluster = _setup(args, args.seq or None)
+    seq = args.seq or min(model.cfg.max_seq_len, 8192)
+    batch = args.global_batch or max(1, round(DEFAULT_STEP_TOKENS / seq / cluster.world)) * cluster.world
+    result = plan(model, cluster, Workload(seq, batch, tokens=args.tokens), efficiency=args.efficiency,
+                  runnable_only=args.runnable_only, precision=args.precision)
+    if not result.ranked:
+        raise UserError(explain_infeasible(result))
+    best: Candidate = result.ranked[0]
+    prices = prices_for(cluster.short_name, args.price, args.spot_price, args.reserved_price)
+    interval = parse_duration(args.checkpoint_interval, "--checkpoint-interval") if args.checkpoint_interval else None
+    est = estimate_cost(args.tokens, best.time.tokens_per_s, cluster.world, prices,
+                        checkpoint_interval_s=interval,
+                        save_s=parse_duration(args.save_time, "--save-time"),
+                        restart_s=parse_duration(args.restart_time, "--restart-time"),
+                        mtbf_gpu_hours=args.mtbf_gpu_hours or DEFAULT_MTBF_GPU_HOURS,
+                        spot_preemptions_per_day=(DEFAULT_SPOT_PREEMPTIONS_PER_DAY if args.spot_preemptions_per_day is None
+                                                  else args.spot_preemptions_per_day))
+    if args.json:
+        print(json.dumps({"layout": best.to_record(), "seq_len": seq, "global_batch": batch,
+                          "cluster": _cluster_record(cluster), "cost": cost_record(est)}, indent=2))
+        return 0
+    flag = f" (not runnable in slipstream yet: {', '.join(best.not_runnable)})" if best.not_runnable else ""
+    print(f"{model.name}, {args.tokens:.3g} tokens on {cluster.world} x {cluster.gpu.name}: fastest layout that fits "
+          f"{best.strategy.label()}{flag}\n  seq {seq}, global batch {batch}: {best.time.tokens_per_s:,.0f} tokens/s, "
+          f"MFU {best.time.mfu:.1%}, {best.memory.total_bytes / GIB:.1f} GiB per GPU\n")
+    print(format_cost(est))
+    return 0
+
+
+def main_bench_planner(args, extra) -> int:
+    from slipstream.observe.env import collect_env, write_json_atomic
+    from slipstream.plan.accuracy import TARGET_ERROR, run_accuracy
+    from slipstream.plan.report import fit_efficiency, published_report
+
+    if extra:
+        raise UserError(f"unexpected arguments: {' '.join(extra)}")
+    rows = run_accuracy()
+    worst = max(abs(r["error"]) for r in rows)
+    fitted = fit_efficiency()
+    published = published_report(DEFAULT_EFFICIENCY)
+    for r in rows:
+        print(f"  {r['case']:<72} measured {r['measured_bytes'] / 2**20:8.2f} MiB  planned "
+              f"{r['planned_bytes'] / 2**20:8.2f} MiB  {r['error']:+6.1%}")
+    print(f"memory: {len(rows)} cases, worst error {worst:.1%} (target {TARGET_ERROR:.0%})")
+    for r in published:
+        print(f"  {r['run']:<48} {r['metric']:<24} reported {r['reported']:>10.3f} planned {r['planned']:>10.3f} "
+              f"{r['error']:+6.1%}")
+    print(f"published: efficiency in use {DEFAULT_EFFICIENCY}, best fit {fitted}")
+    result = {"benchmark": "planner-accuracy", "target_error": TARGET_ERROR, "memory_cases": rows,
+              "memory_worst_error": worst, "published": published, "efficiency": DEFAULT_EFFICIENCY,
+              "efficiency_fitted": fitted, "env": collect_env()}
+    write_json_atomic(args.out, result)
+    print(f"wrote {args.out}")
+    return 0 if worst <= TARGET_ERROR else 1

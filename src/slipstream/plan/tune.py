@@ -1,0 +1,335 @@
+"""`slipstream tune system`: run short real trials of the planner's best layouts, keep the fastest that fits.
+
+    slipstream tune system --config F [--budget 10m] [--top K] [--nproc N] [--steps S]
+                           [--json] [--write-config OUT] [--section.key=value ...]
+
+The planner ranks layouts from shapes and datasheets; this command checks its top K on this
+machine. Every trial trains the same thing as the config (same model, optimizer, precision,
+sequence length and global batch); only the layout changes: the micro-batch / accumulation
+split, activation checkpointing, the fused loss, the data-parallel strategy and offload.
+The user's own layout always runs too (labelled "current"), so the gain is measured.
+
+Each trial is a `slipstream train` subprocess (under `launch local` for N > 1) killed at its
+share of the budget. Speed is the median tokens/s of the steps after the first two (step 1
+warms up, step 2 is slowed by the memory tracker); memory is the tracked peak of step 2 (the
+highest rank). The median measured/predicted speed ratio is the machine's "efficiency", to
+pass to `slipstream plan --efficiency`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from slipstream.errors import UserError
+
+# A trial is a fresh process: importing torch and building the model takes seconds before any step.
+MIN_TRIAL_S = 15.0
+# Step 1 warms up, step 2 is slowed by the memory tracker: at least two more steps are timed.
+MIN_STEPS = 4
+# Trial-only settings: no evaluation, checkpoints, loggers or profiler; one record per step.
+TRIAL_SETTINGS = {"train.eval_steps": 0, "checkpoint.save_final": False, "checkpoint.interval": 0,
+                  "checkpoint.interval_minutes": 0, "checkpoint.resume": "none", "logging.tensorboard": False,
+                  "logging.wandb": False, "logging.progress": False, "logging.log_interval": 1,
+                  "metrics.memory_breakdown": True, "metrics.memory_snapshot": False, "profile.enabled": False}
+
+RunTrial = Callable[[dict, float], dict]
+
+
+def _arg(key: str, value: object) -> str:
+    text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+    return f"--{key}={text}"
+
+
+def _precision(cfg) -> str:
+    """The compute dtype the config trains in (the planner's `precision`)."""
+    for value in (cfg.precision.autocast, cfg.parallel.param_dtype):
+        if value in ("bf16", "fp16"):
+            return value
+    return "fp32"
+
+
+def _vocab(cfg) -> int:
+    """The vocabulary the model will have: its own, or the prepared data's / tokenizer's."""
+    if cfg.model.vocab_size:
+        return cfg.model.vocab_size
+    from slipstream.data import get_tokenizer, load_manifest
+
+    if cfg.data.dir:
+        return int(load_manifest(cfg.data.dir)["vocab_size"])
+    return get_tokenizer(cfg.data.tokenizer).vocab_size
+
+
+def _cluster(cfg, nproc: int):
+    """This machine: N CPU processes, or N GPUs of the local type when CUDA is there and used."""
+    import torch
+
+    from slipstream.plan.hardware import CPU, canonical_gpu_name, known_gpus, make_cluster
+
+    if cfg.train.device == "cpu" or not torch.cuda.is_available():
+        return make_cluster(f"{nproc}xcpu")
+    if nproc > torch.cuda.device_count():
+        raise UserError(f"--nproc {nproc}: this machine has {torch.cuda.device_count()} GPU(s)")
+    name = torch.cuda.get_device_name()
+    short = canonical_gpu_name(name)
+    if short is None:  # a device name ("NVIDIA H100 80GB HBM3"): match the datasheet entry instead
+        from slipstream.observe.peaks import lookup_gpu
+
+        spec = lookup_gpu(name)
+        short = next((g for g in known_gpus() if spec and g != CPU and make_cluster(f"1x{g}").gpu.name == spec.name),
+                     None)
+    if short is None:
+        raise UserError(f"the planner has no datasheet for the GPU {name!r}; known: {', '.join(known_gpus())}")
+    return make_cluster(f"{nproc}x{short}")
+
+
+def _current_strategy(cfg, nproc: int, precision: str):
+    """The config's own layout as a Strategy (for its prediction)."""
+    from slipstream.plan.space import AC_MODES, Strategy
+
+    dp_strategy = cfg.parallel.dp_strategy
+    if dp_strategy == "auto":
+        dp_strategy = "none" if nproc == 1 else "ddp"
+    shard = (cfg.parallel.dp_shard or nproc) if dp_strategy == "hsdp" else 0
+    # Activation offload is not modelled; predicting it as "none" over-states its memory, never under-states.
+    ac = cfg.activations.checkpointing if cfg.activations.checkpointing in AC_MODES else "none"
+    return Strategy(dp_strategy=dp_strategy, dp=nproc, dp_shard=shard, micro_batch=cfg.train.micro_batch_size,
+                    grad_accum=cfg.train.grad_accum_steps, ac=ac, precision=precision,
+                    offload=cfg.parallel.offload, fused_loss=cfg.train.fused_loss, loss_chunk=cfg.train.fused_loss_chunk)
+
+
+def read_trial(run_dir: Path) -> dict:
+    """Measured tokens/s (median of the steps after the first two) and peak bytes of a trial's run."""
+    summary = json.loads((run_dir / "summary.json").read_text())
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steady = [r["tokens_per_s"] for r in records
+              if r.get("tokens_per_s") and r.get("step", 0) > 2 and "mem_step_peak_bytes" not in r]
+    tokens_per_s = statistics.median(steady) if steady else summary.get("tokens_per_s")
+    ranks = [r["step_peak_bytes"] for r in summary.get("ranks", []) if r.get("step_peak_bytes") is not None]
+    if ranks:
+        peak = max(ranks)
+    elif "memory" in summary:
+        peak = summary["memory"]["peak_bytes"]
+    else:
+        peak = summary.get("mem_peak_bytes")
+    return {"tokens_per_s": tokens_per_s, "peak_bytes": peak}
+
+
+def subprocess_trials(config_path: str, overrides: list[str], nproc: int, steps: int, work_dir: Path) -> RunTrial:
+    """A run_trial that trains each layout in a `slipstream train` subprocess under `work_dir`."""
+    counter = iter(range(1_000_000))
+    src = str(Path(__file__).resolve().parents[2])  # so the child imports this same slipstream
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+
+    def run_trial(layout: dict, timeout_s: float) -> dict:
+        run_dir = work_dir / f"trial{next(counter)}"
+        settings = {**layout, **TRIAL_SETTINGS, "train.max_steps": steps, "run.dir": run_dir}
+        train = ["train", "--config", config_path, *overrides, *(_arg(k, v) for k, v in settings.items())]
+        launch = ["launch", "local", "--nproc", str(nproc), "--"] if nproc > 1 else []
+        err_path = work_dir / f"{run_dir.name}.stderr"
+        with open(work_dir / f"{run_dir.name}.stdout", "wb") as out, open(err_path, "wb") as err:
+            # Its own process group: on timeout, torchrun's workers die with it.
+            proc = subprocess.Popen([sys.executable, "-m", "slipstream", *launch, *train], stdout=out, stderr=err,
+                                    env=env, start_new_session=True)
+            try:
+                code = proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                return {"error": f"timed out after {timeout_s:.0f}s", "timed_out": True}
+        if code != 0:
+            lines = [line for line in err_path.read_text(errors="replace").splitlines() if line.strip()]
+            return {"error": lines[-1].strip() if lines else f"exit code {code}"}
+        return read_trial(run_dir)
+
+    return run_trial
+
+
+def tune_system(config_path: str, overrides: list[str], budget_s: float, top: int = 3, nproc: int = 1,
+                steps: int = 20, run_trial: RunTrial | None = None) -> dict:
+    """Plan, run the trials, and return the JSON-ready result (see the module doc)."""
+    from slipstream.config import load_config
+    from slipstream.plan.search import evaluate, explain_infeasible, plan
+    from slipstream.plan.space import PlanModel, Workload, strategy_overrides
+
+    if not config_path:
+        raise UserError("tune system needs --config FILE: the training config whose layout to tune")
+    if top < 1 or nproc < 1:
+        raise UserError(f"--top and --nproc must be >= 1 (got {top} and {nproc})")
+    if steps < MIN_STEPS:
+        raise UserError(f"--steps must be >= {MIN_STEPS}: step 1 warms up and step 2 measures memory (got {steps})")
+    if budget_s < MIN_TRIAL_S:
+        raise UserError(f"--budget {budget_s:g}s is too small: one trial needs at least {MIN_TRIAL_S:g}s "
+                        f"(the current layout plus the top {top} need {MIN_TRIAL_S * (top + 1):g}s)")
+    cfg = load_config(config_path, overrides)
+    precision = _precision(cfg)
+    cluster = _cluster(cfg, nproc)
+    model = PlanModel(cfg.model.preset or Path(config_path).stem,
+                      dataclasses.replace(cfg.model, vocab_size=_vocab(cfg)))
+    current = _current_strategy(cfg, nproc, precision)
+    work = Workload(seq_len=cfg.train.seq_len, global_batch=current.micro_batch * current.grad_accum * nproc)
+    result = plan(model, cluster, work, runnable_only=True, precision=precision)
+    if not result.ranked:
+        raise UserError(explain_infeasible(result) if result.rejected else "no layout fits this machine")
+
+    # The current layout first (it runs exactly the config), then the planner's best distinct ones.
+    device = "cpu" if cluster.short_name == "cpu" else "cuda"
+    trials = [("current", evaluate(model, current, work, cluster, device=device), {})]
+    seen = {current.label()}
+    for candidate in result.ranked:
+        if len(trials) > top:
+            break
+        if candidate.strategy.label() not in seen:
+            seen.add(candidate.strategy.label())
+            trials.append((candidate.strategy.label(), candidate, strategy_overrides(candidate.strategy, work.seq_len)))
+    notes = []
+    affordable = int(budget_s // MIN_TRIAL_S)
+    if affordable < len(trials):
+        notes.append(f"the budget allows {affordable} of {len(trials)} trials ({MIN_TRIAL_S:g}s each at least); "
+                     f"raise --budget to try all")
+        trials = trials[:affordable]
+    timeout_s = budget_s / len(trials)
+
+    with tempfile.TemporaryDirectory(prefix="slipstream-tune-") as tmp:
+        if run_trial is None:
+            from slipstream.train.lm import ensure_data
+
+            # Prepare (or find) the data once, not inside a timed trial; quietly, so --json stays one object.
+            data_dir, _ = ensure_data(dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, progress=False)))
+            run_trial = subprocess_trials(config_path, [*overrides, f"--data.dir={data_dir}"], nproc, steps, Path(tmp))
+        records = [_run_one(label, candidate, layout, run_trial, timeout_s, cluster.memory_bytes)
+                   for label, candidate, layout in trials]
+
+    ok = [r for r in records if r["status"] == "ok"]
+    winner = max(ok, key=lambda r: r["measured"]["tokens_per_s"], default=None)
+    base = records[0]["measured"]["tokens_per_s"] if records[0]["status"] == "ok" else None
+    ratios = [r["measured"]["tokens_per_s"] / r["predicted"]["tokens_per_s"] for r in ok]
+    return {"config": str(config_path), "overrides": list(overrides), "cluster": f"{nproc}x{cluster.short_name}",
+            "memory_bytes": cluster.memory_bytes, "precision": precision, "seq_len": work.seq_len,
+            "global_batch": work.global_batch, "budget_s": budget_s, "trial_timeout_s": timeout_s, "steps": steps,
+            "candidates": records, "winner": winner,
+            "speedup": winner["measured"]["tokens_per_s"] / base if winner and base else None,
+            "efficiency": statistics.median(ratios) if ratios else None, "notes": notes}
+
+
+def _run_one(label, candidate, layout: dict, run_trial: RunTrial, timeout_s: float, memory_bytes: int) -> dict:
+    """One trial as a record; whatever goes wrong becomes its status and reason, never an exception."""
+    record = {"label": label, "layout": candidate.strategy.label(), "overrides": layout,
+              "predicted": {"tokens_per_s": candidate.time.tokens_per_s, "peak_bytes": candidate.memory.total_bytes},
+              "measured": None, "error_pct": None, "status": "ok", "reason": ""}
+    try:
+        measured = run_trial(layout, timeout_s)
+    except Exception as e:  # noqa: BLE001 - a broken trial must not stop the others
+        measured = {"error": f"{type(e).__name__}: {e}"}
+    if "error" in measured or not measured.get("tokens_per_s"):
+        record["status"] = "timeout" if measured.get("timed_out") else "failed"
+        record["reason"] = measured.get("error") or "the trial reported no speed"
+        return record
+    record["measured"] = {"tokens_per_s": float(measured["tokens_per_s"]), "peak_bytes": measured.get("peak_bytes")}
+    predicted = record["predicted"]["tokens_per_s"]
+    record["error_pct"] = 100.0 * (record["measured"]["tokens_per_s"] - predicted) / predicted
+    peak = measured.get("peak_bytes")
+    if peak is not None and peak > memory_bytes:
+        record["status"] = "too big"
+        record["reason"] = f"measured {peak / 2**30:.2f} GiB > {memory_bytes / 2**30:.2f} GiB usable"
+    return record
+
+
+def _mib(value) -> str:
+    return "-" if value is None else f"{value / 2**20:,.1f} MiB"
+
+
+def format_report(result: dict) -> str:
+    """The plain-text table: predicted vs measured per trial, then the winner and the calibration."""
+    rows = [("layout", "pred tok/s", "meas tok/s", "error", "pred peak", "meas peak", "status")]
+    for r in result["candidates"]:
+        m = r["measured"] or {}
+        name = f"current ({r['layout']})" if r["label"] == "current" else r["label"]
+        rows.append((name, f"{r['predicted']['tokens_per_s']:,.0f}",
+                     "-" if not m else f"{m['tokens_per_s']:,.0f}",
+                     "-" if r["error_pct"] is None else f"{r['error_pct']:+.0f}%",
+                     _mib(r["predicted"]["peak_bytes"]), _mib(m.get("peak_bytes")),
+                     r["status"] + (f": {r['reason']}" if r["reason"] else "")))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]) - 1)]
+    lines = [f"tune system: {result['cluster']}, seq {result['seq_len']}, global batch {result['global_batch']}, "
+             f"{result['precision']}, {result['steps']} steps per trial, at most {result['trial_timeout_s']:.0f}s each"]
+    lines += ["  ".join([*(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))),
+                         row[-1]]) for row in rows]
+    lines += [f"note: {n}" for n in result["notes"]]
+    winner = result["winner"]
+    if winner is None:
+        lines.append("no trial succeeded; see the reasons above")
+        return "\n".join(lines)
+    speed = f"{winner['measured']['tokens_per_s']:,.0f} tokens/s"
+    if winner["label"] == "current":
+        lines.append(f"winner: the current layout ({winner['layout']}) at {speed}: keep it")
+    else:
+        speedup = f", {result['speedup']:.2f}x the current layout" if result["speedup"] else ""
+        lines.append(f"winner: {winner['layout']} at {speed}{speedup}")
+    lines.append(f"efficiency (measured / predicted, median): {result['efficiency']:.3g}; "
+                 f"plan with `slipstream plan --efficiency {result['efficiency']:.3g}`")
+    return "\n".join(lines)
+
+
+def write_winner_config(result: dict, out: str | Path) -> Path:
+    """A TOML that extends the original config with the user's overrides and the winner's layout (atomic)."""
+    import tomli_w
+
+    from slipstream.config.load import deep_merge, parse_overrides
+
+    if result["winner"] is None:
+        raise UserError("no trial succeeded, so there is no winner to write")
+    out = Path(out).resolve()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    layout = [_arg(k, v) for k, v in result["winner"]["overrides"].items()]
+    data = deep_merge(parse_overrides(result["overrides"]), parse_overrides(layout))
+    base = os.path.relpath(Path(result["config"]).resolve(), out.parent)
+    text = (f"# Written by `slipstream tune system`: the fastest layout measured ({result['winner']['layout']}).\n"
+            + tomli_w.dumps({"extends": base, **data}))
+    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out
+
+
+def add_tune_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Arguments of `slipstream tune system`; config overrides come as extra `--section.key=value`."""
+    parser.add_argument("--config", help="TOML training config whose layout to tune")
+    parser.add_argument("--budget", default="10m", help="wall time for all trials, e.g. 90s, 10m, 1h (split evenly)")
+    parser.add_argument("--top", type=int, default=3, help="the planner's K best layouts to try (plus the current one)")
+    parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs or CPU ranks) on this machine")
+    parser.add_argument("--steps", type=int, default=20, help="training steps per trial (the first two are not timed)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--write-config", default=None, metavar="OUT", help="write the winner as a TOML config")
+    return parser
+
+
+def main_tune_system(args: argparse.Namespace, extra: list[str]) -> int:
+    from slipstream.cli import _split_overrides
+    from slipstream.resilience.advice import parse_duration
+
+    budget = parse_duration(args.budget, "--budget")
+    result = tune_system(args.config, _split_overrides(extra), budget, top=args.top, nproc=args.nproc, steps=args.steps)
+    if args.write_config and result["winner"] is not None:
+        result["written_config"] = str(write_winner_config(result, args.write_config))
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print(format_report(result))
+        if "written_config" in result:
+            print(f"wrote {result['written_config']}; train it with `slipstream train --config {result['written_config']}`")
+    return 0 if result["winner"] is not None else 1

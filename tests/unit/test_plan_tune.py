@@ -1,0 +1,169 @@
+"""`slipstream tune system` without subprocesses: a fake run_trial stands in for the trials."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from slipstream.config.load import load_config
+from slipstream.errors import UserError
+from slipstream.plan.tune import (MIN_TRIAL_S, add_tune_arguments, format_report, main_tune_system, read_trial,
+                                  tune_system, write_winner_config)
+
+ROOT = Path(__file__).resolve().parents[2]
+CONFIG = str(ROOT / "configs" / "tiny.toml")
+# A fixed vocabulary (no data needed) and the CPU even where CUDA exists: the plan is the same everywhere.
+# tiny at seq 32, global batch 4: the planner's top 3 are mb1x4 fused-loss, mb1x4, mb2x2 fused-loss.
+OVERRIDES = ["--model.vocab_size=257", "--train.seq_len=32", "--train.device=cpu"]
+
+
+class FakeTrials:
+    """Measured numbers by layout: the current one (no overrides), one fast, one failing, one timing out."""
+
+    def __init__(self):
+        self.calls: list[tuple[dict, float]] = []
+
+    def __call__(self, layout: dict, timeout_s: float) -> dict:
+        self.calls.append((layout, timeout_s))
+        if not layout:
+            return {"tokens_per_s": 20_000.0, "peak_bytes": 3_000_000}
+        key = (layout["train.micro_batch_size"], layout["train.fused_loss"])
+        if key == (1, True):
+            return {"error": "RuntimeError: out of memory"}
+        if key == (1, False):
+            return {"error": f"timed out after {timeout_s:.0f}s", "timed_out": True}
+        return {"tokens_per_s": 50_000.0, "peak_bytes": 2_800_000}
+
+
+@pytest.fixture(scope="module")
+def tuned():
+    fake = FakeTrials()
+    return tune_system(CONFIG, OVERRIDES, budget_s=120, top=3, steps=10, run_trial=fake), fake
+
+
+def test_winner_is_the_fastest_successful_trial(tuned):
+    result, _ = tuned
+    labels = [r["label"] for r in result["candidates"]]
+    assert labels == ["current", "none mb1x4 fused-loss", "none mb1x4", "none mb2x2 fused-loss"]
+    assert result["winner"]["layout"] == "none mb2x2 fused-loss"
+    assert result["winner"]["overrides"]["train.grad_accum_steps"] == 2
+    assert result["speedup"] == pytest.approx(50_000 / 20_000)
+    assert result["global_batch"] == 4 and result["seq_len"] == 32 and result["precision"] == "fp32"
+    json.dumps(result)  # JSON-ready as it is
+
+
+def test_failed_trials_keep_their_reason(tuned):
+    result, _ = tuned
+    by_label = {r["label"]: r for r in result["candidates"]}
+    failed, timeout = by_label["none mb1x4 fused-loss"], by_label["none mb1x4"]
+    assert failed["status"] == "failed" and "out of memory" in failed["reason"] and failed["measured"] is None
+    assert timeout["status"] == "timeout" and "timed out" in timeout["reason"]
+    text = format_report(result)
+    assert "out of memory" in text and "winner: none mb2x2 fused-loss" in text and "2.50x" in text
+
+
+def test_efficiency_is_the_median_ratio_and_predictions_are_positive(tuned):
+    result, _ = tuned
+    ok = [r for r in result["candidates"] if r["status"] == "ok"]
+    assert len(ok) == 2
+    ratios = [r["measured"]["tokens_per_s"] / r["predicted"]["tokens_per_s"] for r in ok]
+    assert result["efficiency"] == pytest.approx(statistics.median(ratios))
+    for r in result["candidates"]:
+        assert r["predicted"]["tokens_per_s"] > 0 and r["predicted"]["peak_bytes"] > 0
+    for r in ok:
+        expected = 100 * (r["measured"]["tokens_per_s"] / r["predicted"]["tokens_per_s"] - 1)
+        assert r["error_pct"] == pytest.approx(expected)
+
+
+def test_budget_is_split_evenly(tuned):
+    result, fake = tuned
+    assert len(fake.calls) == 4
+    assert [timeout for _, timeout in fake.calls] == [30.0] * 4
+    assert result["trial_timeout_s"] == 30.0 and not result["notes"]
+
+
+def test_small_budget_runs_fewer_trials_current_first():
+    fake = FakeTrials()
+    result = tune_system(CONFIG, OVERRIDES, budget_s=2 * MIN_TRIAL_S + 1, top=3, steps=10, run_trial=fake)
+    assert [r["label"] for r in result["candidates"]] == ["current", "none mb1x4 fused-loss"]
+    assert "allows 2 of 4 trials" in result["notes"][0]
+    assert result["winner"]["label"] == "current"  # the other one failed
+    assert "keep it" in format_report(result)
+
+
+def test_current_layout_is_not_tried_twice():
+    fake = FakeTrials()
+    current_is_top = [*OVERRIDES, "--train.micro_batch_size=1", "--train.grad_accum_steps=4", "--train.fused_loss=true"]
+    result = tune_system(CONFIG, current_is_top, budget_s=600, top=2, steps=10, run_trial=fake)
+    layouts = [r["layout"] for r in result["candidates"]]
+    assert layouts[0] == "none mb1x4 fused-loss" and len(layouts) == len(set(layouts)) == 3
+
+
+def test_a_crashing_trial_does_not_stop_the_tuner():
+    def broken(layout, timeout_s):
+        raise ValueError("boom")
+
+    result = tune_system(CONFIG, OVERRIDES, budget_s=60, top=1, steps=10, run_trial=broken)
+    assert all(r["status"] == "failed" and "boom" in r["reason"] for r in result["candidates"])
+    assert result["winner"] is None and result["efficiency"] is None
+    assert "no trial succeeded" in format_report(result)
+
+
+def test_measured_memory_over_the_machine_is_not_a_winner():
+    def huge(layout, timeout_s):
+        return {"tokens_per_s": 90_000.0 if layout else 10_000.0, "peak_bytes": 2**60 if layout else 1000}
+
+    result = tune_system(CONFIG, OVERRIDES, budget_s=60, top=1, steps=10, run_trial=huge)
+    assert result["candidates"][1]["status"] == "too big"
+    assert result["winner"]["label"] == "current"
+
+
+def test_write_config_round_trips(tuned, tmp_path):
+    result, _ = tuned
+    out = write_winner_config(result, tmp_path / "tuned" / "best.toml")
+    data = tomllib.loads(out.read_text())
+    assert not Path(data["extends"]).is_absolute()
+    cfg = load_config(out)
+    assert (cfg.train.micro_batch_size, cfg.train.grad_accum_steps, cfg.train.fused_loss) == (2, 2, True)
+    assert cfg.model.vocab_size == 257 and cfg.train.seq_len == 32  # the user's overrides travel along
+    assert cfg.model.preset == "tiny" and cfg.train.max_steps == load_config(CONFIG).train.max_steps
+    assert [p.name for p in out.parent.iterdir()] == ["best.toml"]  # no temporary file left behind
+
+
+def test_read_trial_skips_warm_up_and_memory_steps(tmp_path):
+    lines = [{"step": 1, "tokens_per_s": 10.0}, {"step": 2, "tokens_per_s": 20.0, "mem_step_peak_bytes": 5},
+             {"step": 3, "tokens_per_s": 100.0}, {"step": 4, "tokens_per_s": 110.0}, {"step": 5, "tokens_per_s": 90.0}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    (tmp_path / "summary.json").write_text(json.dumps({"tokens_per_s": 50.0, "mem_peak_bytes": 9,
+                                                       "memory": {"peak_bytes": 5}}))
+    assert read_trial(tmp_path) == {"tokens_per_s": 100.0, "peak_bytes": 5}
+    (tmp_path / "summary.json").write_text(json.dumps({"ranks": [{"step_peak_bytes": 5}, {"step_peak_bytes": 7}],
+                                                       "memory": {"peak_bytes": 5}}))
+    assert read_trial(tmp_path)["peak_bytes"] == 7  # the highest rank
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(config_path=str(ROOT / "configs" / "missing.toml")), "does not exist"),
+    (dict(config_path=""), "needs --config"),
+    (dict(top=0), "--top"),
+    (dict(nproc=0), "--nproc"),
+    (dict(steps=3), "--steps"),
+    (dict(budget_s=MIN_TRIAL_S - 1), f"at least {MIN_TRIAL_S:g}s"),
+    (dict(overrides=["--model.preset=llama-70b", "--model.vocab_size=32000", "--train.seq_len=32",
+                     "--train.device=cpu"]), "nothing fits"),
+])
+def test_bad_input_is_a_user_error(kwargs, message):
+    args = dict(config_path=CONFIG, overrides=OVERRIDES, budget_s=120, run_trial=FakeTrials()) | kwargs
+    with pytest.raises(UserError, match=message):
+        tune_system(**args)
+
+
+def test_cli_entry_point_rejects_a_bad_budget():
+    args = add_tune_arguments(argparse.ArgumentParser()).parse_args(["--config", CONFIG, "--budget", "soon"])
+    with pytest.raises(UserError, match="--budget"):
+        main_tune_system(args, OVERRIDES)
