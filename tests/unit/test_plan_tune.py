@@ -12,8 +12,8 @@ import pytest
 
 from slipstream.config.load import load_config
 from slipstream.errors import UserError
-from slipstream.plan.tune import (MIN_TRIAL_S, add_tune_arguments, format_report, main_tune_system, read_trial,
-                                  tune_system, write_winner_config)
+from slipstream.plan.tune import (MIN_TRIAL_S, add_tune_arguments, failure_reason, format_report, gpu_short_name,
+                                  main_tune_system, read_trial, subprocess_trials, tune_system, write_winner_config)
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "tiny.toml")
@@ -167,3 +167,29 @@ def test_cli_entry_point_rejects_a_bad_budget():
     args = add_tune_arguments(argparse.ArgumentParser()).parse_args(["--config", CONFIG, "--budget", "soon"])
     with pytest.raises(UserError, match="--budget"):
         main_tune_system(args, OVERRIDES)
+
+
+def test_failure_reason_finds_the_cause_under_torchrun():
+    torchrun = ("Traceback (most recent call last):\n  File \"x.py\", line 1\n"
+                "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n"
+                "E1202 api.py:1002] failed (exitcode: 1) local_rank: 0\n"
+                "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: \n"
+                "============================================================\nslipstream FAILED\n"
+                "  exitcode  : 1 (pid: 4347)\n============================================================\n")
+    assert failure_reason(torchrun, 1).startswith("torch.OutOfMemoryError: CUDA out of memory")
+    assert failure_reason("note: x\nerror: model.d_model = 7 must be divisible\n", 2).startswith("error: model.d_model")
+    assert failure_reason("", 1) == "exit code 1"
+
+
+def test_subprocess_trial_is_killed_at_its_timeout(tmp_path):
+    run_trial = subprocess_trials(CONFIG, OVERRIDES, nproc=1, steps=4, work_dir=tmp_path)
+    result = run_trial({}, 0.3)  # not even torch imports that fast
+    assert result["timed_out"] and "timed out" in result["error"]
+
+
+@pytest.mark.parametrize("device_name, short", [
+    ("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H200", "H200"), ("NVIDIA A100-SXM4-40GB", "A100-40GB"),
+    ("Tesla T4", "T4"), ("a100_80gb", "A100"), ("Some Future GPU", None),
+])
+def test_local_gpu_names_map_to_planner_names(device_name, short):
+    assert gpu_short_name(device_name) == short

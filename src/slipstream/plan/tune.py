@@ -19,9 +19,11 @@ pass to `slipstream plan --efficiency`.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -69,24 +71,31 @@ def _vocab(cfg) -> int:
     return get_tokenizer(cfg.data.tokenizer).vocab_size
 
 
+def gpu_short_name(device_name: str) -> str | None:
+    """The planner's name ("H100") for a torch.cuda.get_device_name() ("NVIDIA H100 80GB HBM3")."""
+    from slipstream.observe.peaks import lookup_gpu
+    from slipstream.plan.hardware import CPU, canonical_gpu_name, known_gpus, make_cluster
+
+    short = canonical_gpu_name(device_name)
+    spec = lookup_gpu(device_name)
+    if short is not None or spec is None:
+        return short
+    # A device name: the planner entry with the same datasheet.
+    return next((g for g in known_gpus() if g != CPU and make_cluster(f"1x{g}").gpu.name == spec.name), None)
+
+
 def _cluster(cfg, nproc: int):
     """This machine: N CPU processes, or N GPUs of the local type when CUDA is there and used."""
     import torch
 
-    from slipstream.plan.hardware import CPU, canonical_gpu_name, known_gpus, make_cluster
+    from slipstream.plan.hardware import known_gpus, make_cluster
 
     if cfg.train.device == "cpu" or not torch.cuda.is_available():
         return make_cluster(f"{nproc}xcpu")
     if nproc > torch.cuda.device_count():
         raise UserError(f"--nproc {nproc}: this machine has {torch.cuda.device_count()} GPU(s)")
     name = torch.cuda.get_device_name()
-    short = canonical_gpu_name(name)
-    if short is None:  # a device name ("NVIDIA H100 80GB HBM3"): match the datasheet entry instead
-        from slipstream.observe.peaks import lookup_gpu
-
-        spec = lookup_gpu(name)
-        short = next((g for g in known_gpus() if spec and g != CPU and make_cluster(f"1x{g}").gpu.name == spec.name),
-                     None)
+    short = gpu_short_name(name)
     if short is None:
         raise UserError(f"the planner has no datasheet for the GPU {name!r}; known: {', '.join(known_gpus())}")
     return make_cluster(f"{nproc}x{short}")
@@ -104,7 +113,8 @@ def _current_strategy(cfg, nproc: int, precision: str):
     ac = cfg.activations.checkpointing if cfg.activations.checkpointing in AC_MODES else "none"
     return Strategy(dp_strategy=dp_strategy, dp=nproc, dp_shard=shard, micro_batch=cfg.train.micro_batch_size,
                     grad_accum=cfg.train.grad_accum_steps, ac=ac, precision=precision,
-                    offload=cfg.parallel.offload, fused_loss=cfg.train.fused_loss, loss_chunk=cfg.train.fused_loss_chunk)
+                    offload=cfg.parallel.offload, fused_loss=cfg.train.fused_loss,
+                    loss_chunk=cfg.train.fused_loss_chunk)
 
 
 def read_trial(run_dir: Path) -> dict:
@@ -122,6 +132,20 @@ def read_trial(run_dir: Path) -> dict:
     else:
         peak = summary.get("mem_peak_bytes")
     return {"tokens_per_s": tokens_per_s, "peak_bytes": peak}
+
+
+def failure_reason(stderr: str, code: int) -> str:
+    """The line of a failed trial's stderr that says why: slipstream's `error: ...`, else the last
+    exception line of a rank (under torchrun the last lines are its own report and "=====" rules,
+    not the cause), else the last line."""
+    lines = [line.strip() for line in stderr.splitlines() if line.strip(" =-\t")]
+    for line in reversed(lines):
+        if line.startswith("error: "):
+            return line
+    for line in reversed(lines):
+        if re.match(r"[\w.]*(Error|Exception)\b", line) and "ChildFailedError" not in line:
+            return line
+    return lines[-1] if lines else f"exit code {code}"
 
 
 def subprocess_trials(config_path: str, overrides: list[str], nproc: int, steps: int, work_dir: Path) -> RunTrial:
@@ -143,12 +167,12 @@ def subprocess_trials(config_path: str, overrides: list[str], nproc: int, steps:
             try:
                 code = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):  # it may have ended just now
+                    os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 return {"error": f"timed out after {timeout_s:.0f}s", "timed_out": True}
         if code != 0:
-            lines = [line for line in err_path.read_text(errors="replace").splitlines() if line.strip()]
-            return {"error": lines[-1].strip() if lines else f"exit code {code}"}
+            return {"error": failure_reason(err_path.read_text(errors="replace"), code)}
         return read_trial(run_dir)
 
     return run_trial
@@ -204,7 +228,8 @@ def tune_system(config_path: str, overrides: list[str], budget_s: float, top: in
             from slipstream.train.lm import ensure_data
 
             # Prepare (or find) the data once, not inside a timed trial; quietly, so --json stays one object.
-            data_dir, _ = ensure_data(dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, progress=False)))
+            quiet = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, progress=False))
+            data_dir, _ = ensure_data(quiet)
             run_trial = subprocess_trials(config_path, [*overrides, f"--data.dir={data_dir}"], nproc, steps, Path(tmp))
         records = [_run_one(label, candidate, layout, run_trial, timeout_s, cluster.memory_bytes)
                    for label, candidate, layout in trials]
@@ -331,5 +356,6 @@ def main_tune_system(args: argparse.Namespace, extra: list[str]) -> int:
     else:
         print(format_report(result))
         if "written_config" in result:
-            print(f"wrote {result['written_config']}; train it with `slipstream train --config {result['written_config']}`")
+            path = result["written_config"]
+            print(f"wrote {path}; train it with `slipstream train --config {path}`")
     return 0 if result["winner"] is not None else 1
