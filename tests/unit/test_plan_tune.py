@@ -12,6 +12,7 @@ import pytest
 
 from slipstream.config.load import load_config
 from slipstream.errors import UserError
+from slipstream.plan.timing import DEFAULT_EFFICIENCY
 from slipstream.plan.tune import (MIN_TRIAL_S, add_tune_arguments, failure_reason, format_report, gpu_short_name,
                                   main_tune_system, read_trial, subprocess_trials, tune_system, write_winner_config)
 
@@ -72,7 +73,7 @@ def test_efficiency_is_the_median_ratio_and_predictions_are_positive(tuned):
     ok = [r for r in result["candidates"] if r["status"] == "ok"]
     assert len(ok) == 2
     ratios = [r["measured"]["tokens_per_s"] / r["predicted"]["tokens_per_s"] for r in ok]
-    assert result["efficiency"] == pytest.approx(statistics.median(ratios))
+    assert result["efficiency"] == pytest.approx(DEFAULT_EFFICIENCY * statistics.median(ratios))
     for r in result["candidates"]:
         assert r["predicted"]["tokens_per_s"] > 0 and r["predicted"]["peak_bytes"] > 0
     for r in ok:

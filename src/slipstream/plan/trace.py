@@ -49,7 +49,7 @@ import os
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -87,12 +87,21 @@ class TracedModule:
     activation_bytes_per_sequence: dict[str, int]   # {"fp32": ..., "bf16": ...}
     fixed_bytes: dict[str, int]                     # batch-independent temporaries, per precision
     notes: tuple[str, ...] = ()
+    # Measured at micro-batch 1, per precision: the step's peak (forward + backward) and the
+    # gradient bytes live at that peak (less than grad_bytes when the peak comes before
+    # backward has made every gradient; then fixed_bytes is clamped to 0 and
+    # params + grads + optimizer + b * activations + fixed overestimates by the difference).
+    peak_bytes: dict[str, int] = field(default_factory=dict)
+    peak_grad_bytes: dict[str, int] = field(default_factory=dict)
 
     def step_peak_bytes(self, micro_batch: int, precision: str = "fp32") -> int:
-        """Tracked peak of one unsharded training step at `micro_batch` sequences of seq_len."""
-        key = "bf16" if precision in ("bf16", "fp16") else "fp32"
-        return (self.param_bytes + self.grad_bytes + self.optimizer_bytes
-                + micro_batch * self.activation_bytes_per_sequence[key] + self.fixed_bytes[key])
+        """Tracked peak of one unsharded training step at `micro_batch` sequences of seq_len
+        (precision "fp32", or "bf16"/"fp16" for autocast)."""
+        key = "fp32" if precision == "fp32" else "bf16"
+        acts = self.activation_bytes_per_sequence[key]
+        if key in self.peak_bytes:
+            return self.peak_bytes[key] + (micro_batch - 1) * acts
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + micro_batch * acts + self.fixed_bytes[key]
 
 
 def trace_module(spec: str, vocab: int, seq_len: int) -> PlanModel:
@@ -134,20 +143,24 @@ def trace_module(spec: str, vocab: int, seq_len: int) -> PlanModel:
                          "the bf16 numbers are the fp32 ones")
 
     state = fp32[0]
-    param_bytes = state.param_bytes
-    grad_bytes = state.grad_bytes
-    optimizer_bytes = state.optimizer_bytes
+    param_bytes, grad_bytes, optimizer_bytes = state.param_bytes, state.grad_bytes, state.optimizer_bytes
     persistent = param_bytes + grad_bytes + optimizer_bytes
     acts: dict[str, int] = {}
     fixed: dict[str, int] = {}
     for name, (one, two) in zip(PRECISIONS, (fp32, bf16)):
         acts[name] = max(0, two.fb_peak - one.fb_peak)
         fixed[name] = max(0, one.fb_peak - acts[name] - persistent)
+    if fp32[0].fb_peak - acts["fp32"] < persistent:
+        missing = persistent - (fp32[0].fb_peak - acts["fp32"])
+        notes.append(f"the step peaks before backward has made every gradient: params + grads + optimizer state + "
+                     f"micro_batch x activations overestimates the peak by up to {missing / 2**20:.0f} MiB "
+                     "(peak_bytes holds the measured peak)")
 
     traced = TracedModule(spec=spec, seq_len=seq_len, vocab=out_vocab, n_params=n_params,
                           flops_per_token=float(flops_per_token), param_bytes=param_bytes, grad_bytes=grad_bytes,
                           optimizer_bytes=optimizer_bytes, activation_bytes_per_sequence=acts, fixed_bytes=fixed,
-                          notes=tuple(notes))
+                          notes=tuple(notes), peak_bytes={n: m[0].fb_peak for n, m in zip(PRECISIONS, (fp32, bf16))},
+                          peak_grad_bytes={n: m[0].peak_grad_bytes for n, m in zip(PRECISIONS, (fp32, bf16))})
     # The planner branches on `traced`; the config only fills PlanModel's required field.
     cfg = ModelConfig(preset="gpt-mini", n_layer=1, n_head=1, d_model=64, vocab_size=out_vocab, max_seq_len=seq_len)
     return PlanModel(name=spec, cfg=cfg, traced=traced)
@@ -375,6 +388,7 @@ def _forward_error(spec: str, vocab: int, seq_len: int, batch: int, exc: Excepti
 @dataclass(frozen=True)
 class _StepMemory:
     fb_peak: int          # highest tracked bytes of the forward and backward
+    peak_grad_bytes: int  # gradient bytes live at that peak
     param_bytes: int
     grad_bytes: int       # when backward ended: every gradient exists
     optimizer_bytes: int
@@ -420,7 +434,7 @@ def _measure_step(model: nn.Module, optimizer: torch.optim.Optimizer, vocab: int
     peak = _bytes_by_reftype(tracker.get_tracker_snapshot("peak"))
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return _StepMemory(fb_peak=peak.get(_TOTAL_KEY, 0), param_bytes=end.get("Parameter", 0),
+    return _StepMemory(fb_peak=peak.get(_TOTAL_KEY, 0), peak_grad_bytes=peak.get("Gradient", 0), param_bytes=end.get("Parameter", 0),
                        grad_bytes=end.get("Gradient", 0), optimizer_bytes=end.get("Optstate", 0))
 
 

@@ -12,8 +12,10 @@ The user's own layout always runs too (labelled "current"), so the gain is measu
 Each trial is a `slipstream train` subprocess (under `launch local` for N > 1) killed at its
 share of the budget. Speed is the median tokens/s of the steps after the first two (step 1
 warms up, step 2 is slowed by the memory tracker); memory is the tracked peak of step 2 (the
-highest rank). The median measured/predicted speed ratio is the machine's "efficiency", to
-pass to `slipstream plan --efficiency`.
+highest rank). The median measured/predicted speed ratio (times the planner's default
+efficiency the predictions used) is this machine's "efficiency", to pass to `slipstream plan
+--efficiency`. A trial that fails, times out or overflows memory is reported with its reason;
+it never stops the tuner.
 """
 
 from __future__ import annotations
@@ -184,6 +186,7 @@ def tune_system(config_path: str, overrides: list[str], budget_s: float, top: in
     from slipstream.config import load_config
     from slipstream.plan.search import evaluate, explain_infeasible, plan
     from slipstream.plan.space import PlanModel, Workload, strategy_overrides
+    from slipstream.plan.timing import DEFAULT_EFFICIENCY
 
     if not config_path:
         raise UserError("tune system needs --config FILE: the training config whose layout to tune")
@@ -201,13 +204,14 @@ def tune_system(config_path: str, overrides: list[str], budget_s: float, top: in
                       dataclasses.replace(cfg.model, vocab_size=_vocab(cfg)))
     current = _current_strategy(cfg, nproc, precision)
     work = Workload(seq_len=cfg.train.seq_len, global_batch=current.micro_batch * current.grad_accum * nproc)
-    result = plan(model, cluster, work, runnable_only=True, precision=precision)
+    # Predicted as `slipstream plan` predicts by default, so the fitted efficiency is a drop-in value for it.
+    result = plan(model, cluster, work, efficiency=DEFAULT_EFFICIENCY, runnable_only=True, precision=precision)
     if not result.ranked:
         raise UserError(explain_infeasible(result) if result.rejected else "no layout fits this machine")
 
     # The current layout first (it runs exactly the config), then the planner's best distinct ones.
     device = "cpu" if cluster.short_name == "cpu" else "cuda"
-    trials = [("current", evaluate(model, current, work, cluster, device=device), {})]
+    trials = [("current", evaluate(model, current, work, cluster, DEFAULT_EFFICIENCY, device), {})]
     seen = {current.label()}
     for candidate in result.ranked:
         if len(trials) > top:
@@ -243,7 +247,7 @@ def tune_system(config_path: str, overrides: list[str], budget_s: float, top: in
             "global_batch": work.global_batch, "budget_s": budget_s, "trial_timeout_s": timeout_s, "steps": steps,
             "candidates": records, "winner": winner,
             "speedup": winner["measured"]["tokens_per_s"] / base if winner and base else None,
-            "efficiency": statistics.median(ratios) if ratios else None, "notes": notes}
+            "efficiency": DEFAULT_EFFICIENCY * statistics.median(ratios) if ratios else None, "notes": notes}
 
 
 def _run_one(label, candidate, layout: dict, run_trial: RunTrial, timeout_s: float, memory_bytes: int) -> dict:
