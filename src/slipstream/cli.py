@@ -14,6 +14,10 @@
     slipstream bench checkpoint [--repeats N] [--model.* overrides]
     slipstream bench fused-ce [--rows N --d D --vocab V --dtype ... --chunk-size ...]
     slipstream bench ladder [memory|speed|both] [--device D --size S --repeats N --steps N --batch B]
+    slipstream bench planner [--out FILE]
+    slipstream plan --model M --gpus 8xH100 [--nodes N] --seq S --global-batch B [--top K --write-config F --json]
+    slipstream cost --model M --tokens 300e9 --gpus 8xH100 [--nodes N --price P --json]
+    slipstream tune system --config FILE [--budget 10m --top K --nproc N --steps S --json --write-config OUT]
 
 User errors print one line `error: ...` and exit with code 2 (no traceback).
 """
@@ -289,8 +293,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_bench_fused_ce)
 
     from slipstream.plan.cli import add_plan_parsers
+    from slipstream.plan.tune import add_tune_arguments, main_tune_system
 
     add_plan_parsers(sub, bench)
+    tune = sub.add_parser("tune", help="measure layouts on this machine").add_subparsers(dest="tune_cmd", required=True)
+    p = tune.add_parser("system", help="short real trials of the planner's top-K layouts; keep the fastest that fits")
+    add_tune_arguments(p)
+    p.set_defaults(func=main_tune_system)
     return parser
 
 

@@ -34,6 +34,11 @@ DEFAULT_EFFICIENCY = 1.0
 # Memory-bound ops read and write the block's activations about this many times per step
 # (forward writes them and reads them back; backward reads them and writes their gradients).
 POINTWISE_TRAFFIC = 3.0
+# Eager PyTorch launches about this many kernels per transformer block per micro-batch
+# (forward + backward: matmuls, norms, rope, attention, activations, adds, casts), each with
+# a fixed cost on the host; it decides how small a micro-batch can get before it shows.
+KERNELS_PER_LAYER = 60
+KERNEL_LAUNCH_S = 5e-6
 # Fraction of a DDP all-reduce that cannot hide behind backward: the last bucket.
 DDP_UNHIDDEN = 0.1
 # CPU Adam for offloaded state: bytes of state it streams per second (fp32 params, grads, two moments).
@@ -85,24 +90,21 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
     pc = param_count(cfg, experts)
 
     tokens_step = work.global_batch * work.seq_len
-    model_flops = flops_per_token(cfg, work.seq_len, experts) * tokens_step   # the whole job, one step
-    # Activation checkpointing re-runs forward work in backward: full recomputes the whole
-    # forward of each block (+1/3 of the block FLOPs), selective only pointwise ops.
-    recompute = {"none": 0.0, "selective": 0.0, "full": 1.0 / 3.0}[s.ac]
-    from slipstream.models.transformer import padded_vocab_size
-
-    head_flops = 6.0 * padded_vocab_size(cfg) * cfg.d_model * tokens_step     # the output head is never recomputed
-    block_flops = model_flops - head_flops
-    flops_per_gpu = (model_flops + recompute * block_flops) / s.world
-    matmul_s = flops_per_gpu / rate
-
     micro_batches = s.grad_accum
     tokens_micro = s.micro_batch * work.seq_len // s.cp
     layers_per_gpu = cfg.n_layer / s.pp
+    elem = 4 if s.precision == "fp32" else 2
+    block_fwd, head_fwd = _matmul_seconds(model, s, tokens_micro, work.seq_len, rate, mem_bw, elem)
+    # backward runs two matmuls per forward one (input and weight gradients); full activation
+    # checkpointing runs each block's forward once more.
+    recompute = 1.0 if s.ac == "full" else 0.0
+    matmul_s = (layers_per_gpu * block_fwd * (3 + recompute) + head_fwd * 3 / s.pp) * micro_batches
+
     act_bytes = block_activation_bytes(model, tokens_micro, s.replace(ac="none"))
     pointwise_factor = POINTWISE_TRAFFIC + (1.0 if s.ac != "none" else 0.0)
     pointwise_s = act_bytes * layers_per_gpu * micro_batches * pointwise_factor / mem_bw
-    compute_s = matmul_s + pointwise_s
+    launch_s = KERNELS_PER_LAYER * KERNEL_LAUNCH_S * layers_per_gpu * micro_batches
+    compute_s = matmul_s + pointwise_s + launch_s
     forward_s, backward_s = compute_s / 3, compute_s * 2 / 3
 
     out: dict[str, float] = {"compute": compute_s}
@@ -157,6 +159,41 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
     peak = cluster.peak_flops(dtype)
     mfu = tokens_per_s * flops_per_token(cfg, work.seq_len, experts) / (peak * s.world)
     return TimeEstimate(step_s=step, tokens_per_s=tokens_per_s, mfu=mfu, breakdown=out)
+
+
+def gemm_seconds(m: float, k: float, n: float, rate: float, mem_bw: float, elem_bytes: int) -> float:
+    """One (m x k) @ (k x n) matmul on a roofline: the slower of its FLOPs at the achievable
+    rate and its operand bytes at the memory bandwidth (small micro-batches are memory-bound)."""
+    return max(2.0 * m * k * n / rate, elem_bytes * (m * k + k * n + m * n) / mem_bw)
+
+
+def _matmul_seconds(model: PlanModel, s: Strategy, tokens: int, seq_len: int, rate: float, mem_bw: float,
+                    elem: int) -> tuple[float, float]:
+    """Forward seconds of one block's matmuls (+ attention) and of the output head, for one
+    micro-batch of `tokens` tokens on one GPU (tensor parallel splits the output features)."""
+    from slipstream.models.transformer import mlp_hidden, padded_vocab_size
+
+    cfg, tp = model.cfg, s.tp
+    d, head_dim = cfg.d_model, cfg.d_model // cfg.n_head
+    kv = (cfg.n_kv_head or cfg.n_head) * head_dim
+    hidden = mlp_hidden(cfg)
+    n_up = 2 if cfg.mlp == "swiglu" else 1
+
+    def gemm(m, k, n):
+        return gemm_seconds(m, k, n, rate, mem_bw, elem)
+
+    attn = gemm(tokens, d, d / tp) * 2 + gemm(tokens, d, kv / tp) * 2          # q, o (as d x d) and k, v
+    # QK^T and AV: 4 T d FLOPs per token (the causal half is counted, as in observe.flops)
+    attn += 4.0 * tokens * seq_len * d / tp / rate
+    if model.moe:
+        experts_here = model.moe.n_experts / s.ep
+        routed = max(1.0, tokens * model.moe.top_k / experts_here / s.ep * s.ep)   # tokens per local expert
+        mlp = experts_here * (gemm(routed, d, hidden / tp) * n_up + gemm(routed, hidden / tp, d))
+        mlp += gemm(tokens, d, model.moe.n_experts)                              # the router
+    else:
+        mlp = gemm(tokens, d, hidden / tp) * n_up + gemm(tokens, hidden / tp, d)
+    head = gemm(tokens, d, padded_vocab_size(cfg) / tp)
+    return attn + mlp, head
 
 
 def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward_s: float,

@@ -63,6 +63,7 @@ def lm_loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor])
 def fused_lm_loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
                      chunk_size: int = 4096) -> torch.Tensor:
     """The same loss as lm_loss_fn, with the output head fused into the cross-entropy."""
+    from slipstream.distributed.data_parallel import unwrap
     from slipstream.ops.fused_ce import fused_linear_cross_entropy
 
     x, y = batch
@@ -70,7 +71,9 @@ def fused_lm_loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Te
     device_type = hidden.device.type
     # A custom op is outside autocast's reach: cast as autocast would cast a matmul's inputs.
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
-    return fused_linear_cross_entropy(hidden.to(dtype), model.lm_head.weight.to(dtype), y, chunk_size=chunk_size)
+    # DDP wraps the model (FSDP2 shards it in place): the head lives on the wrapped module.
+    head = unwrap(model).lm_head.weight
+    return fused_linear_cross_entropy(hidden.to(dtype), head.to(dtype), y, chunk_size=chunk_size)
 
 
 def describe_model(cfg: Config) -> str:
