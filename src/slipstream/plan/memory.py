@@ -152,6 +152,8 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
     optimizer_state_bytes: bytes per Adam moment (4 fp32, 2 bf16).
     device: "cuda" adds the allocator's fragmentation margin; "cpu" does not.
     """
+    if model.traced is not None:
+        return _traced_memory(model, s, seq_len, device, optimizer_state_bytes)
     cfg, dt = model.cfg, _dtypes(s)
     pc = param_count(cfg, (model.moe.n_experts, model.moe.top_k) if model.moe else None)
     shard_grad, group = s.shards()[1], s.shard_group
@@ -263,6 +265,32 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
     frag = int(peak * CUDA_FRAGMENTATION) if device != "cpu" else 0
     return MemoryEstimate(peak_bytes=peak, peak_phase=peak_phase, breakdown=breakdown,
                           fragmentation_bytes=frag, host_bytes=host, notes=notes)
+
+
+def _traced_memory(model: PlanModel, s: Strategy, seq_len: int, device: str,
+                   optimizer_state_bytes: int) -> MemoryEstimate:
+    """A user module measured on fake tensors (plan/trace.py): the states come from its
+    parameter count, the activations from the bytes per sequence it kept, scaled to the
+    micro-batch and (linearly: flash attention keeps no T x T matrix) to the sequence."""
+    t = model.traced
+    key = "fp32" if s.precision == "fp32" else "bf16"
+    scale = seq_len / t.seq_len
+    params, grads, optim = model_state_bytes(t.n_params, s, optimizer_state_bytes)
+    acts = t.activation_bytes_per_sequence[key] * scale * s.micro_batch
+    temporaries = t.fixed_bytes[key] * scale
+    notes = ["traced module: peak = states + activations + temporaries (upper bound; no phase walk)"]
+    if s.dp_strategy in ("zero2", "fsdp", "hsdp"):
+        # a user module is sharded as one unit: the whole model is gathered for compute
+        temporaries += t.n_params * (2 if s.precision != "fp32" else 4)
+    host = 0
+    if s.offload:
+        host, params, grads, optim = int(params + grads + optim), 0.0, 0.0, 0.0
+    breakdown = {"parameters": int(params), "gradients": int(grads), "optimizer_state": int(optim),
+                 "activations": int(acts), "temporaries": int(temporaries)}
+    peak = sum(breakdown.values())
+    frag = int(peak * CUDA_FRAGMENTATION) if device != "cpu" else 0
+    return MemoryEstimate(peak_bytes=peak, peak_phase="backward", breakdown=breakdown, fragmentation_bytes=frag,
+                          host_bytes=host, notes=notes)
 
 
 def model_state_bytes(params: float, s: Strategy, optimizer_state_bytes: int = 4) -> tuple[float, float, float]:

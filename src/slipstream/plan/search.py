@@ -81,8 +81,10 @@ def layouts(model: PlanModel, cluster: Cluster, work: Workload, *, dp_strategies
                                                   if model.moe.n_experts % e == 0)
     ac_options = ac or AC_MODES
     mb_options = micro_batches or MICRO_BATCHES
-    if runnable_only:
+    if runnable_only or model.traced is not None:
         tp_options, pp_options, cp_options, ep_options = (1,), (1,), (1,), (1,)
+    if model.traced is not None:
+        ac_options = ("none",)   # a user module has no known blocks to checkpoint
     out = []
     for t, p, c, e in itertools.product(tp_options, pp_options, cp_options, ep_options):
         if world % (t * p * c):
@@ -112,7 +114,8 @@ def layouts(model: PlanModel, cluster: Cluster, work: Workload, *, dp_strategies
                         if base.pp_schedule == "interleaved" and base.pp_virtual == 1:
                             base = base.replace(pp_schedule="1f1b")
                         out.append(base)
-                        out.append(base.replace(fused_loss=True))
+                        if model.traced is None:
+                            out.append(base.replace(fused_loss=True))
     return out
 
 
@@ -134,7 +137,7 @@ def _largest(memory: MemoryEstimate) -> str:
 def plan(model: PlanModel, cluster: Cluster, work: Workload, *, efficiency: float = 1.0,
          runnable_only: bool = False, **space) -> PlanResult:
     """Evaluate every layout; feasible ones ranked by predicted tokens/s (ties: less memory)."""
-    if work.seq_len > model.cfg.max_seq_len and model.cfg.position == "learned":
+    if model.traced is None and work.seq_len > model.cfg.max_seq_len and model.cfg.position == "learned":
         raise UserError(f"--seq {work.seq_len} is longer than the model's learned position table "
                         f"({model.cfg.max_seq_len}); plan a shorter sequence or a model with max_seq_len >= {work.seq_len}.")
     device = "cpu" if cluster.short_name == "cpu" else "cuda"

@@ -90,6 +90,8 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
     pc = param_count(cfg, experts)
 
     tokens_step = work.global_batch * work.seq_len
+    if model.traced is not None:
+        return _traced_time(model, s, work, cluster, rate, mem_bw, dtype)
     micro_batches = s.grad_accum
     tokens_micro = s.micro_batch * work.seq_len // s.cp
     layers_per_gpu = cfg.n_layer / s.pp
@@ -161,6 +163,32 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
     return TimeEstimate(step_s=step, tokens_per_s=tokens_per_s, mfu=mfu, breakdown=out)
 
 
+def _traced_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluster, rate: float, mem_bw: float,
+                 dtype: str) -> TimeEstimate:
+    """A user module (plan/trace.py): its measured FLOPs at the achievable rate, its kept
+    activation bytes through memory, kernel launches, and the data-parallel collectives."""
+    t = model.traced
+    tokens_step = work.global_batch * work.seq_len
+    flops = t.flops_per_token * tokens_step / s.world
+    acts = t.activation_bytes_per_sequence["fp32" if s.precision == "fp32" else "bf16"] * work.seq_len / t.seq_len
+    compute = (flops / rate + acts * s.micro_batch * s.grad_accum * POINTWISE_TRAFFIC / mem_bw
+               + KERNELS_PER_LAYER * KERNEL_LAUNCH_S * s.grad_accum)
+    out = {"compute": compute}
+    out.update(_data_parallel_time(model, s, cluster, compute / 3, compute * 2 / 3))
+    out["optimizer"] = t.n_params / (s.shard_group if s.shards()[0] else 1) * ADAM_BYTES_PER_PARAM / mem_bw
+    step = sum(out.values())
+    tokens_per_s = tokens_step / step
+    mfu = tokens_per_s * t.flops_per_token / (cluster.peak_flops(dtype) * s.world)
+    return TimeEstimate(step_s=step, tokens_per_s=tokens_per_s, mfu=mfu, breakdown=out)
+
+
+def _total_params(model: PlanModel) -> int:
+    if model.traced is not None:
+        return model.traced.n_params
+    experts = (model.moe.n_experts, model.moe.top_k) if model.moe else None
+    return param_count(model.cfg, experts).total
+
+
 def gemm_seconds(m: float, k: float, n: float, rate: float, mem_bw: float, elem_bytes: int) -> float:
     """One (m x k) @ (k x n) matmul on a roofline: the slower of its FLOPs at the achievable
     rate and its operand bytes at the memory bandwidth (small micro-batches are memory-bound)."""
@@ -201,8 +229,7 @@ def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward
     """Exposed seconds of the data-parallel collectives per step."""
     if s.dp <= 1 or s.dp_strategy == "none":
         return {}
-    experts = (model.moe.n_experts, model.moe.top_k) if model.moe else None
-    params = param_count(model.cfg, experts).total / (s.tp * s.pp)
+    params = _total_params(model) / (s.tp * s.pp)
     grad_bytes = params * 4
     low = s.precision != "fp32"
     stride = s.tp * s.cp
@@ -223,7 +250,8 @@ def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward
     fwd_exposed = max(0.0, gather - forward_s / micro) * (micro if s.dp_strategy != "zero2" else 1)
     bwd_comm = (gather if gathers_per_micro == 2 else 0.0)
     bwd_exposed = max(0.0, bwd_comm - backward_s / micro) * micro + max(0.0, scatter - backward_s / micro)
-    first_layer = gather / max(model.cfg.n_layer / s.pp, 1)     # nothing to hide the first gather behind
+    units = 1 if model.traced is not None else model.cfg.n_layer / s.pp    # FSDP units gathered one by one
+    first_layer = gather / max(units, 1)     # nothing to hide the first gather behind
     out = {"dp_comm": fwd_exposed + bwd_exposed + first_layer}
     if s.dp_strategy == "hsdp":
         replicas = s.dp // shard
