@@ -19,24 +19,27 @@ from slipstream.plan.tune import (MIN_TRIAL_S, add_tune_arguments, failure_reaso
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "tiny.toml")
 # A fixed vocabulary (no data needed) and the CPU even where CUDA exists: the plan is the same everywhere.
-# tiny at seq 32, global batch 4: the planner's top 3 are mb1x4 fused-loss, mb1x4, mb2x2 fused-loss.
 OVERRIDES = ["--model.vocab_size=257", "--train.seq_len=32", "--train.device=cpu"]
 
 
 class FakeTrials:
-    """Measured numbers by layout: the current one (no overrides), one fast, one failing, one timing out."""
+    """Measured numbers by the planner's rank (whatever layouts it ranks first): the current
+    layout (no overrides) runs at 20k tokens/s, the planner's first fails, its second times
+    out, its third runs fast."""
 
     def __init__(self):
         self.calls: list[tuple[dict, float]] = []
+        self.layouts: list[dict] = []
 
     def __call__(self, layout: dict, timeout_s: float) -> dict:
         self.calls.append((layout, timeout_s))
         if not layout:
             return {"tokens_per_s": 20_000.0, "peak_bytes": 3_000_000}
-        key = (layout["train.micro_batch_size"], layout["train.fused_loss"])
-        if key == (1, True):
+        self.layouts.append(layout)
+        rank = len(self.layouts)
+        if rank == 1:
             return {"error": "RuntimeError: out of memory"}
-        if key == (1, False):
+        if rank == 2:
             return {"error": f"timed out after {timeout_s:.0f}s", "timed_out": True}
         return {"tokens_per_s": 50_000.0, "peak_bytes": 2_800_000}
 
@@ -50,22 +53,25 @@ def tuned():
 def test_winner_is_the_fastest_successful_trial(tuned):
     result, _ = tuned
     labels = [r["label"] for r in result["candidates"]]
-    assert labels == ["current", "none mb1x4 fused-loss", "none mb1x4", "none mb2x2 fused-loss"]
-    assert result["winner"]["layout"] == "none mb2x2 fused-loss"
-    assert result["winner"]["overrides"]["train.grad_accum_steps"] == 2
+    assert labels[0] == "current" and len(labels) == len(set(labels)) == 4
+    assert result["winner"]["layout"] == labels[3]
+    assert result["winner"]["overrides"] == _fake_layouts(tuned)[2]
     assert result["speedup"] == pytest.approx(50_000 / 20_000)
     assert result["global_batch"] == 4 and result["seq_len"] == 32 and result["precision"] == "fp32"
     json.dumps(result)  # JSON-ready as it is
 
 
+def _fake_layouts(tuned) -> list[dict]:
+    return tuned[1].layouts
+
+
 def test_failed_trials_keep_their_reason(tuned):
     result, _ = tuned
-    by_label = {r["label"]: r for r in result["candidates"]}
-    failed, timeout = by_label["none mb1x4 fused-loss"], by_label["none mb1x4"]
+    failed, timeout, winner = result["candidates"][1:4]
     assert failed["status"] == "failed" and "out of memory" in failed["reason"] and failed["measured"] is None
     assert timeout["status"] == "timeout" and "timed out" in timeout["reason"]
     text = format_report(result)
-    assert "out of memory" in text and "winner: none mb2x2 fused-loss" in text and "2.50x" in text
+    assert "out of memory" in text and f"winner: {winner['label']}" in text and "2.50x" in text
 
 
 def test_efficiency_is_the_median_ratio_and_predictions_are_positive(tuned):
@@ -91,7 +97,7 @@ def test_budget_is_split_evenly(tuned):
 def test_small_budget_runs_fewer_trials_current_first():
     fake = FakeTrials()
     result = tune_system(CONFIG, OVERRIDES, budget_s=2 * MIN_TRIAL_S + 1, top=3, steps=10, run_trial=fake)
-    assert [r["label"] for r in result["candidates"]] == ["current", "none mb1x4 fused-loss"]
+    assert [r["label"] for r in result["candidates"]][0] == "current" and len(result["candidates"]) == 2
     assert "allows 2 of 4 trials" in result["notes"][0]
     assert result["winner"]["label"] == "current"  # the other one failed
     assert "keep it" in format_report(result)
@@ -99,10 +105,12 @@ def test_small_budget_runs_fewer_trials_current_first():
 
 def test_current_layout_is_not_tried_twice():
     fake = FakeTrials()
-    current_is_top = [*OVERRIDES, "--train.micro_batch_size=1", "--train.grad_accum_steps=4", "--train.fused_loss=true"]
+    top = tune_system(CONFIG, OVERRIDES, budget_s=600, top=1, steps=10, run_trial=FakeTrials())
+    best = top["candidates"][1]["overrides"]             # make the planner's favourite the current layout
+    current_is_top = [*OVERRIDES, *(f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in best.items())]
     result = tune_system(CONFIG, current_is_top, budget_s=600, top=2, steps=10, run_trial=fake)
     layouts = [r["layout"] for r in result["candidates"]]
-    assert layouts[0] == "none mb1x4 fused-loss" and len(layouts) == len(set(layouts)) == 3
+    assert layouts[0] == top["candidates"][1]["layout"] and len(layouts) == len(set(layouts)) == 3
 
 
 def test_a_crashing_trial_does_not_stop_the_tuner():
@@ -130,7 +138,9 @@ def test_write_config_round_trips(tuned, tmp_path):
     data = tomllib.loads(out.read_text())
     assert not Path(data["extends"]).is_absolute()
     cfg = load_config(out)
-    assert (cfg.train.micro_batch_size, cfg.train.grad_accum_steps, cfg.train.fused_loss) == (2, 2, True)
+    won = result["winner"]["overrides"]
+    assert (cfg.train.micro_batch_size, cfg.train.grad_accum_steps, cfg.train.fused_loss) == (
+        won["train.micro_batch_size"], won["train.grad_accum_steps"], won["train.fused_loss"])
     assert cfg.model.vocab_size == 257 and cfg.train.seq_len == 32  # the user's overrides travel along
     assert cfg.model.preset == "tiny" and cfg.train.max_steps == load_config(CONFIG).train.max_steps
     assert [p.name for p in out.parent.iterdir()] == ["best.toml"]  # no temporary file left behind

@@ -269,16 +269,21 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
 
 def _traced_memory(model: PlanModel, s: Strategy, seq_len: int, device: str,
                    optimizer_state_bytes: int) -> MemoryEstimate:
-    """A user module measured on fake tensors (plan/trace.py): the states come from its
-    parameter count, the activations from the bytes per sequence it kept, scaled to the
-    micro-batch and (linearly: flash attention keeps no T x T matrix) to the sequence."""
+    """A user module measured on fake tensors (plan/trace.py). Its measured step peak at
+    micro-batch 1 splits into the model states alive at that peak and the rest (activations
+    and temporaries); the states are re-computed for the layout's sharding, the rest grows
+    with the micro-batch and (linearly: flash attention keeps no T x T matrix) the sequence."""
     t = model.traced
     key = "fp32" if s.precision == "fp32" else "bf16"
     scale = seq_len / t.seq_len
-    params, grads, optim = model_state_bytes(t.n_params, s, optimizer_state_bytes)
+    states_at_peak = t.param_bytes + t.peak_grad_bytes.get(key, t.grad_bytes) + t.optimizer_bytes
+    dynamic_one = max(0, t.peak_bytes.get(key, states_at_peak) - states_at_peak) * scale
     acts = t.activation_bytes_per_sequence[key] * scale * s.micro_batch
-    temporaries = t.fixed_bytes[key] * scale
-    notes = ["traced module: peak = states + activations + temporaries (upper bound; no phase walk)"]
+    temporaries = max(0.0, dynamic_one - t.activation_bytes_per_sequence[key] * scale)
+    params, grads, optim = model_state_bytes(t.n_params, s, optimizer_state_bytes)
+    # The peak comes early in backward, before most gradients exist (unless they persist).
+    if s.dp_strategy not in ("ddp", "zero1") and s.grad_accum == 1 and t.grad_bytes:
+        grads *= t.peak_grad_bytes.get(key, t.grad_bytes) / t.grad_bytes
     if s.dp_strategy in ("zero2", "fsdp", "hsdp"):
         # a user module is sharded as one unit: the whole model is gathered for compute
         temporaries += t.n_params * (2 if s.precision != "fp32" else 4)
@@ -290,7 +295,7 @@ def _traced_memory(model: PlanModel, s: Strategy, seq_len: int, device: str,
     peak = sum(breakdown.values())
     frag = int(peak * CUDA_FRAGMENTATION) if device != "cpu" else 0
     return MemoryEstimate(peak_bytes=peak, peak_phase="backward", breakdown=breakdown, fragmentation_bytes=frag,
-                          host_bytes=host, notes=notes)
+                          host_bytes=host, notes=["traced module: measured on fake tensors at micro-batch 1 and 2"])
 
 
 def model_state_bytes(params: float, s: Strategy, optimizer_state_bytes: int = 4) -> tuple[float, float, float]:

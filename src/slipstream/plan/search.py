@@ -126,7 +126,8 @@ def evaluate(model: PlanModel, s: Strategy, work: Workload, cluster: Cluster, ef
     fits = memory.total_bytes <= cluster.memory_bytes
     why = "" if fits else (f"needs {memory.total_bytes / GIB:.1f} GiB > {cluster.memory_bytes / GIB:.1f} GiB "
                            f"per GPU ({_largest(memory)})")
-    return Candidate(s, memory, time, fits, why, s.not_runnable())
+    reasons = s.not_runnable() + (["mixture of experts"] if model.moe else [])
+    return Candidate(s, memory, time, fits, why, reasons)
 
 
 def _largest(memory: MemoryEstimate) -> str:

@@ -59,20 +59,21 @@ class TimeEstimate:
                 "breakdown_s": {k: round(v, 6) for k, v in self.breakdown.items()}}
 
 
-def ring_time(nbytes: float, group: int, link: Link, factor: float) -> float:
-    """Seconds of one ring collective moving `nbytes` (the full buffer) over `link`:
-    factor = 2(n-1)/n for all-reduce, (n-1)/n for all-gather / reduce-scatter (nccl-tests' bus bandwidth)."""
+def ring_time(nbytes: float, group: int, link: Link, factor: float, steps: int) -> float:
+    """Seconds of one ring collective moving `nbytes` (the full buffer) over `link` in `steps`
+    ring steps: factor = 2(n-1)/n and 2(n-1) steps for all-reduce, (n-1)/n and n-1 steps for
+    all-gather / reduce-scatter (nccl-tests' bus bandwidth)."""
     if group <= 1:
         return 0.0
-    return nbytes * factor / (link.bandwidth_gbs * 1e9) + 2 * (group - 1) * link.latency_us * 1e-6
+    return nbytes * factor / (link.bandwidth_gbs * 1e9) + steps * link.latency_us * 1e-6
 
 
 def all_reduce(nbytes: float, group: int, link: Link) -> float:
-    return ring_time(nbytes, group, link, 2 * (group - 1) / max(group, 1))
+    return ring_time(nbytes, group, link, 2 * (group - 1) / max(group, 1), 2 * (group - 1))
 
 
 def gather_or_scatter(nbytes: float, group: int, link: Link) -> float:
-    return ring_time(nbytes, group, link, (group - 1) / max(group, 1))
+    return ring_time(nbytes, group, link, (group - 1) / max(group, 1), group - 1)
 
 
 def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluster,
@@ -87,7 +88,6 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
     dtype = "bf16" if s.precision == "bf16" else ("fp16" if s.precision == "fp16" else "tf32")
     rate = cluster.achievable_flops(dtype) * efficiency
     mem_bw = cluster.gpu.mem_bw_gbs * 1e9
-    pc = param_count(cfg, experts)
 
     tokens_step = work.global_batch * work.seq_len
     if model.traced is not None:
@@ -149,7 +149,7 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
 
     # ---- optimizer step: memory-bound over this rank's share of the state
     shard_opt = s.shards()[0]
-    local_params = pc.total / (s.tp * s.pp) / (s.shard_group if shard_opt else 1)
+    local_params = _params_per_gpu(model, s) / (s.shard_group if shard_opt else 1)
     if s.offload:
         out["offload"] = (local_params * 4 * 2 / (cluster.host_link_gbs * 1e9)
                           + local_params * ADAM_BYTES_PER_PARAM / (HOST_ADAM_GBS * 1e9))
@@ -182,11 +182,16 @@ def _traced_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluster
     return TimeEstimate(step_s=step, tokens_per_s=tokens_per_s, mfu=mfu, breakdown=out)
 
 
-def _total_params(model: PlanModel) -> int:
+def _params_per_gpu(model: PlanModel, s: Strategy) -> float:
+    """Parameters one GPU holds before data-parallel sharding: TP and PP split the model,
+    EP splits the experts."""
     if model.traced is not None:
-        return model.traced.n_params
-    experts = (model.moe.n_experts, model.moe.top_k) if model.moe else None
-    return param_count(model.cfg, experts).total
+        return float(model.traced.n_params)
+    if not model.moe:
+        return param_count(model.cfg).total / (s.tp * s.pp)
+    pc = param_count(model.cfg, (model.moe.n_experts, model.moe.top_k))
+    experts = model.cfg.n_layer * pc.mlp
+    return (pc.total - experts + experts / s.ep) / (s.tp * s.pp)
 
 
 def gemm_seconds(m: float, k: float, n: float, rate: float, mem_bw: float, elem_bytes: int) -> float:
@@ -229,7 +234,7 @@ def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward
     """Exposed seconds of the data-parallel collectives per step."""
     if s.dp <= 1 or s.dp_strategy == "none":
         return {}
-    params = _total_params(model) / (s.tp * s.pp)
+    params = _params_per_gpu(model, s)
     grad_bytes = params * 4
     low = s.precision != "fp32"
     stride = s.tp * s.cp
@@ -247,7 +252,8 @@ def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward
     scatter = gather_or_scatter(grad_bytes, shard, link)
     gathers_per_micro = 1 if s.dp_strategy == "zero2" else 2
     micro = s.grad_accum
-    fwd_exposed = max(0.0, gather - forward_s / micro) * (micro if s.dp_strategy != "zero2" else 1)
+    # zero2 reshards after backward, so each micro-batch gathers once (fsdp twice).
+    fwd_exposed = max(0.0, gather - forward_s / micro) * micro
     bwd_comm = (gather if gathers_per_micro == 2 else 0.0)
     bwd_exposed = max(0.0, bwd_comm - backward_s / micro) * micro + max(0.0, scatter - backward_s / micro)
     units = 1 if model.traced is not None else model.cfg.n_layer / s.pp    # FSDP units gathered one by one

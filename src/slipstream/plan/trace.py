@@ -17,22 +17,26 @@ What we measure, all on fake CPU tensors:
 - flops_per_token: FlopCounterMode around forward + backward of the next-token loss
   (`cross_entropy(logits.float().view(-1, V), targets)`) at batch 1 and seq_len, / seq_len.
   CPU attention (`_scaled_dot_product_flash_attention_for_cpu`, which torch's counter does
-  not know) is counted like the CUDA kernels: the full T x T, no causal discount;
-- memory: one training step (forward, backward, AdamW step, zero_grad(set_to_none=True))
-  measured by `observe.memprofile.measure_step_memory` (PyTorch's MemTracker), after a first
-  unmeasured step so the optimizer state exists, at micro-batch 1 and 2, in fp32 and under
+  not know) is counted with torch's formulas for the CUDA kernels: the full T x T (no causal
+  discount), and a backward of 2.5x the forward (flash attention recomputes the scores), so
+  slipstream's Transformer measures ~2-3% above observe.flops (which counts backward as 2x);
+- memory: one training step (forward, backward, fused AdamW step, zero_grad(set_to_none=True)),
+  forward + backward tracked by PyTorch's MemTracker, after a first unmeasured step so the
+  optimizer state exists, at micro-batch 1 and 2, in fp32 and under
   `torch.autocast("cpu", dtype=torch.bfloat16)`:
 
-      activation_bytes_per_sequence = peak_fb(2) - peak_fb(1)
-      fixed_bytes = peak_fb(1) - activation_bytes_per_sequence - params - grads - optimizer state  (>= 0)
+      activation_bytes_per_sequence = peak(2) - peak(1)
+      fixed_bytes = peak(1) - activation_bytes_per_sequence - params - grads - optimizer state  (>= 0)
+      peak_bytes = peak(1)
 
-  where peak_fb(b) is the highest tracked total of the forward and backward phases at
-  micro-batch b (the optimizer phase has no batch-dependent bytes; with fused AdamW its peak
-  is params + grads + optimizer state). So a micro-batch b step peaks at about
-  params + grads + optimizer state + b * activation_bytes_per_sequence + fixed_bytes.
-  fixed_bytes holds what does not grow with the batch: under autocast the low-precision
-  copies of the weights, and since gradients are set to None between steps, it is 0 when
-  the step peaks before all gradients exist (the formula then errs on the safe side).
+  where peak(b) is the highest tracked total of the forward and backward at micro-batch b
+  (the optimizer step adds nothing that grows with the batch; fused AdamW makes no
+  temporaries, so its peak is params + grads + optimizer state). A micro-batch b step peaks
+  at peak_bytes + (b - 1) * activation_bytes_per_sequence (`TracedModule.step_peak_bytes`),
+  and at most at params + grads + optimizer state + b * activations + fixed_bytes: gradients
+  are None between steps, and a step usually peaks early in backward, before most gradients
+  exist (fixed_bytes is then clamped to 0 and `peak_grad_bytes` says how many existed).
+  Autocast's low-precision weight copies are counted in the bf16 numbers.
 
 Bytes are MemTracker's (tensor storages; CUDA's allocator adds fragmentation and kernel
 workspaces on top, which the planner's memory model accounts for). Forward code that
@@ -45,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import inspect
+import logging
 import os
 import sys
 import warnings
@@ -109,12 +114,17 @@ def trace_module(spec: str, vocab: int, seq_len: int) -> PlanModel:
     if vocab < 1 or seq_len < 1:
         raise UserError(f"tracing {spec} needs vocab >= 1 and seq_len >= 1, got vocab {vocab}, seq_len {seq_len}")
     factory = load_factory(spec)
+    with _quiet_fake_tensor_log():
+        return _trace(factory, spec, vocab, seq_len)
+
+
+def _trace(factory: Callable[..., Any], spec: str, vocab: int, seq_len: int) -> PlanModel:
     fake_mode = FakeTensorMode()
     notes: list[str] = []
     model = _build(factory, spec, vocab, seq_len, fake_mode)
     model.train()
 
-    params = _unique_params(model)
+    params = list(model.parameters())  # each tensor once, however often it is shared (tied weights)
     n_params = sum(p.numel() for p in params if p.requires_grad)
     if n_params == 0:
         raise UserError(f"{spec} returned a module without trainable parameters; the planner plans training")
@@ -131,13 +141,19 @@ def trace_module(spec: str, vocab: int, seq_len: int) -> PlanModel:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         flops_per_token = counter.get_total_flops() / seq_len
-        if out_vocab != vocab:
-            notes.append(f"the model's logits have {out_vocab} entries per token (the planner's vocabulary is {vocab})")
+        if out_vocab < vocab:
+            notes.append(f"the model's logits have {out_vocab} entries per token, fewer than the planner's vocabulary "
+                         f"({vocab}); pass the model's vocabulary to the planner")
 
-        fp32 = [_measure_step(model, optimizer, vocab, seq_len, b, autocast=False) for b in (1, 2)]
+        try:
+            fp32 = [_measure_step(model, optimizer, vocab, seq_len, b, autocast=False) for b in (1, 2)]
+        except Exception as exc:
+            raise UserError(f"{spec} ran at micro-batch 1 but measuring a training step at micro-batches 1 and 2 "
+                            f"failed: {type(exc).__name__}: {_first_line(exc)}") from exc
         try:
             bf16 = [_measure_step(model, optimizer, vocab, seq_len, b, autocast=True) for b in (1, 2)]
         except Exception as exc:  # noqa: BLE001 - any failure of the autocast variant falls back to fp32
+            optimizer.zero_grad(set_to_none=True)
             bf16 = fp32
             notes.append(f"bf16 autocast failed on fake tensors ({type(exc).__name__}: {_first_line(exc)}); "
                          "the bf16 numbers are the fp32 ones")
@@ -150,8 +166,8 @@ def trace_module(spec: str, vocab: int, seq_len: int) -> PlanModel:
     for name, (one, two) in zip(PRECISIONS, (fp32, bf16)):
         acts[name] = max(0, two.fb_peak - one.fb_peak)
         fixed[name] = max(0, one.fb_peak - acts[name] - persistent)
-    if fp32[0].fb_peak - acts["fp32"] < persistent:
-        missing = persistent - (fp32[0].fb_peak - acts["fp32"])
+    missing = persistent - (fp32[0].fb_peak - acts["fp32"])
+    if missing > 0.01 * fp32[0].fb_peak:
         notes.append(f"the step peaks before backward has made every gradient: params + grads + optimizer state + "
                      f"micro_batch x activations overestimates the peak by up to {missing / 2**20:.0f} MiB "
                      "(peak_bytes holds the measured peak)")
@@ -194,12 +210,13 @@ def load_factory(spec: str) -> Callable[..., Any]:
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            public = sorted(n for n in dir(module) if not n.startswith("_") and callable(getattr(module, n, None)))
+            public = sorted(n for n, v in vars(module).items() if not n.startswith("_") and callable(v)
+                            and getattr(v, "__module__", None) == module.__name__)
             hint = f" Callables there: {', '.join(public[:12])}" if public else ""
             raise UserError(f"module '{module_name}' has no attribute '{attr}' (from --model '{spec}').{hint}")
         obj = getattr(obj, part)
     if not callable(obj):
-        raise UserError(f"'{spec}' is a {type(obj).__name__}, not a callable; --model '{SPEC_FORMAT}' must name "
+        raise UserError(f"'{spec}' is not callable (it is of type {type(obj).__name__}); --model '{SPEC_FORMAT}' must name "
                         "a function (or class) that returns an nn.Module")
     return obj
 
@@ -232,7 +249,7 @@ def _build(factory: Callable[..., Any], spec: str, vocab: int, seq_len: int, fak
                         "inside torch's FakeTensorMode (no memory): the factory must not need real tensor values "
                         "(e.g. loading weights from a file)") from exc
     if not isinstance(model, nn.Module):
-        raise UserError(f"{spec} returned a {type(model).__name__}, not a torch.nn.Module; the factory must return "
+        raise UserError(f"{spec} returned an object of type {type(model).__name__}, not a torch.nn.Module; the factory must return "
                         "the model (token ids (B, T) -> logits (B, T, V))")
     _make_fake_cpu(model, fake_mode)
     return model
@@ -309,10 +326,6 @@ def _make_fake_cpu(model: nn.Module, fake_mode: FakeTensorMode) -> None:
                 module._buffers[name] = convert(b, False)
 
 
-def _unique_params(model: nn.Module) -> list[torch.Tensor]:
-    return list(model.parameters())  # parameters() yields each tensor once, however often it is shared
-
-
 # --- the step -------------------------------------------------------------------------------
 
 def _adamw(params: list[torch.Tensor]) -> tuple[torch.optim.Optimizer, str]:
@@ -357,7 +370,7 @@ def _forward_backward(model: nn.Module, spec: str, vocab: int, seq_len: int, bat
         logits = _loss_of(output)
         if first:
             if logits is None:
-                raise UserError(f"{spec}'s forward returned a {type(output).__name__}; the planner expects token ids "
+                raise UserError(f"{spec}'s forward returned an object of type {type(output).__name__}; the planner expects token ids "
                                 f"(B, T) -> logits (B, T, V) (a tensor, or an output with .logits)")
             if logits.dim() != 3 or tuple(logits.shape[:2]) != (batch, seq_len):
                 raise UserError(f"{spec}'s forward gave logits of shape {tuple(logits.shape)} for token ids of shape "
@@ -453,6 +466,18 @@ for _name, _formula in (("_scaled_dot_product_flash_attention_for_cpu", _sdpa_cp
     _op = getattr(torch.ops.aten, _name, None)
     if _op is not None:
         _CPU_ATTENTION_FLOPS[_op] = _formula
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_log() -> Iterator[None]:
+    """FakeTensorMode logs a traceback for every op that fails; we report failures as UserErrors."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _first_line(exc: BaseException) -> str:

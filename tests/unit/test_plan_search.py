@@ -1,0 +1,286 @@
+"""Tests for slipstream.plan.search: the layouts, the ranking, infeasible and impossible work,
+and strategy_overrides (a layout as `slipstream train` config values)."""
+
+import pytest
+
+from slipstream.config import load_config
+from slipstream.errors import UserError
+from slipstream.plan.hardware import make_cluster
+from slipstream.plan.memory import GIB
+from slipstream.plan.model import resolve_model
+from slipstream.plan.search import MICRO_BATCHES, evaluate, explain_infeasible, layouts, plan
+from slipstream.plan.space import Strategy, Workload, strategy_overrides
+
+W70 = Workload(8192, 512)
+
+
+@pytest.fixture(scope="module")
+def cluster64():
+    return make_cluster("8xH100", nodes=8)
+
+
+@pytest.fixture(scope="module")
+def llama70b():
+    return resolve_model("llama-70b", seq_len=8192)
+
+
+@pytest.fixture(scope="module")
+def result70(llama70b, cluster64):
+    return plan(llama70b, cluster64, W70)
+
+
+@pytest.fixture(scope="module")
+def gpt2():
+    return resolve_model("gpt2")
+
+
+@pytest.fixture(scope="module")
+def mixtral_result():
+    return plan(resolve_model("mixtral-8x7b"), make_cluster("8xH100"), Workload(4096, 64))
+
+
+# ---------------------------------------------------------------- llama-70b on 64 H100
+
+def test_ranked_by_tokens_per_s(result70, cluster64):
+    r = result70
+    assert r.evaluated == len(r.ranked) + len(r.rejected)
+    assert len(r.ranked) > 10 and len(r.rejected) > 10
+    speeds = [c.time.tokens_per_s for c in r.ranked]
+    assert speeds == sorted(speeds, reverse=True)
+    for a, b in zip(r.ranked, r.ranked[1:]):           # ties: less memory first
+        if a.time.tokens_per_s == b.time.tokens_per_s:
+            assert a.memory.total_bytes <= b.memory.total_bytes
+    assert r.best() is r.ranked[0]
+    assert 0.2 < r.ranked[0].time.mfu < 0.75
+
+
+def test_ranked_fit_and_rejected_do_not(result70, cluster64):
+    usable = cluster64.memory_bytes
+    assert usable == 78 * GIB
+    for c in result70.ranked:
+        assert c.fits and c.why_not == ""
+        assert c.memory.total_bytes <= usable
+        assert c.strategy.world == 64
+    for c in result70.rejected:
+        assert not c.fits
+        assert c.memory.total_bytes > usable
+        assert c.why_not.startswith("needs ") and "GiB" in c.why_not and "78.0 GiB" in c.why_not
+        needed = float(c.why_not.split()[1])
+        assert needed == pytest.approx(c.memory.total_bytes / GIB, abs=0.051)
+    speeds = [c.time.tokens_per_s for c in result70.rejected]
+    assert speeds == sorted(speeds, reverse=True)
+
+
+def test_ranked_layouts_span_parallelisms(result70):
+    ranked = result70.ranked
+    assert any(c.strategy.tp > 1 for c in ranked) and any(c.strategy.pp > 1 for c in ranked)
+    flagged = [c for c in ranked if c.not_runnable]
+    assert flagged and all(c.not_runnable == c.strategy.not_runnable() for c in ranked)
+    for c in ranked:
+        if c.strategy.tp > 1:
+            assert f"tensor parallel {c.strategy.tp}" in c.not_runnable
+        if c.strategy.pp > 1:
+            assert f"pipeline parallel {c.strategy.pp}" in c.not_runnable
+
+
+def test_best_runnable_has_no_reasons(result70):
+    best = result70.best(runnable_only=True)
+    assert best is not None and best.not_runnable == []
+    s = best.strategy
+    assert (s.tp, s.pp, s.cp, s.ep) == (1, 1, 1, 1)
+    assert s.dp == 64 and s.dp_strategy in ("zero2", "fsdp", "hsdp")   # 70B does not fit unsharded
+    runnable = [c for c in result70.ranked if not c.not_runnable]
+    assert best is runnable[0]
+    assert best.time.tokens_per_s <= result70.ranked[0].time.tokens_per_s
+
+
+def test_runnable_only_gives_dp_only_layouts(llama70b, cluster64, result70):
+    r = plan(llama70b, cluster64, W70, runnable_only=True)
+    assert r.ranked and r.evaluated < result70.evaluated
+    for c in r.ranked + r.rejected:
+        assert (c.strategy.tp, c.strategy.pp, c.strategy.cp, c.strategy.ep) == (1, 1, 1, 1)
+        assert c.not_runnable == []
+    assert r.ranked[0].strategy == result70.best(runnable_only=True).strategy
+    assert r.best(runnable_only=True) is r.ranked[0]
+
+
+def test_layouts_divide_the_work(llama70b, cluster64):
+    for s in layouts(llama70b, cluster64, W70):
+        assert s.world == 64
+        assert s.dp * s.micro_batch * s.grad_accum == 512
+        assert llama70b.cfg.n_head % s.tp == 0 and (llama70b.cfg.n_kv_head or llama70b.cfg.n_head) % s.tp == 0
+        assert s.tp <= 8 and s.micro_batch in MICRO_BATCHES
+        if s.dp_strategy == "hsdp":
+            assert s.dp_shard > 1 and s.dp % s.dp_shard == 0 and s.dp > s.dp_shard
+        if s.offload:
+            assert s.dp_strategy in ("fsdp", "hsdp")
+        if s.pp_schedule == "interleaved":
+            assert s.pp_virtual == 2 and llama70b.cfg.n_layer % (2 * s.pp) == 0
+
+
+# ---------------------------------------------------------------- small and impossible work
+
+def test_gpt2_single_gpu_best_is_no_data_parallel(gpt2):
+    r = plan(gpt2, make_cluster("1xH100"), Workload(1024, 64))
+    assert r.ranked and not r.rejected
+    best = r.best()
+    assert best.strategy.dp_strategy == "none" and best.strategy.dp == 1
+    assert best.strategy.micro_batch * best.strategy.grad_accum == 64
+    assert {c.strategy.dp_strategy for c in r.ranked} == {"none"}
+    # 8 micro-batch sizes x 3 AC modes x fused loss on/off, less micro-batches above 64 (128)
+    assert r.evaluated == 7 * 3 * 2
+
+
+def test_infeasible_explains_model_states():
+    r = plan(resolve_model("llama-70b", seq_len=4096), make_cluster("1xL4"), Workload(4096, 8))
+    assert r.ranked == [] and r.best() is None and r.rejected
+    text = explain_infeasible(r)
+    assert text.startswith("nothing fits in 22.0 GiB per GPU")
+    assert "model states alone" in text
+    leanest = min(r.rejected, key=lambda c: c.memory.total_bytes)
+    assert leanest.strategy.label() in text
+
+
+def test_infeasible_activations_advice(gpt2):
+    """States fit, activations do not: the advice is about the sequence, not the model states."""
+    cluster = make_cluster("1xH100", memory_gib=2.0)
+    r = plan(gpt2, cluster, Workload(1024, 8), ac=("none",), micro_batches=(8,))
+    assert r.ranked == []
+    text = explain_infeasible(r)
+    assert "model states alone" not in text and "Shorten the sequence" in text
+
+
+def test_prime_global_batch(gpt2):
+    cluster = make_cluster("8xH100")
+    # 7 sequences on 8 GPUs: only layouts without data parallelism (tp x pp = 8) divide it
+    r = plan(gpt2, cluster, Workload(1024, 7))
+    assert r.evaluated > 0
+    for c in r.ranked + r.rejected:
+        s = c.strategy
+        assert (s.dp, s.dp_strategy, s.tp * s.pp * s.cp, s.micro_batch, s.grad_accum) == (1, "none", 8, 1, 7)
+        assert c.not_runnable
+    assert r.best(runnable_only=True) is None
+    # what slipstream can run (data parallel only) cannot split 7 sequences over 8 ranks
+    with pytest.raises(UserError, match="no layout divides the work: global batch 7"):
+        plan(gpt2, cluster, Workload(1024, 7), runnable_only=True)
+    with pytest.raises(UserError, match="multiple of 8"):
+        plan(gpt2, cluster, Workload(1024, 7), dp_strategies=("ddp",))
+
+
+def test_seq_longer_than_learned_positions(gpt2):
+    with pytest.raises(UserError, match="max_seq_len"):
+        plan(gpt2, make_cluster("1xH100"), Workload(4096, 8))
+    # RoPE models have no table: resolve_model stretches max_seq_len
+    llama = resolve_model("llama-1b", seq_len=65536)
+    assert llama.cfg.max_seq_len >= 65536
+
+
+def test_workload_rejects_nonpositive():
+    with pytest.raises(UserError):
+        Workload(0, 8)
+    with pytest.raises(UserError):
+        Workload(1024, 0)
+
+
+def test_space_restrictions(gpt2):
+    cluster = make_cluster("8xH100")
+    work = Workload(1024, 64)
+    r = plan(gpt2, cluster, work, dp_strategies=("fsdp",), tp=(1,), pp=(1,), ac=("full",), micro_batches=(2, 4))
+    assert r.evaluated == 2 * 2 * 2   # micro-batch x offload x fused loss
+    for c in r.ranked + r.rejected:
+        s = c.strategy
+        assert (s.dp_strategy, s.dp, s.tp, s.pp, s.ac) == ("fsdp", 8, 1, 1, "full")
+        assert s.micro_batch in (2, 4) and s.dp * s.micro_batch * s.grad_accum == 64
+    r = plan(gpt2, cluster, work, tp=(2,), pp=(1,), dp_strategies=("ddp", "zero1"))
+    assert {c.strategy.tp for c in r.ranked + r.rejected} == {2}
+    assert {c.strategy.dp_strategy for c in r.ranked + r.rejected} == {"ddp", "zero1"}
+    assert {c.strategy.dp for c in r.ranked + r.rejected} == {4}
+
+
+def test_evaluate_matches_plan_entry(gpt2):
+    cluster = make_cluster("1xH100")
+    work = Workload(1024, 64)
+    r = plan(gpt2, cluster, work)
+    best = r.best()
+    again = evaluate(gpt2, best.strategy, work, cluster)
+    assert again.time.tokens_per_s == best.time.tokens_per_s
+    assert again.memory.total_bytes == best.memory.total_bytes
+    rec = best.to_record()
+    assert rec["layout"] == best.strategy.label() and rec["runnable"] is True
+    assert rec["memory"]["total_bytes"] == best.memory.total_bytes
+
+
+# ---------------------------------------------------------------- mixture of experts
+
+def test_mixtral_expert_parallel_flagged(mixtral_result):
+    r = mixtral_result
+    assert r.model.moe is not None
+    ep = [c for c in r.ranked + r.rejected if c.strategy.ep > 1]
+    assert ep
+    assert {c.strategy.ep for c in ep} <= {2, 4, 8}
+    for c in ep:
+        assert f"expert parallel {c.strategy.ep}" in c.not_runnable
+        assert (c.strategy.dp * c.strategy.cp) % c.strategy.ep == 0
+    assert any(c.strategy.ep > 1 for c in r.ranked)
+
+
+def test_mixtral_never_runnable(mixtral_result):
+    for c in mixtral_result.ranked + mixtral_result.rejected:
+        assert c.not_runnable, c.strategy.label()
+    assert mixtral_result.best(runnable_only=True) is None
+
+
+# ---------------------------------------------------------------- strategy_overrides
+
+def test_overrides_fsdp_bf16():
+    s = Strategy("fsdp", dp=8, micro_batch=2, grad_accum=4, ac="selective", fused_loss=True, loss_chunk=2048)
+    ov = strategy_overrides(s, 2048)
+    assert ov["parallel.param_dtype"] == "bf16" and ov["parallel.reduce_dtype"] == "fp32"
+    assert ov["precision.autocast"] == "none"
+    assert ov["parallel.dp_strategy"] == "fsdp"
+    assert ov["train.seq_len"] == 2048 and ov["train.micro_batch_size"] == 2 and ov["train.grad_accum_steps"] == 4
+    assert ov["activations.checkpointing"] == "selective"
+    assert ov["train.fused_loss"] is True and ov["train.fused_loss_chunk"] == 2048
+    assert "parallel.dp_shard" not in ov
+
+
+def test_overrides_ddp_bf16_and_fp32():
+    ov = strategy_overrides(Strategy("ddp", dp=8, micro_batch=4, grad_accum=2), 1024)
+    assert ov["precision.autocast"] == "bf16"
+    assert ov["parallel.param_dtype"] == "none" and ov["parallel.reduce_dtype"] == "none"
+    assert ov["train.fused_loss"] is False and "train.fused_loss_chunk" not in ov
+    fp32 = strategy_overrides(Strategy("fsdp", dp=8, precision="fp32"), 1024)
+    assert fp32["precision.autocast"] == "none" and fp32["parallel.param_dtype"] == "none"
+
+
+def test_overrides_hsdp_degrees():
+    ov = strategy_overrides(Strategy("hsdp", dp=16, dp_shard=8, offload=True), 1024)
+    assert ov["parallel.dp_shard"] == 8 and ov["parallel.dp_replicate"] == 2
+    assert ov["parallel.offload"] is True
+
+
+def test_overrides_refuse_tp():
+    with pytest.raises(UserError, match="tensor parallel 2"):
+        strategy_overrides(Strategy("fsdp", dp=4, tp=2), 1024)
+    with pytest.raises(UserError, match="pipeline parallel 4"):
+        strategy_overrides(Strategy("none", pp=4), 1024)
+
+
+def test_overrides_of_every_runnable_layout_load():
+    """Every runnable layout becomes config values `slipstream train` accepts."""
+    model = resolve_model("llama-8b", seq_len=4096)
+    seen = set()
+    for precision in ("bf16", "fp32", "fp16"):
+        for s in layouts(model, make_cluster("8xH100", nodes=2), Workload(4096, 64), runnable_only=True,
+                         precision=precision, micro_batches=(1,)):
+            key = (s.dp_strategy, s.ac, s.offload, s.fused_loss, precision)
+            if key in seen:
+                continue
+            seen.add(key)
+            values = strategy_overrides(s, 4096)
+            args = [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
+            cfg = load_config(None, args + ["--model.preset=llama-8b", "--model.max_seq_len=4096"])
+            assert cfg.parallel.dp_strategy == s.dp_strategy
+            assert cfg.train.micro_batch_size == s.micro_batch
+            assert cfg.activations.checkpointing == s.ac
+    assert len(seen) > 50
