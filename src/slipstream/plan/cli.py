@@ -145,12 +145,14 @@ def format_plan(result: PlanResult, top: int, rejected: int) -> str:
              f"{c.intra.name} / {c.inter.name}, {_gib(c.memory_bytes)} GiB usable per GPU)",
              f"seq {w.seq_len}, global batch {w.global_batch} sequences = {w.seq_len * w.global_batch:,} tokens per step; "
              f"{result.evaluated} layouts evaluated, {len(result.ranked)} fit", ""]
-    header = f"{'#':>3}  {'layout':<44} {'tokens/s':>11} {'MFU':>6} {'step s':>8} {'GiB/GPU':>8}  {'params':>6} {'grads':>6} {'optim':>6} {'acts':>6} {'temp':>6}  runnable"
+    shown = result.ranked[:top]
+    width = max([20] + [len(cand.strategy.label()) for cand in shown])
+    header = f"{'#':>3}  {'layout':<{width}} {'tokens/s':>11} {'MFU':>6} {'step s':>8} {'GiB/GPU':>8}  {'params':>6} {'grads':>6} {'optim':>6} {'acts':>6} {'temp':>6}  runnable"
     lines.append(header)
-    for i, cand in enumerate(result.ranked[:top], 1):
+    for i, cand in enumerate(shown, 1):
         b = cand.memory.breakdown
         runnable = "yes" if not cand.not_runnable else "no: " + ", ".join(cand.not_runnable)
-        lines.append(f"{i:>3}  {cand.strategy.label():<44} {cand.time.tokens_per_s:>11,.0f} {cand.time.mfu:>6.1%} "
+        lines.append(f"{i:>3}  {cand.strategy.label():<{width}} {cand.time.tokens_per_s:>11,.0f} {cand.time.mfu:>6.1%} "
                      f"{cand.time.step_s:>8.3f} {_gib(cand.memory.total_bytes):>8}  {_gib(b['parameters']):>6} "
                      f"{_gib(b['gradients']):>6} {_gib(b['optimizer_state']):>6} {_gib(b['activations']):>6} "
                      f"{_gib(b['temporaries'] + cand.memory.fragmentation_bytes):>6}  {runnable}")

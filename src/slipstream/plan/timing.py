@@ -29,7 +29,7 @@ from slipstream.plan.space import PlanModel, Strategy, Workload
 
 # A factor on the compute rate: the fraction of the cluster's matmul rate a whole step
 # sustains. Fitted to the published runs of plan/published.py by plan/report.fit_efficiency
-# (best fit 0.99 with the matmul efficiencies of plan/hardware.py), so 1.0.
+# (best fit 1.00 with the matmul efficiencies of plan/hardware.py).
 DEFAULT_EFFICIENCY = 1.0
 # Memory-bound ops read and write the block's activations about this many times per step
 # (forward writes them and reads them back; backward reads them and writes their gradients).
