@@ -131,7 +131,7 @@ def test_gemm_seconds_roofline():
 def test_compute_hand_computed(gpt2, h100):
     """compute = block matmuls x 3 (fwd + 2 bwd) per layer + head x 3, per micro-batch, on a roofline
     + pointwise traffic (3 x block activations) over memory bandwidth + kernel launches."""
-    t = estimate_time(gpt2, GPT2_S, GPT2_WORK, h100)
+    t = estimate_time(gpt2, GPT2_S, GPT2_WORK, h100, efficiency=1.0)
     rate, bw = h100.peak_flops("bf16") * 0.75, h100.gpu.mem_bw_gbs * 1e9
     assert (rate, bw) == (989e12 * 0.75, 3350e9)
     block, head = _gpt2_forward(8 * 1024, rate, bw)
@@ -154,7 +154,7 @@ def test_small_micro_batches_pay_launches_and_weight_traffic(gpt2, h100):
 
 
 def test_efficiency_scales_the_matmul_rate(gpt2, llama70b, h100, h100_64):
-    assert DEFAULT_EFFICIENCY == 1.0
+    assert 0.5 <= DEFAULT_EFFICIENCY <= 1.0   # fitted to published runs (plan/report.py)
     rate, bw = h100.peak_flops("bf16") * 0.75, h100.gpu.mem_bw_gbs * 1e9
     c = {e: estimate_time(gpt2, GPT2_S, GPT2_WORK, h100, efficiency=e).breakdown["compute"] for e in (1.0, 2.0)}
     rest = (block_activation_bytes(gpt2, 8 * 1024, GPT2_S) * 12 * 8 * POINTWISE_TRAFFIC / bw
@@ -174,9 +174,9 @@ def test_efficiency_scales_the_matmul_rate(gpt2, llama70b, h100, h100_64):
 # ---------------------------------------------------------------- activation checkpointing
 
 def test_full_ac_adds_a_third_of_block_matmuls(gpt2, h100):
-    none = estimate_time(gpt2, GPT2_S, GPT2_WORK, h100)
-    full = estimate_time(gpt2, GPT2_S.replace(ac="full"), GPT2_WORK, h100)
-    selective = estimate_time(gpt2, GPT2_S.replace(ac="selective"), GPT2_WORK, h100)
+    none = estimate_time(gpt2, GPT2_S, GPT2_WORK, h100, efficiency=1.0)
+    full = estimate_time(gpt2, GPT2_S.replace(ac="full"), GPT2_WORK, h100, efficiency=1.0)
+    selective = estimate_time(gpt2, GPT2_S.replace(ac="selective"), GPT2_WORK, h100, efficiency=1.0)
     rate, bw = h100.peak_flops("bf16") * 0.75, h100.gpu.mem_bw_gbs * 1e9
     block, _ = _gpt2_forward(8 * 1024, rate, bw)
     act = block_activation_bytes(gpt2, 8 * 1024, GPT2_S)
@@ -279,7 +279,8 @@ def test_hsdp_has_replicate_comm(llama70b, h100_64):
     grad_shard = param_count(llama70b.cfg).total * 4 / 8
     link = h100_64.link_for(8, 8)     # one replica per node: the network
     assert link.name == "ib-ndr"
-    assert t.breakdown["dp_replicate_comm"] == pytest.approx(all_reduce(grad_shard, 8, link), rel=1e-9)
+    # FSDP2 all-reduces across replicas after every micro-batch's backward (8 of them)
+    assert t.breakdown["dp_replicate_comm"] == pytest.approx(8 * all_reduce(grad_shard, 8, link), rel=1e-9)
     fsdp = estimate_time(llama70b, Strategy("fsdp", dp=64, micro_batch=1, grad_accum=8), W70, h100_64)
     assert "dp_replicate_comm" not in fsdp.breakdown
     # hsdp shards the optimizer over 8 ranks, fsdp over 64: 8x the optimizer time

@@ -64,20 +64,26 @@ def to_jsonable(obj: Any) -> Any:
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any) -> None:
-    """Write `obj` as pretty JSON to `path` so readers never see a half-written file.
+    """Write `obj` as pretty JSON to `path` so readers never see a half-written file."""
+    write_text_atomic(path, json.dumps(to_jsonable(obj), indent=2, sort_keys=True, allow_nan=False) + "\n")
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write `text` to `path` so readers never see a half-written file.
 
     The data goes to a temporary file in the same directory (same filesystem, so the
-    rename is atomic) and then replaces `path` with os.replace.
+    rename is atomic) and then replaces `path` with os.replace. The file gets the usual
+    0644 mode (mkstemp makes temporaries owner-only).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(to_jsonable(obj), indent=2, sort_keys=True, allow_nan=False) + "\n"
     fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        os.chmod(tmp_name, 0o644)
         os.replace(tmp_name, path)
     except BaseException:
         # Leave no stray temp file behind, whatever went wrong.

@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import tempfile
-from pathlib import Path
 
 from slipstream.errors import UserError
 from slipstream.plan.memory import GIB
@@ -86,6 +83,11 @@ def _setup(args, seq_len: int | None):
         raise UserError(f"--nodes must be >= 1, got {args.nodes}")
     if not 0 < args.efficiency <= 2:
         raise UserError(f"--efficiency must be in (0, 2], got {args.efficiency}")
+    if args.vocab is not None and args.vocab < 1:
+        raise UserError(f"--vocab must be >= 1, got {args.vocab}")
+    for name in ("seq", "global_batch"):  # 0 means "the default" for cost; plan's Workload refuses it
+        if getattr(args, name) < 0:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     cluster = make_cluster(args.gpus, nodes=args.nodes, intra=args.intra, inter=args.inter, probe=args.probe,
                            memory_gib=args.memory_gib)
     return resolve_model(args.model, vocab=args.vocab, seq_len=seq_len), cluster
@@ -93,6 +95,10 @@ def _setup(args, seq_len: int | None):
 
 def _space(args) -> dict:
     space = {"precision": args.precision}
+    for key in ("tp", "pp", "cp", "micro_batch"):
+        bad = [v for v in getattr(args, key, None) or () if v < 1]
+        if bad:
+            raise UserError(f"--{key.replace('_', '-')} values must be >= 1, got {bad}")
     for key in ("dp_strategy", "tp", "pp", "cp", "ac", "micro_batch"):
         value = getattr(args, key, None)
         if value:
@@ -104,8 +110,8 @@ def _space(args) -> dict:
 def main_plan(args, extra) -> int:
     if extra:
         raise UserError(f"unexpected arguments: {' '.join(extra)}")
-    if args.top < 1:
-        raise UserError(f"--top must be >= 1, got {args.top}")
+    if args.top < 1 or args.rejected < 0:
+        raise UserError(f"--top must be >= 1 and --rejected >= 0, got {args.top} and {args.rejected}")
     model, cluster = _setup(args, args.seq)
     work = Workload(seq_len=args.seq, global_batch=args.global_batch)
     result = plan(model, cluster, work, efficiency=args.efficiency, runnable_only=args.runnable_only, **_space(args))
@@ -161,8 +167,13 @@ def format_plan(result: PlanResult, top: int, rejected: int) -> str:
     lines += ["", f"best: {best.strategy.label()}: step {best.time.step_s:.3f}s = {parts}"]
     if best.not_runnable:
         runnable = result.best(runnable_only=True)
-        lines.append(f"  (slipstream cannot run {', '.join(best.not_runnable)} yet; best runnable: "
-                     f"{runnable.strategy.label() + f' at {runnable.time.tokens_per_s:,.0f} tokens/s' if runnable else 'none'})")
+        if runnable:
+            lines.append(f"  (slipstream cannot run {', '.join(best.not_runnable)} yet; best runnable: "
+                         f"{runnable.strategy.label()} at {runnable.time.tokens_per_s:,.0f} tokens/s)")
+        else:
+            lines.append(f"  (slipstream cannot run {', '.join(best.not_runnable)} yet, and no runnable layout fits: "
+                         f"data parallelism alone needs a global batch divisible by the {c.world} GPUs "
+                         f"and model states small enough to shard)")
     if rejected and result.rejected:
         lines += ["", "rejected (fastest first):"]
         for cand in result.rejected[:rejected]:
@@ -176,16 +187,16 @@ def _write_best_config(result: PlanResult, path: str) -> str:
     """Write the fastest runnable layout as a TOML for `slipstream train` / `launch` (atomically)."""
     import tomli_w
 
+    from slipstream.observe.env import write_text_atomic
+
     best = result.best(runnable_only=True)
     if best is None:
         raise UserError("no runnable layout fits, so there is no config to write; drop --write-config or "
                         "add GPUs (the fitting layouts need parallelisms slipstream cannot run yet)")
     if result.model.traced is not None:
         raise UserError("--write-config needs a slipstream model (a preset or a TOML config), not a traced module")
-    values: dict[str, dict] = {"model": {"preset": result.model.cfg.preset}}
-    cfg = result.model.cfg
-    for key in ("n_layer", "n_head", "n_kv_head", "d_model", "d_ff", "vocab_size", "max_seq_len"):
-        values["model"][key] = getattr(cfg, key)
+    # Every model field, so the run trains exactly the planned shape whatever the preset says.
+    values: dict[str, dict] = {"model": dict(vars(result.model.cfg))}
     for dotted, value in strategy_overrides(best.strategy, result.workload.seq_len).items():
         section, key = dotted.split(".")
         values.setdefault(section, {})[key] = value
@@ -199,18 +210,9 @@ def _write_best_config(result: PlanResult, path: str) -> str:
     header = (f"# Written by `slipstream plan`: {best.strategy.label()} for {result.model.name} on "
               f"{result.cluster.world} x {result.cluster.gpu.name}.\n"
               f"# Predicted: {best.time.tokens_per_s:,.0f} tokens/s, MFU {best.time.mfu:.1%}, "
-              f"{best.memory.total_bytes / GIB:.1f} GiB per GPU.\n# Run: {launch}\n")
-    text = header + tomli_w.dumps(values)
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+              f"{best.memory.total_bytes / GIB:.1f} GiB per GPU.\n# Run: {launch}\n"
+              f"# Add a [data] section for your corpus and tokenizer (vocabulary {result.model.cfg.vocab_size}).\n")
+    write_text_atomic(path, header + tomli_w.dumps(values))
     return f"wrote {path} ({best.strategy.label()}); run it with: {launch}"
 
 
@@ -235,7 +237,7 @@ def main_cost(args, extra) -> int:
                         checkpoint_interval_s=interval,
                         save_s=parse_duration(args.save_time, "--save-time"),
                         restart_s=parse_duration(args.restart_time, "--restart-time"),
-                        mtbf_gpu_hours=args.mtbf_gpu_hours or DEFAULT_MTBF_GPU_HOURS,
+                        mtbf_gpu_hours=DEFAULT_MTBF_GPU_HOURS if args.mtbf_gpu_hours is None else args.mtbf_gpu_hours,
                         spot_preemptions_per_day=(DEFAULT_SPOT_PREEMPTIONS_PER_DAY if args.spot_preemptions_per_day is None
                                                   else args.spot_preemptions_per_day))
     if args.json:

@@ -176,6 +176,13 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
         return count / group if is_sharded else count
 
     param_bytes, grad_bytes, optim_bytes = model_state_bytes(local_params, s, optimizer_state_bytes)
+    if model.moe and s.ep > 1:
+        # Each expert lives on dp/ep of the data-parallel ranks, so its state shards over
+        # those only: EP saves expert compute and gathers, not expert-state memory.
+        experts = layers * expert_share / s.tp
+        dense = model_state_bytes(local_params - experts, s, optimizer_state_bytes)
+        expert = model_state_bytes(experts, s, optimizer_state_bytes, shard_group=max(1, s.shard_group // s.ep))
+        param_bytes, grad_bytes, optim_bytes = (a + b for a, b in zip(dense, expert))
     host = 0
     if s.offload:
         host = int(param_bytes + grad_bytes + optim_bytes)
@@ -298,13 +305,15 @@ def _traced_memory(model: PlanModel, s: Strategy, seq_len: int, device: str,
                           host_bytes=host, notes=["traced module: measured on fake tensors at micro-batch 1 and 2"])
 
 
-def model_state_bytes(params: float, s: Strategy, optimizer_state_bytes: int = 4) -> tuple[float, float, float]:
+def model_state_bytes(params: float, s: Strategy, optimizer_state_bytes: int = 4,
+                      shard_group: int | None = None) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer state) bytes per GPU for the `params` parameters of
     this GPU's part of the model: fp32 parameters and gradients (low precision runs through
     autocast or FSDP mixed precision, so there is no separate master copy) and AdamW's two
-    moments, each divided by the shard group where the strategy shards it."""
+    moments, each divided by the shard group where the strategy shards it (`shard_group`
+    overrides it: experts shard over the ranks that hold the same experts)."""
     shard_opt, shard_grad, shard_param = s.shards()
-    group = s.shard_group
+    group = s.shard_group if shard_group is None else shard_group
     return (params * 4 / (group if shard_param else 1),
             params * 4 / (group if shard_grad else 1),
             params * 2 * optimizer_state_bytes / (group if shard_opt else 1))

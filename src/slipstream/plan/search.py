@@ -96,6 +96,8 @@ def layouts(model: PlanModel, cluster: Cluster, work: Workload, *, dp_strategies
         for dp_strategy in strategies:
             if (dp == 1) != (dp_strategy == "none"):
                 continue
+            if precision == "fp16" and dp_strategy in ("zero2", "fsdp", "hsdp"):
+                continue  # fp16 needs loss scaling, which slipstream runs with autocast (none/ddp/zero1) only
             shard = 0
             if dp_strategy == "hsdp":
                 shard = cluster.gpus_per_node // (t * c) if cluster.gpus_per_node % (t * c) == 0 else 0

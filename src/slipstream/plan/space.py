@@ -114,9 +114,9 @@ class Strategy:
         return reasons
 
     def label(self) -> str:
-        parts = [self.dp_strategy + (f"{self.dp}" if self.dp > 1 else "")]
+        parts = [self.dp_strategy + (f":{self.dp}" if self.dp > 1 else "")]
         if self.dp_strategy == "hsdp":
-            parts[0] = f"hsdp{self.dp // self.dp_shard}x{self.dp_shard}"
+            parts[0] = f"hsdp:{self.dp // self.dp_shard}x{self.dp_shard}"
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + ("+sp" if self.sequence_parallel else ""))
         if self.pp > 1:
@@ -158,6 +158,8 @@ def strategy_overrides(s: Strategy, seq_len: int) -> dict[str, object]:
         "parallel.param_dtype": s.precision if (low and sharded) else "none",
         "parallel.reduce_dtype": "fp32" if (low and sharded) else "none",
         "parallel.offload": s.offload,
+        # fp32 is planned at the TF32 tensor-core rate (GPUs; no effect on CPU)
+        "precision.tf32": s.precision == "fp32",
     }
     if s.fused_loss:
         values["train.fused_loss_chunk"] = s.loss_chunk

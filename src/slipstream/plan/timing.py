@@ -29,8 +29,8 @@ from slipstream.plan.space import PlanModel, Strategy, Workload
 
 # A factor on the compute rate: the fraction of the cluster's matmul rate a whole step
 # sustains. Fitted to the published runs of plan/published.py by plan/report.fit_efficiency
-# (best fit 1.00 with the matmul efficiencies of plan/hardware.py).
-DEFAULT_EFFICIENCY = 1.0
+# (the median |log error| is smallest at 0.87, with the matmul efficiencies of plan/hardware.py).
+DEFAULT_EFFICIENCY = 0.87
 # Memory-bound ops read and write the block's activations about this many times per step
 # (forward writes them and reads them back; backward reads them and writes their gradients).
 POINTWISE_TRAFFIC = 3.0
@@ -148,8 +148,7 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
     out.update(_data_parallel_time(model, s, cluster, forward_s, backward_s))
 
     # ---- optimizer step: memory-bound over this rank's share of the state
-    shard_opt = s.shards()[0]
-    local_params = _params_per_gpu(model, s) / (s.shard_group if shard_opt else 1)
+    local_params = _optimizer_params_per_gpu(model, s)
     if s.offload:
         out["offload"] = (local_params * 4 * 2 / (cluster.host_link_gbs * 1e9)
                           + local_params * ADAM_BYTES_PER_PARAM / (HOST_ADAM_GBS * 1e9))
@@ -192,6 +191,18 @@ def _params_per_gpu(model: PlanModel, s: Strategy) -> float:
     pc = param_count(model.cfg, (model.moe.n_experts, model.moe.top_k))
     experts = model.cfg.n_layer * pc.mlp
     return (pc.total - experts + experts / s.ep) / (s.tp * s.pp)
+
+
+def _optimizer_params_per_gpu(model: PlanModel, s: Strategy) -> float:
+    """Parameters whose AdamW update runs on one GPU: its share after data-parallel sharding
+    (experts shard over the dp/ep ranks that hold the same experts)."""
+    group = s.shard_group if s.shards()[0] else 1
+    total = _params_per_gpu(model, s)
+    if not (model.moe and s.ep > 1):
+        return total / group
+    pc = param_count(model.cfg, (model.moe.n_experts, model.moe.top_k))
+    experts = model.cfg.n_layer * pc.mlp / s.ep / (s.tp * s.pp)
+    return (total - experts) / group + experts / max(1, group // s.ep)
 
 
 def gemm_seconds(m: float, k: float, n: float, rate: float, mem_bw: float, elem_bytes: int) -> float:
@@ -240,26 +251,35 @@ def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward
     stride = s.tp * s.cp
     if s.dp_strategy in ("ddp", "zero1"):
         link = cluster.link_for(s.dp, stride)
-        comm = all_reduce(grad_bytes, s.dp, link)         # zero1: reduce-scatter + all-gather, same volume
+        comm = all_reduce(grad_bytes, s.dp, link)         # once per step: no_sync between micro-batches
         exposed = max(0.0, comm - backward_s / s.grad_accum) + DDP_UNHIDDEN * comm
-        return {"dp_comm": exposed}
-    # FSDP family: all-gather parameters (forward, and again in backward unless zero2),
-    # reduce-scatter gradients once per step (no_sync between micro-batches).
+        out = {"dp_comm": exposed}
+        if s.dp_strategy == "zero1":
+            # ZeroRedundancyOptimizer broadcasts each rank's updated shard after step(): exposed.
+            out["zero1_broadcast"] = gather_or_scatter(params * 4, s.dp, link)
+        return out
+    # FSDP family, per micro-batch: all-gather parameters (forward, and again in backward
+    # unless zero2) and reduce-scatter the gradients (slipstream keeps gradients sharded, so
+    # FSDP reduces after every micro-batch's backward). Under a pipeline the stage keeps its
+    # parameters gathered and reduces once, after the last micro-batch (plan/memory.py).
     shard = s.shard_group
     link = cluster.link_for(shard, stride)
-    gathered = params * (2 if low else 4)
-    gather = gather_or_scatter(gathered, shard, link)
+    gather = gather_or_scatter(params * (2 if low else 4), shard, link)
     scatter = gather_or_scatter(grad_bytes, shard, link)
-    gathers_per_micro = 1 if s.dp_strategy == "zero2" else 2
     micro = s.grad_accum
-    # zero2 reshards after backward, so each micro-batch gathers once (fsdp twice).
-    fwd_exposed = max(0.0, gather - forward_s / micro) * micro
-    bwd_comm = (gather if gathers_per_micro == 2 else 0.0)
-    bwd_exposed = max(0.0, bwd_comm - backward_s / micro) * micro + max(0.0, scatter - backward_s / micro)
+    fwd_s, bwd_s = forward_s / micro, backward_s / micro          # compute of one micro-batch
+    if s.pp > 1:
+        exposed = max(0.0, gather - fwd_s) + max(0.0, scatter - bwd_s)
+        syncs = 1
+    else:
+        regather = gather if s.dp_strategy != "zero2" else 0.0     # zero2 keeps them from forward to backward
+        exposed = (max(0.0, gather - fwd_s) + max(0.0, regather + scatter - bwd_s)) * micro
+        syncs = micro
     units = 1 if model.traced is not None else model.cfg.n_layer / s.pp    # FSDP units gathered one by one
     first_layer = gather / max(units, 1)     # nothing to hide the first gather behind
-    out = {"dp_comm": fwd_exposed + bwd_exposed + first_layer}
+    out = {"dp_comm": exposed + first_layer}
     if s.dp_strategy == "hsdp":
         replicas = s.dp // shard
-        out["dp_replicate_comm"] = all_reduce(grad_bytes / shard, replicas, cluster.link_for(replicas, stride * shard))
+        per_sync = all_reduce(grad_bytes / shard, replicas, cluster.link_for(replicas, stride * shard))
+        out["dp_replicate_comm"] = per_sync * syncs
     return out

@@ -26,6 +26,7 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
 import statistics
 import subprocess
@@ -150,6 +151,44 @@ def failure_reason(stderr: str, code: int) -> str:
     return lines[-1] if lines else f"exit code {code}"
 
 
+# Seconds a stopped trial gets to shut its ranks down before they are killed.
+TRIAL_GRACE_S = 10.0
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc; empty elsewhere). torchrun starts its ranks in
+    their own sessions, so killing the trial's process group does not reach them."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+            children.setdefault(int(fields[1]), []).append(int(entry.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def stop_trial(proc: subprocess.Popen, grace_s: float = TRIAL_GRACE_S) -> None:
+    """Stop a trial and everything it started: SIGTERM first (the launcher forwards it and
+    torchrun tears its ranks down), SIGKILL to whatever is left after `grace_s`."""
+    family = _descendants(proc.pid)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
+    for pid in [proc.pid, *family, *_descendants(proc.pid)]:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
 def subprocess_trials(config_path: str, overrides: list[str], nproc: int, steps: int, work_dir: Path) -> RunTrial:
     """A run_trial that trains each layout in a `slipstream train` subprocess under `work_dir`."""
     counter = iter(range(1_000_000))
@@ -169,12 +208,13 @@ def subprocess_trials(config_path: str, overrides: list[str], nproc: int, steps:
             try:
                 code = proc.wait(timeout=timeout_s)
             except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):  # it may have ended just now
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-                return {"error": f"timed out after {timeout_s:.0f}s", "timed_out": True}
+                stop_trial(proc)
+                return {"error": f"timed out after {timeout_s:.0f}s (logs: {err_path})", "timed_out": True}
+            except BaseException:  # Ctrl-C or any error: never leave ranks running
+                stop_trial(proc)
+                raise
         if code != 0:
-            return {"error": failure_reason(err_path.read_text(errors="replace"), code)}
+            return {"error": f"{failure_reason(err_path.read_text(errors='replace'), code)} (logs: {err_path})"}
         return read_trial(run_dir)
 
     return run_trial
@@ -227,7 +267,8 @@ def tune_system(config_path: str, overrides: list[str], budget_s: float, top: in
         trials = trials[:affordable]
     timeout_s = budget_s / len(trials)
 
-    with tempfile.TemporaryDirectory(prefix="slipstream-tune-") as tmp:
+    tmp = tempfile.mkdtemp(prefix="slipstream-tune-")
+    try:
         if run_trial is None:
             from slipstream.train.lm import ensure_data
 
@@ -237,6 +278,13 @@ def tune_system(config_path: str, overrides: list[str], budget_s: float, top: in
             run_trial = subprocess_trials(config_path, [*overrides, f"--data.dir={data_dir}"], nproc, steps, Path(tmp))
         records = [_run_one(label, candidate, layout, run_trial, timeout_s, cluster.memory_bytes)
                    for label, candidate, layout in trials]
+    finally:
+        # The trials' logs stay when one failed (the reasons point into them), else they go.
+        failed = "records" not in locals() or any(r["status"] != "ok" for r in records)
+        if failed and any(Path(tmp).iterdir()):
+            notes.append(f"trial logs kept in {tmp}")
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     ok = [r for r in records if r["status"] == "ok"]
     winner = max(ok, key=lambda r: r["measured"]["tokens_per_s"], default=None)
@@ -317,21 +365,15 @@ def write_winner_config(result: dict, out: str | Path) -> Path:
 
     if result["winner"] is None:
         raise UserError("no trial succeeded, so there is no winner to write")
+    from slipstream.observe.env import write_text_atomic
+
     out = Path(out).resolve()
-    out.parent.mkdir(parents=True, exist_ok=True)
     layout = [_arg(k, v) for k, v in result["winner"]["overrides"].items()]
     data = deep_merge(parse_overrides(result["overrides"]), parse_overrides(layout))
     base = os.path.relpath(Path(result["config"]).resolve(), out.parent)
     text = (f"# Written by `slipstream tune system`: the fastest layout measured ({result['winner']['layout']}).\n"
             + tomli_w.dumps({"extends": base, **data}))
-    fd, tmp = tempfile.mkstemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_text_atomic(out, text)
     return out
 
 

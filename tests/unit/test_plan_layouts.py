@@ -1,0 +1,121 @@
+"""What a plan writes and how layouts map to what slipstream runs (review findings)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from slipstream.cli import main
+from slipstream.config import load_config
+from slipstream.plan.hardware import make_cluster
+from slipstream.plan.memory import GIB, estimate_memory
+from slipstream.plan.model import resolve_model
+from slipstream.plan.search import layouts, plan
+from slipstream.plan.space import Strategy, Workload, strategy_overrides
+from slipstream.plan.timing import estimate_time
+from slipstream.plan.tune import stop_trial
+
+
+def test_written_config_trains_exactly_the_planned_model(tmp_path, capsys):
+    model_toml = tmp_path / "my.toml"
+    model_toml.write_text('[model]\npreset = "tiny"\nn_layer = 4\nn_head = 4\nd_model = 256\nmlp = "swiglu"\n'
+                          'norm = "rmsnorm"\nposition = "rope"\nbias = false\ntie_embeddings = false\nvocab_size = 32000\nmax_seq_len = 4096\n')
+    out = tmp_path / "out.toml"
+    assert main(["plan", "--model", str(model_toml), "--gpus", "1xH100", "--seq", "2048", "--global-batch", "8",
+                 "--write-config", str(out)]) == 0
+    planned, written = load_config(str(model_toml)).model, load_config(str(out)).model
+    for field in ("n_layer", "n_head", "d_model", "mlp", "norm", "position", "bias", "tie_embeddings", "vocab_size"):
+        assert getattr(written, field) == getattr(planned, field), field
+    assert oct(out.stat().st_mode & 0o777) == "0o644"
+    assert "[data]" in out.read_text()  # the header tells the user to add their data
+
+
+def test_fp32_plans_run_with_tf32_and_low_precision_without():
+    assert strategy_overrides(Strategy(precision="fp32"), 128)["precision.tf32"] is True
+    assert strategy_overrides(Strategy(precision="bf16"), 128)["precision.tf32"] is False
+
+
+def test_fp16_is_never_planned_on_the_fsdp_family():
+    """fp16 needs loss scaling, which slipstream runs through autocast only."""
+    model, cluster = resolve_model("gpt2"), make_cluster("8xH100")
+    found = {s.dp_strategy for s in layouts(model, cluster, Workload(1024, 64), precision="fp16")}
+    assert found and not found & {"zero2", "fsdp", "hsdp"}
+    assert {"ddp", "zero1"} <= found
+
+
+def test_expert_parallel_does_not_shrink_expert_state_under_fsdp():
+    """Experts shard over the dp/ep ranks that hold them: per GPU, experts/dp whatever ep is."""
+    model = resolve_model("mixtral-8x7b")
+    states = []
+    for ep in (1, 2, 4, 8):
+        b = estimate_memory(model, Strategy(dp_strategy="fsdp", dp=16, ep=ep, precision="bf16"), 4096).breakdown
+        states.append(b["parameters"] + b["optimizer_state"])   # gradients: partial at a backward peak
+    assert max(states) == pytest.approx(min(states), rel=1e-6)
+    assert states[0] == pytest.approx(46.7e9 * 12 / 16, rel=0.02)   # (4 + 8) bytes over 16 ranks
+
+
+def test_zero1_pays_the_parameter_broadcast():
+    model, cluster = resolve_model("llama-8b"), make_cluster("8xH100")
+    work = Workload(4096, 64)
+    ddp = estimate_time(model, Strategy("ddp", dp=8, micro_batch=1, grad_accum=8), work, cluster)
+    zero1 = estimate_time(model, Strategy("zero1", dp=8, micro_batch=1, grad_accum=8), work, cluster)
+    assert zero1.breakdown["zero1_broadcast"] > 0 and "zero1_broadcast" not in ddp.breakdown
+    assert zero1.step_s > ddp.step_s - ddp.breakdown["optimizer"]
+
+
+def test_fsdp_reduces_every_micro_batch_but_once_under_a_pipeline():
+    model, cluster = resolve_model("llama-70b"), make_cluster("8xH100", nodes=8)
+    work = Workload(8192, 512)
+    few = estimate_time(model, Strategy("fsdp", dp=64, micro_batch=4, grad_accum=2, ac="full"), work, cluster)
+    many = estimate_time(model, Strategy("fsdp", dp=64, micro_batch=1, grad_accum=8, ac="full"), work, cluster)
+    assert many.breakdown["dp_comm"] >= few.breakdown["dp_comm"]
+    pp = Strategy("fsdp", dp=8, pp=8, micro_batch=1, grad_accum=64, ac="full")
+    piped = estimate_time(model, pp, work, cluster)
+    assert piped.breakdown["dp_comm"] < many.breakdown["dp_comm"]
+
+
+@pytest.mark.parametrize("flag", [["--tp", "0"], ["--pp", "0"], ["--cp", "0"], ["--micro-batch", "-2"],
+                                  ["--rejected", "-1"], ["--vocab", "0"], ["--global-batch", "-1"]])
+def test_bad_numbers_are_user_errors(flag, capsys):
+    args = ["plan", "--model", "gpt2", "--gpus", "8xH100", "--seq", "1024", "--global-batch", "64", *flag]
+    assert main(args) == 2
+    assert "error:" in capsys.readouterr().err
+
+
+def test_plan_rejects_what_does_not_fit_with_the_binding_constraint():
+    result = plan(resolve_model("llama-8b"), make_cluster("1xL4"), Workload(4096, 8))
+    assert not result.ranked and result.rejected
+    assert all(c.memory.total_bytes > 20 * GIB for c in result.rejected)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc walk")
+def test_stop_trial_kills_ranks_in_their_own_sessions(tmp_path):
+    """torchrun starts ranks with start_new_session: a process-group kill misses them."""
+    pid_file = tmp_path / "child.pid"
+    script = ("import subprocess, sys, time\n"
+              f"p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'], start_new_session=True)\n"
+              f"open({str(pid_file)!r}, 'w').write(str(p.pid))\n"
+              "time.sleep(60)\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], start_new_session=True)
+    deadline = time.time() + 10
+    while not (pid_file.exists() and pid_file.read_text()) and time.time() < deadline:
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    stop_trial(proc, grace_s=0.5)
+    for _ in range(100):
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        # a killed child stays a zombie until its reaper (init) collects it: check its state
+        state = open(f"/proc/{child}/stat").read().rsplit(")", 1)[1].split()[0] if os.path.exists(f"/proc/{child}") else "X"
+        if state in ("Z", "X"):
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the trial's child survived stop_trial")
+    assert proc.returncode is not None
