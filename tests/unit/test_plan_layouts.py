@@ -119,3 +119,18 @@ def test_stop_trial_kills_ranks_in_their_own_sessions(tmp_path):
     else:
         pytest.fail("the trial's child survived stop_trial")
     assert proc.returncode is not None
+
+
+def test_pipeline_schedules_are_searched_as_asked():
+    model, cluster = resolve_model("llama-70b"), make_cluster("8xH100", nodes=8)
+    work = Workload(8192, 512)
+    found = layouts(model, cluster, work, pp=(8,), tp=(8,), pp_schedules=("gpipe", "zero-bubble"))
+    assert {s.pp_schedule for s in found} == {"gpipe", "zero-bubble"}
+    default = layouts(model, cluster, work, pp=(8,), tp=(8,))
+    assert {s.pp_schedule for s in default} == {"1f1b", "interleaved"}
+    assert all(s.pp_virtual == 2 for s in default if s.pp_schedule == "interleaved")
+    # 80 layers over 32 stages cannot hold 2 chunks each: no interleaved layout then
+    assert not [s for s in layouts(model, cluster, work, pp=(32,), tp=(2,)) if s.pp_schedule == "interleaved"]
+    best = {sched: plan(model, cluster, work, pp=(8,), tp=(8,), pp_schedules=(sched,)).ranked[0]
+            for sched in ("gpipe", "1f1b", "zero-bubble")}
+    assert best["zero-bubble"].time.step_s < best["1f1b"].time.step_s

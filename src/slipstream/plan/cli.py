@@ -14,7 +14,7 @@ import json
 from slipstream.errors import UserError
 from slipstream.plan.memory import GIB
 from slipstream.plan.search import Candidate, PlanResult, explain_infeasible, plan
-from slipstream.plan.space import AC_MODES, DP_STRATEGIES, PRECISIONS, Workload, strategy_overrides
+from slipstream.plan.space import AC_MODES, DP_STRATEGIES, PP_SCHEDULES, PRECISIONS, Workload, strategy_overrides
 from slipstream.plan.timing import DEFAULT_EFFICIENCY
 
 # cost: tokens per optimizer step when --global-batch is not given (a common LLM setting;
@@ -49,6 +49,7 @@ def add_plan_parsers(sub, bench) -> None:
     p.add_argument("--dp-strategy", nargs="+", choices=DP_STRATEGIES, help="only these data-parallel strategies")
     p.add_argument("--tp", type=int, nargs="+", help="only these tensor-parallel degrees")
     p.add_argument("--pp", type=int, nargs="+", help="only these pipeline degrees")
+    p.add_argument("--pp-schedule", nargs="+", choices=PP_SCHEDULES, help="pipeline schedules (default: 1f1b interleaved)")
     p.add_argument("--cp", type=int, nargs="+", help="only these context-parallel degrees")
     p.add_argument("--ac", nargs="+", choices=AC_MODES, help="only these activation-checkpointing modes")
     p.add_argument("--micro-batch", type=int, nargs="+", help="only these micro-batch sizes")
@@ -99,10 +100,11 @@ def _space(args) -> dict:
         bad = [v for v in getattr(args, key, None) or () if v < 1]
         if bad:
             raise UserError(f"--{key.replace('_', '-')} values must be >= 1, got {bad}")
-    for key in ("dp_strategy", "tp", "pp", "cp", "ac", "micro_batch"):
+    for key in ("dp_strategy", "tp", "pp", "cp", "ac", "micro_batch", "pp_schedule"):
         value = getattr(args, key, None)
         if value:
-            name = {"dp_strategy": "dp_strategies", "micro_batch": "micro_batches"}.get(key, key)
+            name = {"dp_strategy": "dp_strategies", "micro_batch": "micro_batches",
+                    "pp_schedule": "pp_schedules"}.get(key, key)
             space[name] = tuple(value)
     return space
 

@@ -5,7 +5,7 @@
     result.rejected         # (layout, why it does not fit), fastest first
 
 The space: tensor parallel within a node (divisors of the heads), pipeline degree (with
-its schedule), context parallel for long sequences, expert parallel for MoE, every
+its schedule: 1F1B and interleaved by default, GPipe and zero-bubble on request), context parallel for long sequences, expert parallel for MoE, every
 data-parallel strategy, every micro-batch that divides the global batch, activation
 checkpointing none/selective/full, the fused loss, and CPU offload for FSDP.
 """
@@ -69,6 +69,7 @@ def _divisors(n: int, limit: int) -> list[int]:
 def layouts(model: PlanModel, cluster: Cluster, work: Workload, *, dp_strategies: tuple[str, ...] | None = None,
             tp: tuple[int, ...] | None = None, pp: tuple[int, ...] | None = None, cp: tuple[int, ...] | None = None,
             ac: tuple[str, ...] | None = None, micro_batches: tuple[int, ...] | None = None,
+            pp_schedules: tuple[str, ...] = ("1f1b", "interleaved"),
             precision: str = "bf16", runnable_only: bool = False) -> list[Strategy]:
     """Every layout worth evaluating (the constraints each parallelism puts on the shapes)."""
     cfg, world = model.cfg, cluster.world
@@ -108,13 +109,16 @@ def layouts(model: PlanModel, cluster: Cluster, work: Workload, *, dp_strategies
                     continue
                 accum = work.global_batch // (dp * mb)
                 for a in ac_options:
-                    for offload in ((False, True) if dp_strategy in ("fsdp", "hsdp") else (False,)):
+                    for offload, schedule in itertools.product(
+                            (False, True) if dp_strategy in ("fsdp", "hsdp") else (False,),
+                            pp_schedules if p > 1 else ("1f1b",)):
+                        # interleaving needs two model chunks per stage: layers divisible by 2p
+                        virtual = 2 if schedule == "interleaved" else 1
+                        if virtual > 1 and cfg.n_layer % (virtual * p):
+                            continue
                         base = Strategy(dp_strategy=dp_strategy, dp=dp, dp_shard=shard, tp=t, pp=p, cp=c, ep=e,
                                         micro_batch=mb, grad_accum=accum, ac=a, precision=precision,
-                                        offload=offload, pp_schedule="interleaved" if p > 1 else "1f1b",
-                                        pp_virtual=2 if p > 1 and cfg.n_layer % (2 * p) == 0 else 1)
-                        if base.pp_schedule == "interleaved" and base.pp_virtual == 1:
-                            base = base.replace(pp_schedule="1f1b")
+                                        offload=offload, pp_schedule=schedule, pp_virtual=virtual)
                         out.append(base)
                         if model.traced is None:
                             out.append(base.replace(fused_loss=True))
