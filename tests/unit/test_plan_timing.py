@@ -257,11 +257,13 @@ def test_ddp_exposed_comm_slow_link_vs_nvlink(gpt2):
     assert fast.breakdown["compute"] == pytest.approx(slow.breakdown["compute"], rel=1e-12)
     assert slow.breakdown["dp_comm"] > 10 * fast.breakdown["dp_comm"]
     assert slow.tokens_per_s < fast.tokens_per_s
-    # hand-computed: fp32 gradients all-reduced over 2 ranks; what backward cannot hide + the last bucket
+    # hand-computed: fp32 gradients all-reduced over 2 ranks in 25 MiB buckets (a ring's
+    # latency each); what backward cannot hide + the last bucket
     grad_bytes = param_count(gpt2.cfg).total * 4
+    buckets = math.ceil(grad_bytes / (25 * 2**20))
     backward = slow.breakdown["compute"] * 2 / 3
     for t, link in ((slow, ether.link_for(2, 1)), (fast, nvlink.intra)):
-        comm = grad_bytes / (link.bandwidth_gbs * 1e9) + 2 * link.latency_us * 1e-6
+        comm = grad_bytes / (link.bandwidth_gbs * 1e9) + buckets * 2 * link.latency_us * 1e-6
         assert t.breakdown["dp_comm"] == pytest.approx(max(0.0, comm - backward) + DDP_UNHIDDEN * comm, rel=1e-9)
     assert ether.link_for(2, 1).bandwidth_gbs == pytest.approx(2.5)
     assert nvlink.intra.bandwidth_gbs == pytest.approx(370.0)

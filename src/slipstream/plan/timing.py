@@ -20,6 +20,7 @@ offload      parameters up and gradients down over the host link, Adam on the CP
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from slipstream.observe.flops import flops_per_token, param_count
@@ -39,6 +40,12 @@ POINTWISE_TRAFFIC = 3.0
 # a fixed cost on the host; it decides how small a micro-batch can get before it shows.
 KERNELS_PER_LAYER = 60
 KERNEL_LAUNCH_S = 5e-6
+# DDP's gradient bucket (torch's default 25 MiB): one all-reduce, with its latency, per bucket.
+DDP_BUCKET_BYTES = 25 * 2**20
+# FSDP2's host-side cost per unit and collective (pre/post hooks, copy-in/copy-out of the
+# flat buffers): an estimate of tens of microseconds on a GPU host; it is why small models
+# run faster with DDP than with FSDP.
+FSDP_UNIT_OVERHEAD_S = 50e-6
 # Fraction of a DDP all-reduce that cannot hide behind backward: the last bucket.
 DDP_UNHIDDEN = 0.1
 # CPU Adam for offloaded state: bytes of state it streams per second (fp32 params, grads, two moments).
@@ -251,7 +258,9 @@ def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward
     stride = s.tp * s.cp
     if s.dp_strategy in ("ddp", "zero1"):
         link = cluster.link_for(s.dp, stride)
-        comm = all_reduce(grad_bytes, s.dp, link)         # once per step: no_sync between micro-batches
+        # once per step (no_sync between micro-batches), in buckets: one ring's latency each
+        buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
+        comm = all_reduce(grad_bytes, s.dp, link) + (buckets - 1) * 2 * (s.dp - 1) * link.latency_us * 1e-6
         exposed = max(0.0, comm - backward_s / s.grad_accum) + DDP_UNHIDDEN * comm
         out = {"dp_comm": exposed}
         if s.dp_strategy == "zero1":
@@ -264,8 +273,11 @@ def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward
     # parameters gathered and reduces once, after the last micro-batch (plan/memory.py).
     shard = s.shard_group
     link = cluster.link_for(shard, stride)
-    gather = gather_or_scatter(params * (2 if low else 4), shard, link)
-    scatter = gather_or_scatter(grad_bytes, shard, link)
+    units = 1 if model.traced is not None else math.ceil(model.cfg.n_layer / s.pp) + 1  # blocks + the root
+    # one collective per FSDP unit: its ring latency each time
+    unit_latency = (units - 1) * (shard - 1) * link.latency_us * 1e-6 if shard > 1 else 0.0
+    gather = gather_or_scatter(params * (2 if low else 4), shard, link) + unit_latency
+    scatter = gather_or_scatter(grad_bytes, shard, link) + unit_latency
     micro = s.grad_accum
     fwd_s, bwd_s = forward_s / micro, backward_s / micro          # compute of one micro-batch
     if s.pp > 1:
@@ -275,9 +287,11 @@ def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward
         regather = gather if s.dp_strategy != "zero2" else 0.0     # zero2 keeps them from forward to backward
         exposed = (max(0.0, gather - fwd_s) + max(0.0, regather + scatter - bwd_s)) * micro
         syncs = micro
-    units = 1 if model.traced is not None else model.cfg.n_layer / s.pp    # FSDP units gathered one by one
-    first_layer = gather / max(units, 1)     # nothing to hide the first gather behind
-    out = {"dp_comm": exposed + first_layer}
+    first_layer = gather / units             # nothing to hide the first gather behind
+    # FSDP's host-side work per unit and collective (hooks, copy-in/out) sits on the critical path.
+    collectives = (1 if s.dp_strategy == "zero2" else 2) + 1
+    overhead = FSDP_UNIT_OVERHEAD_S * units * collectives * (1 if s.pp > 1 else micro)
+    out = {"dp_comm": exposed + first_layer, "fsdp_overhead": overhead}
     if s.dp_strategy == "hsdp":
         replicas = s.dp // shard
         per_sync = all_reduce(grad_bytes / shard, replicas, cluster.link_for(replicas, stride * shard))
