@@ -196,3 +196,17 @@ def test_cost_table(capsys):
 def test_cost_unknown_gpu(capsys):
     code, out, err = run(capsys, "cost", "--model", "gpt2", "--tokens", "1e9", "--gpus", "2xnosuchgpu")
     assert code == 2 and err.startswith("error: unknown GPU")
+
+
+@pytest.mark.parametrize("extra", [[], ["--activations.checkpointing=full", "--precision.autocast=bf16"],
+                                   ["--train.grad_accum_steps=2", "--train.fused_loss=true"]])
+def test_every_training_run_checks_the_planner(tmp_path, tiny_overrides, extra, capsys):
+    """summary.json carries the planned step peak next to the measured one (within 10 %)."""
+    import json
+
+    assert main(["train", *tiny_overrides, "--train.max_steps=3", "--train.eval_steps=0", *extra]) == 0
+    memory = json.loads((tmp_path / "run" / "summary.json").read_text())["memory"]
+    assert memory["planned_peak_bytes"] > 0
+    assert memory["planned_error"] == pytest.approx(memory["planned_peak_bytes"] / memory["peak_bytes"] - 1)
+    assert abs(memory["planned_error"]) < 0.10
+    assert "planned by `slipstream plan`" in capsys.readouterr().out

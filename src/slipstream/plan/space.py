@@ -167,3 +167,30 @@ def strategy_overrides(s: Strategy, seq_len: int) -> dict[str, object]:
         values["parallel.dp_shard"] = s.dp_shard
         values["parallel.dp_replicate"] = s.dp // s.dp_shard
     return values
+
+
+def precision_of(cfg) -> str:
+    """The compute dtype a training Config runs in (the planner's `precision`)."""
+    for value in (cfg.precision.autocast, cfg.parallel.param_dtype):
+        if value in ("bf16", "fp16"):
+            return value
+    return "fp32"
+
+
+def strategy_from_config(cfg, world: int, dp_strategy: str | None = None, dp_shard: int = 0) -> Strategy:
+    """The layout a training Config runs on `world` processes (the inverse of strategy_overrides).
+
+    dp_strategy / dp_shard: as resolved by the launch (auto -> none or ddp; hsdp's shard size);
+    by default resolved here the same way. Activation offload is not modelled: it is planned as
+    "none", which over-states its memory, never under-states it.
+    """
+    strategy = dp_strategy or cfg.parallel.dp_strategy
+    if strategy == "auto":
+        strategy = "none" if world == 1 else "ddp"
+    if strategy == "hsdp":
+        dp_shard = dp_shard or cfg.parallel.dp_shard or world
+    ac = cfg.activations.checkpointing if cfg.activations.checkpointing in AC_MODES else "none"
+    return Strategy(dp_strategy=strategy, dp=world, dp_shard=dp_shard if strategy == "hsdp" else 0,
+                    micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum_steps, ac=ac,
+                    precision=precision_of(cfg), offload=cfg.parallel.offload, fused_loss=cfg.train.fused_loss,
+                    loss_chunk=cfg.train.fused_loss_chunk)

@@ -55,14 +55,6 @@ def _arg(key: str, value: object) -> str:
     return f"--{key}={text}"
 
 
-def _precision(cfg) -> str:
-    """The compute dtype the config trains in (the planner's `precision`)."""
-    for value in (cfg.precision.autocast, cfg.parallel.param_dtype):
-        if value in ("bf16", "fp16"):
-            return value
-    return "fp32"
-
-
 def _vocab(cfg) -> int:
     """The vocabulary the model will have: its own, or the prepared data's / tokenizer's."""
     if cfg.model.vocab_size:
@@ -102,22 +94,6 @@ def _cluster(cfg, nproc: int):
     if short is None:
         raise UserError(f"the planner has no datasheet for the GPU {name!r}; known: {', '.join(known_gpus())}")
     return make_cluster(f"{nproc}x{short}")
-
-
-def _current_strategy(cfg, nproc: int, precision: str):
-    """The config's own layout as a Strategy (for its prediction)."""
-    from slipstream.plan.space import AC_MODES, Strategy
-
-    dp_strategy = cfg.parallel.dp_strategy
-    if dp_strategy == "auto":
-        dp_strategy = "none" if nproc == 1 else "ddp"
-    shard = (cfg.parallel.dp_shard or nproc) if dp_strategy == "hsdp" else 0
-    # Activation offload is not modelled; predicting it as "none" over-states its memory, never under-states.
-    ac = cfg.activations.checkpointing if cfg.activations.checkpointing in AC_MODES else "none"
-    return Strategy(dp_strategy=dp_strategy, dp=nproc, dp_shard=shard, micro_batch=cfg.train.micro_batch_size,
-                    grad_accum=cfg.train.grad_accum_steps, ac=ac, precision=precision,
-                    offload=cfg.parallel.offload, fused_loss=cfg.train.fused_loss,
-                    loss_chunk=cfg.train.fused_loss_chunk)
 
 
 def read_trial(run_dir: Path) -> dict:
@@ -225,7 +201,7 @@ def tune_system(config_path: str, overrides: list[str], budget_s: float, top: in
     """Plan, run the trials, and return the JSON-ready result (see the module doc)."""
     from slipstream.config import load_config
     from slipstream.plan.search import evaluate, explain_infeasible, plan
-    from slipstream.plan.space import PlanModel, Workload, strategy_overrides
+    from slipstream.plan.space import PlanModel, Workload, precision_of, strategy_from_config, strategy_overrides
     from slipstream.plan.timing import DEFAULT_EFFICIENCY
 
     if not config_path:
@@ -238,11 +214,11 @@ def tune_system(config_path: str, overrides: list[str], budget_s: float, top: in
         raise UserError(f"--budget {budget_s:g}s is too small: one trial needs at least {MIN_TRIAL_S:g}s "
                         f"(the current layout plus the top {top} need {MIN_TRIAL_S * (top + 1):g}s)")
     cfg = load_config(config_path, overrides)
-    precision = _precision(cfg)
+    precision = precision_of(cfg)
     cluster = _cluster(cfg, nproc)
     model = PlanModel(cfg.model.preset or Path(config_path).stem,
                       dataclasses.replace(cfg.model, vocab_size=_vocab(cfg)))
-    current = _current_strategy(cfg, nproc, precision)
+    current = strategy_from_config(cfg, nproc)
     work = Workload(seq_len=cfg.train.seq_len, global_batch=current.micro_batch * current.grad_accum * nproc)
     # Predicted as `slipstream plan` predicts by default, so the fitted efficiency is a drop-in value for it.
     result = plan(model, cluster, work, efficiency=DEFAULT_EFFICIENCY, runnable_only=True, precision=precision)

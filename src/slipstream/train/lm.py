@@ -145,11 +145,39 @@ def build_lm_trainer(cfg: Config):
         files["tokenizer.json"] = tokenizer[4:]
         meta["tokenizer"] = "bpe:tokenizer.json"
     loss_fn = functools.partial(fused_lm_loss_fn, chunk_size=t.fused_loss_chunk) if t.fused_loss else lm_loss_fn
+    planned = plan_step_memory(cfg, par, device)
     return Trainer(model, train_loader, loss_fn, config=cfg, val_data=val_loader,
                    tokens_per_batch=t.micro_batch_size * t.seq_len,
                    flops_per_token=flops_per_token(cfg.model, t.seq_len), device=device,
                    checkpoint_meta=meta, checkpoint_files=files, model_summary=describe_model(cfg), parallel=par,
-                   init_model=init_model)
+                   init_model=init_model, planned_peak_bytes=planned)
+
+
+def plan_step_memory(cfg: Config, par, device: torch.device) -> int | None:
+    """The planner's step peak for this run (compared with the measured one in summary.json).
+    On a GPU, a config predicted not to fit gets a warning before any memory is spent."""
+    import warnings
+
+    from slipstream.plan.memory import GIB, estimate_memory
+    from slipstream.plan.space import PlanModel, strategy_from_config
+
+    dims = par.dims
+    strategy = strategy_from_config(cfg, dims.dp, dims.strategy, dims.dp_shard if dims.strategy == "hsdp" else 0)
+    try:
+        estimate = estimate_memory(PlanModel(cfg.model.preset, cfg.model), strategy, cfg.train.seq_len,
+                                   device=device.type, optimizer_state_bytes=2 if cfg.optim.state_dtype == "bf16" else 4)
+    except Exception as e:  # noqa: BLE001 - the prediction is a check; it must never stop a run
+        warnings.warn(f"slipstream plan could not predict this run's memory ({type(e).__name__}: {e})", stacklevel=2)
+        return None
+    if device.type == "cuda":
+        capacity = torch.cuda.get_device_properties(device).total_memory
+        if estimate.total_bytes > capacity:
+            warnings.warn(f"slipstream plan predicts {estimate.total_bytes / GIB:.1f} GiB per GPU for this config, "
+                          f"more than the GPU's {capacity / GIB:.1f} GiB; `slipstream plan --model {cfg.model.preset} "
+                          f"--gpus {par.world_size}x<GPU> --seq {cfg.train.seq_len} --global-batch "
+                          f"{cfg.train.micro_batch_size * cfg.train.grad_accum_steps * dims.dp}` lists layouts "
+                          "that fit", stacklevel=2)
+    return estimate.peak_bytes
 
 
 def train_lm(cfg: Config) -> dict[str, Any]:

@@ -97,7 +97,7 @@ class Trainer:
                  val_data: Any = None, tokens_per_batch: int | None = None, flops_per_token: float | None = None,
                  collate_fn=None, device: torch.device | None = None, checkpoint_meta: dict | None = None,
                  checkpoint_files: dict[str, str] | None = None, model_summary: str = "", parallel=None,
-                 init_model: Callable[[nn.Module], Any] | None = None):
+                 init_model: Callable[[nn.Module], Any] | None = None, planned_peak_bytes: int | None = None):
         from slipstream.distributed.data_parallel import apply_data_parallel
         from slipstream.distributed.mesh import SHARDED, init_parallel
 
@@ -128,6 +128,7 @@ class Trainer:
         self.checkpoint_meta = checkpoint_meta or {}
         self.checkpoint_files = checkpoint_files or {}
         self.model_summary = model_summary
+        self.planned_peak_bytes = planned_peak_bytes  # slipstream plan's prediction of the step peak, if any
         self.optimizer = build_optimizer(self.model, self.cfg, self.parallel)
         self._grads_in_buckets = gradients_live_in_buckets(self.model, self.cfg)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.cfg.train.max_steps)
@@ -576,7 +577,9 @@ class Trainer:
         if self.memory_report is not None:
             summary["memory"] = {"step": measure_at, "peak_bytes": self.memory_report.peak_bytes,
                                  "phases": self.memory_report.phases, "categories": self.memory_report.categories,
-                                 "method": self.memory_report.method}
+                                 "method": self.memory_report.method, "planned_peak_bytes": self.planned_peak_bytes}
+            if self.planned_peak_bytes:  # every run checks the planner (docs/planner.md)
+                summary["memory"]["planned_error"] = self.planned_peak_bytes / self.memory_report.peak_bytes - 1
         if self.parallel.world_size > 1:
             summary.update(self._job_summary(summary))
         if not main:
@@ -588,4 +591,7 @@ class Trainer:
         if self.memory_report is not None:
             print(f"memory of training step {measure_at} (rank 0):")
             print(format_memory_report(self.memory_report))
+            if self.planned_peak_bytes:
+                print(f"  planned by `slipstream plan`: {self.planned_peak_bytes / 2**20:.1f} MiB "
+                      f"({summary['memory']['planned_error']:+.1%} of the measured peak)")
         return summary
