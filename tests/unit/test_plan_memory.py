@@ -135,3 +135,14 @@ def test_case_labels_are_unique():
     assert len(labels) == len(set(labels))
     assert isinstance(Case("tiny", Strategy()).model_config(), ModelConfig)
     assert dataclasses.is_dataclass(Case)
+
+
+def test_device_accuracy_path_runs_on_cpu():
+    """`bench planner --device cuda` runs this code on a GPU; here the same path on the CPU."""
+    from slipstream.plan.accuracy import device_cases, run_device_accuracy
+
+    assert len(device_cases()) >= 10 and all(c.seq_len == 1024 for c in device_cases())
+    case = Case("tiny", Strategy(micro_batch=4, precision="fp32"), seq_len=64)
+    (row,) = run_device_accuracy("cpu", "1xcpu", [case])
+    assert abs(row["error"]) < TARGET_ERROR
+    assert row["measured_step_s"] > 0 and row["planned_step_s"] > 0 and row["measured_reserved_bytes"] is None

@@ -7,7 +7,13 @@ clipping, zero_grad(set_to_none), the trainer's order of operations) and measure
 second one with PyTorch's MemTracker (single process) or FSDPMemTracker over a fake
 process group of 8 ranks (sharded strategies: one real rank whose collectives are
 no-ops, so the tensors each rank holds are real and counted). The planner predicts the
-same step from shapes alone. Tests guard the error (tests/unit/test_plan_accuracy.py).
+same step from shapes alone. Tests guard the error (tests/unit/test_plan_memory.py).
+
+    slipstream bench planner --device cuda
+
+runs GPT-2 small and medium steps on the GPU instead (one process, bf16): the CUDA
+allocator's peak (allocated and reserved) and the step time, against the planner's memory
+and time for that GPU (benchmarks/planner-accuracy-<gpu>.json).
 """
 
 from __future__ import annotations
@@ -76,7 +82,7 @@ def _train_step(model, optimizer, batch, targets, s: Strategy, fused_loss) -> No
     from slipstream.models.transformer import lm_loss
 
     # Low precision is autocast, except on the FSDP family, where it is FSDP mixed precision.
-    autocast = torch.autocast("cpu", dtype=torch.bfloat16,
+    autocast = torch.autocast(batch.device.type, dtype=torch.bfloat16,
                               enabled=s.precision == "bf16" and s.dp_strategy in ("none", "ddp", "zero1"))
     for micro in range(s.grad_accum):
         x, y = batch[micro], targets[micro]
@@ -226,4 +232,88 @@ def run_accuracy(cases: list[Case] | None = None) -> list[dict[str, Any]]:
         planned = plan_case(case)
         rows.append({"case": case.label(), "measured_bytes": measured, "planned_bytes": planned,
                      "error": (planned - measured) / measured, "seconds": round(time.perf_counter() - t0, 2)})
+    return rows
+
+
+# ---------------------------------------------------------------- on a device (GPU)
+
+def device_cases() -> list[Case]:
+    """GPT-2 small and medium at sequence 1024 in bf16: AC modes, micro-batches, fused loss."""
+    cases = []
+    for preset, micro_batches in (("gpt2", (4, 8, 16)), ("gpt2-medium", (4, 8))):
+        for mb in micro_batches:
+            for ac in ("none", "selective", "full"):
+                cases.append(Case(preset, Strategy(micro_batch=mb, ac=ac, precision="bf16"), seq_len=1024,
+                                  overrides=(("vocab_size", 50257),)))
+        cases.append(Case(preset, Strategy(micro_batch=8, precision="bf16", fused_loss=True), seq_len=1024,
+                          overrides=(("vocab_size", 50257),)))
+    return cases
+
+
+def measure_on_device(case: Case, device: str, steps: int = 8) -> dict[str, float]:
+    """One process on `device`: the step peak (MemTracker on CPU, the CUDA allocator on GPUs:
+    allocated and reserved) of step 2, and the median step time of the steps after it."""
+    from slipstream.models.transformer import build_model
+    from slipstream.observe.memprofile import measure_step_memory
+    from slipstream.optimize.activations import apply_activation_checkpointing
+
+    s, cfg = case.strategy, case.model_config()
+    torch.manual_seed(0)
+    batch = torch.randint(0, cfg.vocab_size, (s.grad_accum, s.micro_batch, case.seq_len), device=device)
+    targets = torch.randint(0, cfg.vocab_size, (s.grad_accum, s.micro_batch, case.seq_len), device=device)
+    fused = _fused_loss(s.loss_chunk) if s.fused_loss else None
+    model = apply_activation_checkpointing(build_model(cfg, device=device), s.ac)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+
+    def step() -> None:
+        _train_step(model, optimizer, batch, targets, s, fused)
+        _optimizer_step(model, optimizer)
+
+    step()
+    report = measure_step_memory(model, optimizer, lambda: _train_step(model, optimizer, batch, targets, s, fused),
+                                 lambda: _optimizer_step(model, optimizer), device)
+    times = []
+    for _ in range(steps):
+        if torch.device(device).type != "cpu":
+            torch.accelerator.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if torch.device(device).type != "cpu":
+            torch.accelerator.synchronize()  # the GPU runs ahead: time the work, not the launches
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return {"peak_bytes": report.peak_bytes, "reserved_bytes": report.reserved_peak_bytes,
+            "step_s": times[len(times) // 2]}
+
+
+def run_device_accuracy(device: str, gpus: str, cases: list[Case] | None = None) -> list[dict[str, Any]]:
+    """Planned vs measured memory and step time per case; `gpus` names the cluster to plan
+    for (e.g. "1xH200", or "1xcpu" on a CPU)."""
+    from slipstream.plan.hardware import make_cluster
+    from slipstream.plan.space import Workload
+    from slipstream.plan.timing import estimate_time
+
+    cluster = make_cluster(gpus)
+    rows = []
+    for case in cases or device_cases():
+        model = PlanModel(case.preset, case.model_config())
+        work = Workload(case.seq_len, case.strategy.micro_batch * case.strategy.grad_accum)
+        memory = estimate_memory(model, case.strategy, case.seq_len, device=torch.device(device).type)
+        time_estimate = estimate_time(model, case.strategy, work, cluster)
+        try:
+            measured = measure_on_device(case, device)
+        except torch.OutOfMemoryError:
+            rows.append({"case": case.label(), "planned_bytes": memory.peak_bytes, "planned_total_bytes":
+                         memory.total_bytes, "fits_planned": memory.total_bytes <= cluster.memory_bytes,
+                         "measured": "out of memory"})
+            torch.cuda.empty_cache()
+            continue
+        rows.append({"case": case.label(), "measured_bytes": measured["peak_bytes"],
+                     "measured_reserved_bytes": measured["reserved_bytes"], "planned_bytes": memory.peak_bytes,
+                     "planned_total_bytes": memory.total_bytes,
+                     "error": memory.peak_bytes / measured["peak_bytes"] - 1,
+                     "measured_step_s": measured["step_s"], "planned_step_s": time_estimate.step_s,
+                     "step_error": time_estimate.step_s / measured["step_s"] - 1})
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return rows

@@ -72,7 +72,8 @@ def add_plan_parsers(sub, bench) -> None:
     p.set_defaults(func=main_cost)
 
     p = bench.add_parser("planner", help="planner accuracy: planned vs measured memory on this CPU, vs published runs")
-    p.add_argument("--out", default="benchmarks/planner-accuracy-cpu.json")
+    p.add_argument("--device", default="cpu", help="cpu: the fake-process-group grid; cuda: GPT-2 steps on this GPU")
+    p.add_argument("--out", default="", help="JSON file (default benchmarks/planner-accuracy-<cpu|gpu>.json)")
     p.set_defaults(func=main_bench_planner)
 
 
@@ -261,6 +262,8 @@ def main_bench_planner(args, extra) -> int:
 
     if extra:
         raise UserError(f"unexpected arguments: {' '.join(extra)}")
+    if args.device != "cpu":
+        return _bench_planner_on_device(args)
     rows = run_accuracy()
     worst = max(abs(r["error"]) for r in rows)
     fitted = fit_efficiency()
@@ -276,6 +279,35 @@ def main_bench_planner(args, extra) -> int:
     result = {"benchmark": "planner-accuracy", "target_error": TARGET_ERROR, "memory_cases": rows,
               "memory_worst_error": worst, "published": published, "efficiency": DEFAULT_EFFICIENCY,
               "efficiency_fitted": fitted, "env": collect_env()}
-    write_json_atomic(args.out, result)
-    print(f"wrote {args.out}")
+    out = args.out or "benchmarks/planner-accuracy-cpu.json"
+    write_json_atomic(out, result)
+    print(f"wrote {out}")
     return 0 if worst <= TARGET_ERROR else 1
+
+
+def _bench_planner_on_device(args) -> int:
+    """GPT-2 steps on the GPU: allocator peak and step time vs the plan for this GPU."""
+    import torch
+
+    from slipstream.observe.env import collect_env, write_json_atomic
+    from slipstream.plan.accuracy import run_device_accuracy
+    from slipstream.plan.tune import gpu_short_name
+
+    if not args.device.startswith("cuda") or not torch.cuda.is_available():
+        raise UserError(f"bench planner --device {args.device}: needs a CUDA GPU here (or --device cpu)")
+    short = gpu_short_name(torch.cuda.get_device_name(torch.device(args.device)))
+    if short is None:
+        raise UserError(f"{torch.cuda.get_device_name()} is not in the planner's GPU table")
+    rows = run_device_accuracy(args.device, f"1x{short}")
+    for r in rows:
+        if "error" in r:
+            print(f"  {r['case']:<64} memory {r['measured_bytes'] / GIB:6.2f} GiB planned {r['planned_bytes'] / GIB:6.2f} "
+                  f"({r['error']:+6.1%})  step {r['measured_step_s'] * 1e3:7.1f} ms planned "
+                  f"{r['planned_step_s'] * 1e3:7.1f} ({r['step_error']:+6.1%})")
+        else:
+            print(f"  {r['case']:<64} {r['measured']} (planned {r['planned_total_bytes'] / GIB:.1f} GiB)")
+    out = args.out or f"benchmarks/planner-accuracy-{short.lower()}.json"
+    write_json_atomic(out, {"benchmark": "planner-accuracy-gpu", "gpu": short, "cases": rows,
+                            "efficiency": DEFAULT_EFFICIENCY, "env": collect_env()})
+    print(f"wrote {out}")
+    return 0
