@@ -72,8 +72,8 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
     """Write `text` to `path` so readers never see a half-written file.
 
     The data goes to a temporary file in the same directory (same filesystem, so the
-    rename is atomic) and then replaces `path` with os.replace. The file gets the usual
-    0644 mode (mkstemp makes temporaries owner-only).
+    rename is atomic) and then replaces `path` with os.replace. The file keeps the mode of
+    the one it replaces, or gets the umask's usual mode (mkstemp makes temporaries owner-only).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -83,7 +83,7 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp_name, 0o644)
+        os.chmod(tmp_name, _file_mode(path))
         os.replace(tmp_name, path)
     except BaseException:
         # Leave no stray temp file behind, whatever went wrong.
@@ -92,6 +92,15 @@ def write_text_atomic(path: str | os.PathLike, text: str) -> None:
         except FileNotFoundError:
             pass
         raise
+
+
+def _file_mode(path: Path) -> int:
+    try:
+        return path.stat().st_mode & 0o777
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def cpu_model() -> str:

@@ -273,13 +273,14 @@ def measure_on_device(case: Case, device: str, steps: int = 8) -> dict[str, floa
     report = measure_step_memory(model, optimizer, lambda: _train_step(model, optimizer, batch, targets, s, fused),
                                  lambda: _optimizer_step(model, optimizer), device)
     times = []
+    target = torch.device(device)
     for _ in range(steps):
-        if torch.device(device).type != "cpu":
-            torch.accelerator.synchronize()
+        if target.type != "cpu":
+            torch.accelerator.synchronize(target)
         t0 = time.perf_counter()
         step()
-        if torch.device(device).type != "cpu":
-            torch.accelerator.synchronize()  # the GPU runs ahead: time the work, not the launches
+        if target.type != "cpu":
+            torch.accelerator.synchronize(target)  # the GPU runs ahead: time the work, not the launches
         times.append(time.perf_counter() - t0)
     times.sort()
     return {"peak_bytes": report.peak_bytes, "reserved_bytes": report.reserved_peak_bytes,
@@ -303,10 +304,12 @@ def run_device_accuracy(device: str, gpus: str, cases: list[Case] | None = None)
         try:
             measured = measure_on_device(case, device)
         except torch.OutOfMemoryError:
+            measured = None  # the exception's frames hold the tensors: free them outside this block
+        if measured is None:
+            torch.cuda.empty_cache()
             rows.append({"case": case.label(), "planned_bytes": memory.peak_bytes, "planned_total_bytes":
                          memory.total_bytes, "fits_planned": memory.total_bytes <= cluster.memory_bytes,
                          "measured": "out of memory"})
-            torch.cuda.empty_cache()
             continue
         rows.append({"case": case.label(), "measured_bytes": measured["peak_bytes"],
                      "measured_reserved_bytes": measured["reserved_bytes"], "planned_bytes": memory.peak_bytes,

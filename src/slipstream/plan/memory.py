@@ -81,7 +81,7 @@ def _dtypes(s: Strategy) -> _Dtypes:
     low = s.precision != "fp32"
     # Sharded strategies run low precision as FSDP mixed precision (parameters gathered in
     # bf16, gradients reduced in fp32): no autocast, so the residual stream is low precision too.
-    fsdp_mp = low and s.dp_strategy in ("zero2", "fsdp", "hsdp")
+    fsdp_mp = low and s.dp_strategy in ("zero2", "fsdp", "hsdp") and s.fsdp_mixed
     if fsdp_mp:
         return _Dtypes(residual=2, compute=2, autocast=False, gathered=2, reduce=4)
     return _Dtypes(residual=4, compute=2 if low else 4, autocast=low, gathered=4, reduce=4)

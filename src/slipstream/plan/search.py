@@ -151,7 +151,11 @@ def plan(model: PlanModel, cluster: Cluster, work: Workload, *, efficiency: floa
     candidates = [evaluate(model, s, work, cluster, efficiency, device)
                   for s in layouts(model, cluster, work, runnable_only=runnable_only, **space)]
     if not candidates:
-        raise UserError(_no_layout_reason(model, cluster, work))
+        reason = _no_layout_reason(model, cluster, work)
+        if space.get("precision") == "fp16":
+            reason += (" Note: fp16 is planned only with none, ddp and zero1 (its loss scaling runs through "
+                       "autocast); use --precision bf16 for the FSDP family.")
+        raise UserError(reason)
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: (-c.time.tokens_per_s, c.memory.total_bytes))
     rejected = sorted((c for c in candidates if not c.fits), key=lambda c: -c.time.tokens_per_s)
     return PlanResult(model, cluster, work, fitting, rejected, len(candidates))

@@ -87,6 +87,9 @@ class Strategy:
     ac: str = "none"
     precision: str = "bf16"    # autocast dtype for compute; sharded strategies use FSDP mixed precision
     offload: bool = False      # fsdp/zero2/hsdp: sharded state in host memory
+    # fsdp/zero2/hsdp in low precision: FSDP mixed precision (bf16 gathers, no autocast), the
+    # planner's choice; False = fp32 gathers under autocast, as a config may also ask for
+    fsdp_mixed: bool = True
     fused_loss: bool = False   # chunked linear + cross-entropy: logits never materialized whole
     loss_chunk: int = 4096
 
@@ -143,7 +146,7 @@ def strategy_overrides(s: Strategy, seq_len: int) -> dict[str, object]:
     reasons = s.not_runnable()
     if reasons:
         raise UserError(f"layout {s.label()} needs {', '.join(reasons)}, which slipstream cannot run yet")
-    sharded = s.dp_strategy in ("zero2", "fsdp", "hsdp")
+    sharded = s.dp_strategy in ("zero2", "fsdp", "hsdp") and s.fsdp_mixed
     low = s.precision != "fp32"
     values: dict[str, object] = {
         "train.seq_len": seq_len,
@@ -180,17 +183,17 @@ def precision_of(cfg) -> str:
 def strategy_from_config(cfg, world: int, dp_strategy: str | None = None, dp_shard: int = 0) -> Strategy:
     """The layout a training Config runs on `world` processes (the inverse of strategy_overrides).
 
-    dp_strategy / dp_shard: as resolved by the launch (auto -> none or ddp; hsdp's shard size);
-    by default resolved here the same way. Activation offload is not modelled: it is planned as
-    "none", which over-states its memory, never under-states it.
+    The data-parallel strategy and hsdp's shard size are resolved exactly as the trainer
+    resolves them (distributed.mesh.resolve_parallel_dims), unless given. Activation offload
+    is not modelled: it is planned as "none", which over-states its memory, never under-states.
     """
-    strategy = dp_strategy or cfg.parallel.dp_strategy
-    if strategy == "auto":
-        strategy = "none" if world == 1 else "ddp"
-    if strategy == "hsdp":
-        dp_shard = dp_shard or cfg.parallel.dp_shard or world
+    if dp_strategy is None:
+        from slipstream.distributed.mesh import resolve_parallel_dims
+
+        dims = resolve_parallel_dims(cfg.parallel, world, world)
+        dp_strategy, dp_shard = dims.strategy, dims.dp_shard
     ac = cfg.activations.checkpointing if cfg.activations.checkpointing in AC_MODES else "none"
-    return Strategy(dp_strategy=strategy, dp=world, dp_shard=dp_shard if strategy == "hsdp" else 0,
+    return Strategy(dp_strategy=dp_strategy, dp=world, dp_shard=dp_shard if dp_strategy == "hsdp" else 0,
                     micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum_steps, ac=ac,
                     precision=precision_of(cfg), offload=cfg.parallel.offload, fused_loss=cfg.train.fused_loss,
-                    loss_chunk=cfg.train.fused_loss_chunk)
+                    loss_chunk=cfg.train.fused_loss_chunk, fsdp_mixed=cfg.parallel.param_dtype in ("bf16", "fp16"))

@@ -254,7 +254,7 @@ def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward
         return {}
     params = _params_per_gpu(model, s)
     grad_bytes = params * 4
-    low = s.precision != "fp32"
+    low = s.precision != "fp32" and s.fsdp_mixed   # FSDP gathers in bf16 only under its mixed precision
     stride = s.tp * s.cp
     if s.dp_strategy in ("ddp", "zero1"):
         link = cluster.link_for(s.dp, stride)

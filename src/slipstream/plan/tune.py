@@ -131,38 +131,50 @@ def failure_reason(stderr: str, code: int) -> str:
 TRIAL_GRACE_S = 10.0
 
 
-def _descendants(pid: int) -> list[int]:
-    """Every process below `pid` (Linux /proc; empty elsewhere). torchrun starts its ranks in
-    their own sessions, so killing the trial's process group does not reach them."""
-    children: dict[int, list[int]] = {}
+def _descendants(pid: int) -> dict[int, str]:
+    """Every process below `pid`, with its start time (Linux /proc; empty elsewhere). torchrun
+    starts its ranks in their own sessions, so killing the trial's process group misses them."""
+    children: dict[int, list[tuple[int, str]]] = {}
     for entry in Path("/proc").glob("[0-9]*/stat"):
         with contextlib.suppress(OSError, ValueError, IndexError):
             fields = entry.read_text().rsplit(")", 1)[1].split()
-            children.setdefault(int(fields[1]), []).append(int(entry.parent.name))
-    found, todo = [], [pid]
+            # fields[1] is the parent pid, fields[19] the start time (stat fields 4 and 22)
+            children.setdefault(int(fields[1]), []).append((int(entry.parent.name), fields[19]))
+    found: dict[int, str] = {}
+    todo = [pid]
     while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
+        for child, started in children.get(todo.pop(), []):
+            found[child] = started
             todo.append(child)
     return found
 
 
+def _same_process(pid: int, started: str) -> bool:
+    """The pid still names the process we saw (not a new one that reused the number)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19] == started
+    except (OSError, IndexError):
+        return False
+
+
 def stop_trial(proc: subprocess.Popen, grace_s: float = TRIAL_GRACE_S) -> None:
     """Stop a trial and everything it started: SIGTERM first (the launcher forwards it and
-    torchrun tears its ranks down), SIGKILL to whatever is left after `grace_s`."""
+    torchrun tears its ranks down), SIGKILL to whatever is left after `grace_s`. Only
+    processes still alive as the ones seen are killed, never a reused pid."""
     family = _descendants(proc.pid)
-    with contextlib.suppress(ProcessLookupError):
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(proc.pid, signal.SIGTERM)
     try:
         proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
-        pass
-    for pid in [proc.pid, *family, *_descendants(proc.pid)]:
+        family.update(_descendants(proc.pid))
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+            os.killpg(proc.pid, signal.SIGKILL)   # proc is not reaped yet: its pid and group are still ours
+        proc.wait()
+    for pid, started in family.items():
+        if _same_process(pid, started):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
 
 
 def subprocess_trials(config_path: str, overrides: list[str], nproc: int, steps: int, work_dir: Path) -> RunTrial:
@@ -256,9 +268,11 @@ def tune_system(config_path: str, overrides: list[str], budget_s: float, top: in
                    for label, candidate, layout in trials]
     finally:
         # The trials' logs stay when one failed (the reasons point into them), else they go.
-        failed = "records" not in locals() or any(r["status"] != "ok" for r in records)
-        if failed and any(Path(tmp).iterdir()):
+        interrupted = "records" not in locals()
+        if (interrupted or any(r["status"] != "ok" for r in records)) and any(Path(tmp).iterdir()):
             notes.append(f"trial logs kept in {tmp}")
+            if interrupted:
+                print(f"tune system stopped; trial logs kept in {tmp}", file=sys.stderr)
         else:
             shutil.rmtree(tmp, ignore_errors=True)
 

@@ -162,19 +162,21 @@ def plan_step_memory(cfg: Config, par, device: torch.device) -> int | None:
     from slipstream.plan.space import PlanModel, strategy_from_config
 
     dims = par.dims
-    strategy = strategy_from_config(cfg, dims.dp, dims.strategy, dims.dp_shard if dims.strategy == "hsdp" else 0)
     try:
+        strategy = strategy_from_config(cfg, dims.dp, dims.strategy, dims.dp_shard)
         estimate = estimate_memory(PlanModel(cfg.model.preset, cfg.model), strategy, cfg.train.seq_len,
                                    device=device.type, optimizer_state_bytes=2 if cfg.optim.state_dtype == "bf16" else 4)
     except Exception as e:  # noqa: BLE001 - the prediction is a check; it must never stop a run
-        warnings.warn(f"slipstream plan could not predict this run's memory ({type(e).__name__}: {e})", stacklevel=2)
+        if par.is_main:
+            warnings.warn(f"slipstream plan could not predict this run's memory ({type(e).__name__}: {e})",
+                          stacklevel=2)
         return None
-    if device.type == "cuda":
+    if device.type == "cuda" and par.is_main:
         capacity = torch.cuda.get_device_properties(device).total_memory
         if estimate.total_bytes > capacity:
             warnings.warn(f"slipstream plan predicts {estimate.total_bytes / GIB:.1f} GiB per GPU for this config, "
-                          f"more than the GPU's {capacity / GIB:.1f} GiB; `slipstream plan --model {cfg.model.preset} "
-                          f"--gpus {par.world_size}x<GPU> --seq {cfg.train.seq_len} --global-batch "
+                          f"more than the GPU's {capacity / GIB:.1f} GiB; `slipstream plan --model <this config's "
+                          f"TOML> --gpus {par.world_size}x<GPU> --seq {cfg.train.seq_len} --global-batch "
                           f"{cfg.train.micro_batch_size * cfg.train.grad_accum_steps * dims.dp}` lists layouts "
                           "that fit", stacklevel=2)
     return estimate.peak_bytes
