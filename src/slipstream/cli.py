@@ -15,7 +15,7 @@
     slipstream bench fused-ce [--rows N --d D --vocab V --dtype ... --chunk-size ...]
     slipstream bench ladder [memory|speed|both] [--device D --size S --repeats N --steps N --batch B]
     slipstream bench planner [--device cpu|cuda] [--out FILE]
-    slipstream plan --model M --gpus 8xH100 [--nodes N] --seq S --global-batch B [--top K --write-config F --json]
+    slipstream plan --model M --gpus 8xH100 [--nodes N] --seq S --global-batch B [--top K --calibrate RUN_DIR... --json]
     slipstream cost --model M --tokens 300e9 --gpus 8xH100 [--nodes N --price P --json]
     slipstream tune system --config FILE [--budget 10m --top K --nproc N --steps S --json --write-config OUT]
 

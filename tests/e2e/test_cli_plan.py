@@ -210,3 +210,22 @@ def test_every_training_run_checks_the_planner(tmp_path, tiny_overrides, extra, 
     assert memory["planned_error"] == pytest.approx(memory["planned_peak_bytes"] / memory["peak_bytes"] - 1)
     assert abs(memory["planned_error"]) < 0.10
     assert "planned by `slipstream plan`" in capsys.readouterr().out
+
+
+def test_calibrate_from_a_finished_run(tmp_path, tiny_overrides, capsys):
+    """--calibrate RUN_DIR: the run's measured tokens/s against the plan of its own config."""
+    import json
+
+    assert main(["train", *tiny_overrides, "--train.max_steps=6", "--train.eval_steps=0"]) == 0
+    run = tmp_path / "run"
+    capsys.readouterr()
+    args = ["plan", "--model", "tiny", "--vocab", "256", "--gpus", "1xcpu", "--seq", "32", "--global-batch", "8",
+            "--calibrate", str(run), "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert 0 < out["efficiency"] < 5 and out["efficiency"] != pytest.approx(0.87)
+    # a CPU run cannot calibrate a GPU plan, and a folder that is not a run is refused
+    assert main([*args[:6], "1xH100", *args[7:]]) == 2
+    assert "same kind of device" in capsys.readouterr().err
+    assert main([*args[:-2], str(tmp_path), "--json"]) == 2
+    assert "not a finished run directory" in capsys.readouterr().err

@@ -35,6 +35,9 @@ def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="bf16", choices=PRECISIONS)
     p.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY,
                    help="compute efficiency factor (fitted to published runs; `slipstream tune system` measures yours)")
+    p.add_argument("--calibrate", nargs="+", default=None, metavar="RUN_DIR",
+                   help="finished `slipstream train` run directories on this kind of device: their measured "
+                        "tokens/s set the efficiency (replaces --efficiency)")
     p.add_argument("--runnable-only", action="store_true", help="only layouts slipstream can run today")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
@@ -92,6 +95,14 @@ def _setup(args, seq_len: int | None):
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     cluster = make_cluster(args.gpus, nodes=args.nodes, intra=args.intra, inter=args.inter, probe=args.probe,
                            memory_gib=args.memory_gib)
+    if args.calibrate:
+        from slipstream.plan.report import efficiency_from_runs
+
+        args.efficiency, runs = efficiency_from_runs(args.calibrate, cluster)
+        if not args.json:
+            print(f"efficiency {args.efficiency:.3f}, measured by {len(runs)} run(s): " + "; ".join(
+                f"{r['layout']} {r['measured_tokens_per_s']:,.0f} vs {r['predicted_tokens_per_s']:,.0f} tokens/s "
+                "predicted" for r in runs))
     return resolve_model(args.model, vocab=args.vocab, seq_len=seq_len), cluster
 
 
@@ -122,7 +133,8 @@ def main_plan(args, extra) -> int:
         raise UserError(explain_infeasible(result))
     written = _write_best_config(result, args.write_config) if args.write_config else None
     if args.json:
-        print(json.dumps(_plan_record(result, args.top, args.rejected, written), indent=2))
+        print(json.dumps({**_plan_record(result, args.top, args.rejected, written), "efficiency": args.efficiency},
+                         indent=2))
     else:
         print(format_plan(result, args.top, args.rejected))
         if written:

@@ -118,3 +118,48 @@ def fit_efficiency(runs=PUBLISHED_RUNS) -> float:
 
 def published_report(efficiency: float) -> list[dict]:
     return [c.to_record() for run in PUBLISHED_RUNS for c in compare_run(run, efficiency)]
+
+
+def efficiency_from_runs(run_dirs: list[str], cluster) -> tuple[float, list[dict]]:
+    """The compute efficiency measured by finished `slipstream train` runs on this cluster's
+    kind of device: for each run, the planner's prediction of its own config (at the default
+    efficiency) against its measured tokens/s; the median ratio x the default."""
+    import dataclasses
+    import json
+    from pathlib import Path
+
+    from slipstream.config.load import config_from_toml_text
+    from slipstream.errors import UserError
+    from slipstream.plan.hardware import canonical_gpu_name
+    from slipstream.plan.space import strategy_from_config
+    from slipstream.plan.timing import DEFAULT_EFFICIENCY
+    from slipstream.plan.tune import read_trial
+
+    rows = []
+    for run_dir in map(Path, run_dirs):
+        files = [run_dir / name for name in ("config.toml", "summary.json", "metrics.jsonl", "env.json")]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise UserError(f"--calibrate {run_dir}: not a finished run directory (no {', '.join(missing)}); "
+                            "pass the run directory of a completed `slipstream train`")
+        cfg = config_from_toml_text(files[0].read_text(encoding="utf-8"))
+        summary = json.loads(files[1].read_text())
+        env = json.loads(files[3].read_text())
+        names = {canonical_gpu_name(d.get("name", "")) for d in env.get("devices", [])} or {"cpu"}
+        if cluster.short_name not in names:
+            raise UserError(f"--calibrate {run_dir}: that run used {', '.join(sorted(map(str, names)))}, the plan is "
+                            f"for {cluster.short_name}; calibrate with runs on the same kind of device")
+        world = int(summary.get("world_size", 1))
+        per_node = min(world, cluster.gpus_per_node)
+        here = dataclasses.replace(cluster, gpus_per_node=per_node, nodes=max(1, world // per_node))
+        strategy = strategy_from_config(cfg, world)
+        work = Workload(cfg.train.seq_len, cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world)
+        predicted = estimate_time(PlanModel(cfg.model.preset, cfg.model), strategy, work, here).tokens_per_s
+        measured = read_trial(run_dir)["tokens_per_s"]
+        if not measured:
+            raise UserError(f"--calibrate {run_dir}: the run logged no tokens/s")
+        rows.append({"run": str(run_dir), "layout": strategy.label(), "predicted_tokens_per_s": predicted,
+                     "measured_tokens_per_s": measured})
+    efficiency = DEFAULT_EFFICIENCY * statistics.median(r["measured_tokens_per_s"] / r["predicted_tokens_per_s"]
+                                                        for r in rows)
+    return efficiency, rows
