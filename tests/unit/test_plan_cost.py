@@ -149,3 +149,12 @@ def test_format_and_record():
     assert record["spot"]["preemptions"] == pytest.approx(est.spot.preemptions)
     assert record["on_demand"]["dollars"] == pytest.approx(est.on_demand.dollars)
     assert record["prices"]["source"] == "test"
+
+
+def test_short_runs_are_told_the_final_save_is_enough():
+    from slipstream.plan.cost import estimate_cost, format_cost, prices_for
+
+    short = estimate_cost(1e9, 1e6, 8, prices_for("H100"))     # 17 minutes of training
+    assert "the final save is enough" in format_cost(short)
+    long = estimate_cost(1e13, 1e6, 1024, prices_for("H100"))
+    assert "the final save is enough" not in format_cost(long)

@@ -221,7 +221,9 @@ def format_cost(est: CostEstimate) -> str:
     lines += [
         f"{est.tokens:,.0f} tokens at {est.tokens_per_s:,.0f} tokens/s on {est.world} GPUs: "
         f"{format_duration(est.compute_hours * 3600)} of pure training",
-        f"checkpoint every {format_duration(est.checkpoint_interval_s)} (save {format_duration(est.save_s)}, "
+        f"checkpoint every {format_duration(est.checkpoint_interval_s)}"
+        f"{', longer than the run: the final save is enough' if est.checkpoint_interval_s >= est.compute_hours * 3600 else ''}"
+        f" (save {format_duration(est.save_s)}, "
         f"restart {format_duration(est.restart_s)}); job MTBF {format_duration(est.job_mtbf_hours * 3600)}; "
         f"spot: {est.preemptions_per_day:.2g} preemptions/day, each costing {on_notice}",
         f"prices: {est.prices.source}",
