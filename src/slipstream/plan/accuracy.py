@@ -128,17 +128,14 @@ def measure_case(case: Case) -> int:
     targets = torch.randint(0, cfg.vocab_size, (s.grad_accum, s.micro_batch, case.seq_len))
     fused = _fused_loss(s.loss_chunk) if s.fused_loss else None
 
-    if s.dp_strategy not in ("none", "ddp", "zero1"):
+    if s.dp_strategy == "none":
+        return int(measure_on_device(case, "cpu", steps=0)["peak_bytes"])
+    if s.dp_strategy not in ("ddp", "zero1"):
         return _measure_sharded(case, cfg, batch, targets, fused)
-    with _fake_process_group(s.dp) if s.dp > 1 else contextlib.nullcontext():
-        model = build_model(cfg)
-        apply_activation_checkpointing(model, s.ac)
-        if s.dp_strategy == "none":
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        else:
-            model = _ddp_without_traffic(model)
-            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True) if s.dp_strategy == "ddp" else \
-                ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4, fused=True)
+    with _fake_process_group(s.dp):
+        model = _ddp_without_traffic(apply_activation_checkpointing(build_model(cfg), s.ac))
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True) if s.dp_strategy == "ddp" else \
+            ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-4, fused=True)
         _train_step(model, optimizer, batch, targets, s, fused)
         _optimizer_step(model, optimizer)
         tracked = optimizer.optim if s.dp_strategy == "zero1" else optimizer  # ZeRO keeps its shard's state inside
@@ -252,7 +249,7 @@ def device_cases() -> list[Case]:
 
 def measure_on_device(case: Case, device: str, steps: int = 8) -> dict[str, float]:
     """One process on `device`: the step peak (MemTracker on CPU, the CUDA allocator on GPUs:
-    allocated and reserved) of step 2, and the median step time of the steps after it."""
+    allocated and reserved) of step 2, and the median time of `steps` steps after it (None for 0)."""
     from slipstream.models.transformer import build_model
     from slipstream.observe.memprofile import measure_step_memory
     from slipstream.optimize.activations import apply_activation_checkpointing
@@ -284,7 +281,7 @@ def measure_on_device(case: Case, device: str, steps: int = 8) -> dict[str, floa
         times.append(time.perf_counter() - t0)
     times.sort()
     return {"peak_bytes": report.peak_bytes, "reserved_bytes": report.reserved_peak_bytes,
-            "step_s": times[len(times) // 2]}
+            "step_s": times[len(times) // 2] if times else None}
 
 
 def run_device_accuracy(device: str, gpus: str, cases: list[Case] | None = None) -> list[dict[str, Any]]:
