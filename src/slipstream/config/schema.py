@@ -77,6 +77,8 @@ class DataConfig:
                           choices=("none", "swap_tokens"))
     augment_prob: float = option(0.1, "swap_tokens: probability of swapping each token with its neighbour.", min=0.0, max=1.0)
     augment_cost_ms: float = option(0.0, "swap_tokens: extra CPU time per sequence (ms), emulating an expensive preprocessing pipeline to reproduce a data-bound run.", min=0.0, max=10000.0)
+    verify: str = option("auto", "Check the prepared shards at train start: full (sha256 of every shard, ~1 s per GB), size (sizes and recorded max ids only), auto (full up to 1 GiB of shards, else size). Every batch is checked for ids outside the vocabulary either way.",
+                         choices=("auto", "full", "size"))
 
 
 @dataclass
