@@ -3,6 +3,7 @@
     slipstream train [--config FILE] [--section.key=value ...]
     slipstream generate --checkpoint PATH --prompt TEXT [--max-new-tokens N --temperature T --top-k K]
     slipstream data prepare --input PATH... --tokenizer T --out DIR
+    slipstream data verify --dir DIR
     slipstream data train-tokenizer --input PATH... --vocab-size N --out FILE
     slipstream config show [--config FILE] [--section.key=value ...]
     slipstream profile [--config FILE] [--section.key=value ...] [--steps N]
@@ -73,9 +74,16 @@ def cmd_generate(args, extra) -> int:
 
     if extra:
         raise UserError(f"unexpected arguments: {' '.join(extra)}")
-    text = generate_text(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens,
-                         temperature=args.temperature, top_k=args.top_k or None, seed=args.seed, device=args.device)
-    print(text)
+    def show(piece: str) -> None:  # each piece as soon as its tokens are sampled
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    try:
+        generate_text(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      top_k=args.top_k or None, seed=args.seed, device=args.device, on_text=show)
+        print(flush=True)
+    except BrokenPipeError:  # `slipstream generate ... | head`: the reader has all it wants
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
     return 0
 
 
@@ -104,6 +112,23 @@ def cmd_data_prepare(args, extra) -> int:
     splits = manifest.get("splits", {})
     counts = ", ".join(f"{name}: {info.get('tokens', 0):,} tokens" for name, info in splits.items())
     print(f"prepared {args.out} ({manifest['tokenizer']}, vocab {manifest['vocab_size']}): {counts}")
+    return 0
+
+
+def cmd_data_verify(args, extra) -> int:
+    from slipstream.data.prepare import verify_data
+
+    if extra:
+        raise UserError(f"unexpected arguments: {' '.join(extra)}")
+    _manifest, results = verify_data(args.dir)
+    for split, name, problem in results:
+        print(f"{'ok ' if problem is None else 'BAD'} {split} {name}" + (f": {problem}" if problem else ""), flush=True)
+    bad = [name for _split, name, problem in results if problem]
+    if bad:
+        print(f"{args.dir}: {len(bad)} of {len(results)} shards damaged ({', '.join(bad[:5])}"
+              f"{', ...' if len(bad) > 5 else ''}); run `slipstream data prepare` again", file=sys.stderr)
+        return 1
+    print(f"{args.dir}: all {len(results)} shards intact (sizes, sha256s, token ids < vocab)")
     return 0
 
 
@@ -237,6 +262,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=int, default=0, help="tokenizer processes; 0 = all cores")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_data_prepare)
+    p = data.add_parser("verify", help="check every shard of a prepared folder (sizes, sha256, token ids); exit 1 on damage")
+    p.add_argument("--dir", required=True, help="prepared data folder")
+    p.set_defaults(func=cmd_data_verify)
     p = data.add_parser("train-tokenizer", help="train a byte-level BPE tokenizer on the inputs")
     p.add_argument("--input", nargs="+", required=True)
     p.add_argument("--vocab-size", type=int, default=4096)

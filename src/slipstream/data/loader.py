@@ -38,7 +38,7 @@ from typing import Any, Callable, Iterator
 import numpy as np
 import torch
 
-from slipstream.data.prepare import load_manifest
+from slipstream.data.prepare import load_manifest, shard_problem
 from slipstream.errors import UserError
 
 MODES = ("random", "sequential")
@@ -122,13 +122,15 @@ class TokenLoader:
         # Memory-map every non-empty shard; the OS page cache does the buffering.
         dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
         self._shards = []
+        self._shard_files = []
         for shard in manifest["splits"][split]["shards"]:
             path = os.path.join(data_dir, shard["file"])
-            expected = shard["tokens"] * dtype.itemsize
-            if not os.path.isfile(path) or os.path.getsize(path) != expected:
-                raise UserError(f"shard {path} is missing or has the wrong size; run `slipstream data prepare` again")
+            problem = shard_problem(data_dir, manifest, shard, checksums=False)  # size and max_id: no reading
+            if problem:
+                raise UserError(f"{split} shard {path} {problem}; run `slipstream data prepare` again")
             if shard["tokens"] > 0:
                 self._shards.append(np.memmap(path, dtype=dtype, mode="r", shape=(shard["tokens"],)))
+                self._shard_files.append(path)
         self._shard_ends = np.cumsum([len(m) for m in self._shards], dtype=np.int64)
         self.total_tokens = int(self._shard_ends[-1]) if self._shards else 0
 
@@ -200,6 +202,11 @@ class TokenLoader:
             out[pos : pos + take] = shard[offset : offset + take]
             pos += take
             k += 1
+        # The manifest's vocab_size and max_id may lie (data from elsewhere, a shard edited
+        # after its sha256 was fixed up): no id the embedding cannot index leaves the loader.
+        # One max over the window costs microseconds per batch.
+        if len(out) and out.max() >= self.vocab_size:
+            raise self._bad_token(start, out)
 
     def _fill(self, index: int, out: np.ndarray) -> None:
         """Write batch `index` into out of shape (2, batch_size, seq_len): out[0] = x, out[1] = y."""
@@ -208,6 +215,14 @@ class TokenLoader:
             self._read(start, window)
             out[0, b] = window[:-1]
             out[1, b] = window[1:]
+
+    def _bad_token(self, start: int, window: np.ndarray) -> UserError:
+        pos = start + int(np.argmax(window >= self.vocab_size))
+        k = int(np.searchsorted(self._shard_ends, pos, side="right"))
+        offset = pos - (int(self._shard_ends[k]) - len(self._shards[k]))
+        return UserError(f"{self.split} shard {self._shard_files[k]} holds token id {int(self._shards[k][offset])} at "
+                         f"token {offset}, outside the vocabulary of {self.vocab_size} its manifest declares; the data "
+                         f"in {self.data_dir!r} is damaged or its manifest is wrong: run `slipstream data prepare` again")
 
     def _host_batch(self, index: int, pin: bool | None = None) -> torch.Tensor:
         host = torch.empty((2, self.batch_size, self.seq_len), dtype=torch.int64,
@@ -261,7 +276,14 @@ class TokenLoader:
                 num_workers=self.num_workers, pin_memory=self._pin,
                 prefetch_factor=max(1, self._depth), persistent_workers=False)
             self._workers_it = iter(loader)
-        return next(self._workers_it)
+        try:
+            return next(self._workers_it)
+        except UserError as e:
+            # A worker's error comes back with its traceback text in the message; the user
+            # needs the message only (its last line: "slipstream.errors.UserError: ...").
+            last = str(e).rstrip().splitlines()[-1]
+            prefix = f"{UserError.__module__}.{UserError.__name__}: "
+            raise UserError(last[len(prefix):] if last.startswith(prefix) else str(e)) from None
 
     def _next_prefetched(self) -> torch.Tensor:
         if self._thread is None:

@@ -512,11 +512,13 @@ def _same_build(manifest: dict, fingerprint: dict, tok: Tokenizer, settings: dic
     )
     if not same:
         return False
-    try:
-        verify_manifest(out_dir, checksums=checksums)
-    except UserError as e:
-        console.print(f"[data] {out_dir}: not reusing it: {e}", markup=False, highlight=False, soft_wrap=True)
-        return False
+    for split, info in manifest["splits"].items():
+        for shard in info["shards"]:
+            problem = shard_problem(out_dir, manifest, shard, checksums)
+            if problem:
+                console.print(f"[data] {out_dir}: {split} shard {shard['file']} {problem}; preparing it again",
+                              markup=False, highlight=False, soft_wrap=True)
+                return False
     return True
 
 

@@ -27,30 +27,56 @@ def default_data_dir(cfg: Config) -> Path:
     return Path("data") / f"{slug.strip('-')[:60]}-{digest}"
 
 
-def ensure_data(cfg: Config) -> tuple[Path, dict[str, Any]]:
+def ensure_data(cfg: Config, check: bool = True) -> tuple[Path, dict[str, Any]]:
     """The prepared token shards of this run.
 
     data.dir set: use that prepared folder as it is (from `slipstream data prepare`).
     data.dir empty: prepare data.inputs on first use into a cache folder; later runs reuse it.
+    Either way the shards are checked as data.verify says (check=False: another process on
+    this node already did).
     """
-    from slipstream.data import load_manifest, prepare_dataset
+    from slipstream.data import prepare_dataset, verify_manifest
+    from slipstream.data.prepare import AUTO_FULL_BYTES, data_bytes, load_manifest, wants_checksums
 
-    if cfg.data.dir:
-        return Path(cfg.data.dir), load_manifest(cfg.data.dir)
-    data_dir = default_data_dir(cfg)
-    manifest = prepare_dataset(cfg.data.inputs, cfg.data.tokenizer, str(data_dir), text_field=cfg.data.text_field,
-                               val_fraction=cfg.data.val_fraction, num_workers=cfg.data.prepare_workers or None,
-                               progress=cfg.logging.progress)
+    d = cfg.data
+    if d.dir:
+        manifest = load_manifest(d.dir)
+        checksums = check and wants_checksums(d.verify, manifest)
+        if check:
+            verify_manifest(d.dir, checksums=checksums)
+        data_dir = Path(d.dir)
+    else:
+        data_dir = default_data_dir(cfg)
+        manifest = prepare_dataset(d.inputs, d.tokenizer, str(data_dir), text_field=d.text_field,
+                                   val_fraction=d.val_fraction, num_workers=d.prepare_workers or None,
+                                   progress=cfg.logging.progress, verify=d.verify if check else "size")
+        checksums = check and wants_checksums(d.verify, manifest)
+    if check and d.verify == "auto" and not checksums:
+        print(f"note: {data_dir} holds {data_bytes(manifest) / 2**30:.1f} GiB of shards, more than data.verify=auto "
+              f"hashes at start ({AUTO_FULL_BYTES / 2**30:.0f} GiB); sizes checked only. `slipstream data verify "
+              f"--dir {data_dir}` or data.verify=full checks their sha256s")
     return data_dir, manifest
 
 
-def resolve_vocab(model_cfg: ModelConfig, data_vocab: int) -> ModelConfig:
+def resolve_vocab(model_cfg: ModelConfig, data_vocab: int, data_dir: str | Path = "the data") -> ModelConfig:
+    """The model's vocabulary: the data's when model.vocab_size = 0; never smaller than the
+    data's, whose ids the embedding must be able to index."""
     if model_cfg.vocab_size == 0:
         return dataclasses.replace(model_cfg, vocab_size=data_vocab)
     if model_cfg.vocab_size < data_vocab:
-        raise UserError(f"model.vocab_size = {model_cfg.vocab_size} is smaller than the tokenizer's vocabulary "
-                        f"({data_vocab}); set model.vocab_size = 0 to take it from the data")
+        raise UserError(f"model.vocab_size = {model_cfg.vocab_size} is smaller than the vocabulary of {data_dir} "
+                        f"({data_vocab}, from its manifest); set model.vocab_size >= {data_vocab}, or 0 to take it "
+                        "from the data")
     return model_cfg
+
+
+def check_tokenizer_vocab(tokenizer, manifest: dict[str, Any], data_dir: str | Path) -> None:
+    """The manifest's vocab_size is what the model is sized by and the loader checks ids
+    against: it must be its tokenizer's, or the manifest is wrong."""
+    if tokenizer.vocab_size != manifest["vocab_size"]:
+        raise UserError(f"the manifest of {data_dir} declares vocab_size {manifest['vocab_size']}, but its tokenizer "
+                        f"{manifest['tokenizer']} has {tokenizer.vocab_size} tokens; the manifest is wrong: run "
+                        "`slipstream data prepare` again")
 
 
 def lm_loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -104,18 +130,19 @@ def build_lm_trainer(cfg: Config):
     check_run_dir(make_run_dir(cfg))  # fail before preparing data or building the model
     if par.env.local_rank != 0:
         par.barrier()  # one process per node prepares (or finds) the cached data; the others wait
-    data_dir, manifest = ensure_data(cfg)
+    data_dir, manifest = ensure_data(cfg, check=par.env.local_rank == 0)
     if par.env.local_rank == 0:
         par.barrier()
     tokenizer = tokenizer_spec_for(str(data_dir), manifest)
-    get_tokenizer(tokenizer)  # a missing tokenizer file fails now, not when the first checkpoint is saved
+    # A missing tokenizer file fails now, not when the first checkpoint is saved.
+    check_tokenizer_vocab(get_tokenizer(tokenizer), manifest, data_dir)
     train_cfg = cfg.train
     if train_cfg.eval_steps and manifest["splits"].get("val", {}).get("tokens", 0) <= train_cfg.seq_len:
         print(f"note: {data_dir} has no validation split long enough for one sequence; evaluation is off "
               "(prepare with data.val_fraction > 0 to get one)")
         train_cfg = dataclasses.replace(train_cfg, eval_steps=0)
     # The run's config.toml records what was actually used: data folder, its tokenizer and vocabulary.
-    cfg = dataclasses.replace(cfg, model=resolve_vocab(cfg.model, manifest["vocab_size"]), train=train_cfg,
+    cfg = dataclasses.replace(cfg, model=resolve_vocab(cfg.model, manifest["vocab_size"], data_dir), train=train_cfg,
                               data=dataclasses.replace(cfg.data, dir=str(data_dir), tokenizer=manifest["tokenizer"]))
     seed_all(cfg.train.seed)
     with torch.device("meta"):
@@ -211,16 +238,98 @@ def load_lm_from_checkpoint(path: str | Path, device: str = "auto"):
     return model, get_tokenizer(spec), cfg
 
 
+# Generation has no natural end (the model conditions on its last max_seq_len tokens, so it can
+# run on forever): one call writes at most this many tokens, a few hundred KB of text.
+MAX_NEW_TOKENS = 100_000
+
+
+def check_prompt(prompt: str) -> None:
+    """A prompt must be text. Non-UTF-8 bytes in argv reach Python as lone surrogates
+    ("surrogateescape"), which no tokenizer can encode: name the byte instead of crashing."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        code = ord(prompt[e.start])
+        at = len(prompt[:e.start].encode("utf-8", "surrogateescape"))
+        what = f"byte 0x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else f"a lone surrogate U+{code:04X}"
+        raise UserError(f"--prompt is not valid UTF-8 text ({what} at byte {at}); pass the prompt as UTF-8, "
+                        "e.g. convert it with `iconv -t UTF-8`") from None
+
+
+class TextStream:
+    """Decodes ids one at a time and hands the text on as soon as it is complete. A character
+    can span several tokens (UTF-8 bytes of the byte tokenizer, byte-level BPE pieces): the
+    byte tokenizer goes through an incremental UTF-8 decoder (exactly tokenizer.decode of all
+    ids); other tokenizers hold back text ending in U+FFFD (an unfinished character) for up to
+    HOLD tokens."""
+
+    HOLD = 8  # tokens; no character needs more
+
+    def __init__(self, tokenizer, on_text=None) -> None:
+        import codecs
+
+        from slipstream.data.tokenizers import ByteTokenizer
+
+        self.tokenizer, self.on_text = tokenizer, on_text
+        self.pieces: list[str] = []
+        self._pending: list[int] = []
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if isinstance(tokenizer, ByteTokenizer) else None
+
+    def feed(self, ids) -> None:
+        for i in ids:
+            self._emit(self._decode_one(int(i)))
+
+    def close(self) -> None:
+        if self._utf8 is not None:
+            self._emit(self._utf8.decode(b"", final=True))
+        elif self._pending:
+            self._emit(self.tokenizer.decode(self._pending))
+            self._pending = []
+
+    @property
+    def text(self) -> str:
+        return "".join(self.pieces)
+
+    def _decode_one(self, i: int) -> str:
+        if self._utf8 is not None:
+            from slipstream.data.tokenizers import EOT_TEXT
+
+            if 0 <= i < 256:
+                return self._utf8.decode(bytes([i]))
+            if i == self.tokenizer.eot_id:
+                return self._utf8.decode(b"", final=True) + EOT_TEXT
+            return ""  # padded vocabulary rows have no text
+        self._pending.append(i)
+        text = self.tokenizer.decode(self._pending)
+        if text.endswith("\ufffd") and len(self._pending) < self.HOLD:
+            return ""
+        self._pending = []
+        return text
+
+    def _emit(self, text: str) -> None:
+        if text:
+            self.pieces.append(text)
+            if self.on_text is not None:
+                self.on_text(text)
+
+
 def generate_text(checkpoint: str, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
-                  top_k: int | None = 50, seed: int = 0, device: str = "auto") -> str:
+                  top_k: int | None = 50, seed: int = 0, device: str = "auto", on_text=None) -> str:
+    """Prompt + continuation as text. on_text(piece) receives it piece by piece as the tokens
+    are sampled (the CLI prints them as they come)."""
     from slipstream.models.transformer import generate
 
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+    if max_new_tokens > MAX_NEW_TOKENS:
+        raise UserError(f"--max-new-tokens {max_new_tokens:,} is above the limit of {MAX_NEW_TOKENS:,} per call: the "
+                        "model only sees its last max_seq_len tokens anyway, so continue from this output with a "
+                        "new --prompt instead")
     if not math.isfinite(temperature) or temperature < 0:
         raise UserError(f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise UserError(f"--top-k must be >= 1, got {top_k}")
+    check_prompt(prompt)
     model, tokenizer, _cfg = load_lm_from_checkpoint(checkpoint, device)
     ids = tokenizer.encode(prompt)
     start = 0
@@ -229,7 +338,16 @@ def generate_text(checkpoint: str, prompt: str, max_new_tokens: int = 200, tempe
     if max(ids) >= model.cfg.vocab_size:
         raise UserError("the prompt encodes to ids outside the model's vocabulary; wrong tokenizer for this checkpoint")
     device_ = next(model.parameters()).device
-    idx = torch.tensor([ids], dtype=torch.long, device=device_)
+    context = model.cfg.max_seq_len
+    stream = TextStream(tokenizer, on_text)
+    stream.feed(ids[start:])  # the prompt is part of the output, as before
+    # One token per call, keeping only the context the model sees: the same samples as one
+    # generate(model, idx, max_new_tokens) call (same crop, one draw per token from gen),
+    # with memory bounded by the context instead of growing with the output.
+    window = torch.tensor([ids[-context:]], dtype=torch.long, device=device_)
     gen = torch.Generator(device=device_).manual_seed(seed)
-    out = generate(model, idx, max_new_tokens, temperature=temperature, top_k=top_k, generator=gen)
-    return tokenizer.decode(out[0, start:].tolist())
+    for _ in range(max_new_tokens):
+        window = generate(model, window, 1, temperature=temperature, top_k=top_k, generator=gen)[:, -context:]
+        stream.feed([window[0, -1].item()])  # the sync streaming needs: the token goes to the screen now
+    stream.close()
+    return stream.text

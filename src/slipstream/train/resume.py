@@ -73,6 +73,8 @@ def restore_state(trainer, path: Path, keep_data_position: bool = False) -> None
     weights and steps but keeps reading after the batches that caused it."""
     from slipstream.distributed.comm_hooks import restore_step
 
+    if "tokenizer" in trainer.checkpoint_meta:  # a language-model job: its model is built from cfg.model
+        check_same_model(path, trainer.cfg, trainer.checkpoint_files.get("tokenizer.json"))
     check_layout(path, trainer._optimizer_layout())
     state = ckpt.load_checkpoint(path, trainer.model, trainer.optimizer, verify=trainer.cfg.checkpoint.verify)
     if state["step"] >= trainer.cfg.train.max_steps:
@@ -121,6 +123,55 @@ def check_layout(path: Path, layout: dict[str, Any]) -> None:
         changed = ", ".join(f"{LAYOUT_NAMES[k]}: {saved.get(k)} -> {v}" for k, v in layout.items() if saved.get(k) != v)
         raise UserError(f"checkpoint '{path}' stores its state for a different layout ({changed}); resume "
                         "with the checkpoint's optimizer settings, dp_strategy and number of processes")
+
+
+# Model settings that leave the weights' shapes and meaning alone (training- or init-only).
+FREE_MODEL_KEYS = ("preset", "dropout", "init_std")
+
+
+def _saved_config(path: Path) -> Config | None:
+    from slipstream.config.load import config_from_toml_text
+
+    try:
+        return config_from_toml_text((path / "config.toml").read_text(encoding="utf-8"))
+    except (OSError, UserError):
+        return None  # the checkpoint's own checks (verify, load) name what is wrong with it
+
+
+def _file_sha256(path: Path | str) -> str | None:
+    import hashlib
+
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return None
+
+
+def check_same_model(path: Path, cfg: Config, tokenizer_file: str | None = None) -> None:
+    """A checkpoint continues only the model it was saved from: same shape, same numerics and the
+    same tokenizer (another tokenizer gives the same ids other meanings, even at the same vocab
+    size). Every differing setting is named at once, so one edit fixes the command.
+    tokenizer_file: this run's bpe file, compared by content with the checkpoint's copy."""
+    saved = _saved_config(path)
+    if saved is None:
+        return
+    old, new = dataclasses.asdict(saved.model), dataclasses.asdict(cfg.model)
+    free = set(FREE_MODEL_KEYS)
+    if old["position"] == new["position"] == "rope":
+        free.add("max_seq_len")  # rope has no position table: a longer context is the same weights
+    diffs = [f"model.{k}: {old[k]!r} -> {new[k]!r}" for k in new if k not in free and old.get(k) != new[k]]
+    before, now = saved.data.tokenizer, cfg.data.tokenizer
+    if before.startswith("bpe:") and now.startswith("bpe:") and tokenizer_file:
+        # The same file may live at another path (a data folder's copy): compare contents.
+        same_tokenizer = _file_sha256(path / "tokenizer.json") == _file_sha256(tokenizer_file)
+    else:
+        same_tokenizer = before == now
+    if not same_tokenizer:
+        diffs.append(f"data.tokenizer: {before!r} -> {now!r}" + (" (other file contents)" if before == now else ""))
+    if diffs:
+        raise UserError(f"checkpoint '{path}' was saved from a different model than this run's ({'; '.join(diffs)}); "
+                        "resume with the checkpoint's model and tokenizer settings, or train the new model in a "
+                        "new --run.dir")
 
 
 def config_changes(path: Path, cfg: Config) -> list[str]:

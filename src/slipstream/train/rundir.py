@@ -17,13 +17,20 @@ def make_run_dir(cfg: Config) -> Path:
     if cfg.run.dir:
         return Path(cfg.run.dir).expanduser()
     latest = Path("runs") / "latest"
-    if cfg.checkpoint.resume == "auto" and latest.is_symlink() and latest.resolve().is_dir():
-        return Path("runs") / os.readlink(latest)
+    dangling = None
+    if cfg.checkpoint.resume == "auto" and latest.is_symlink():
+        if latest.resolve().is_dir():
+            return Path("runs") / os.readlink(latest)
+        dangling = os.readlink(latest)  # the run it named was deleted or moved
     stamp = time.strftime("%Y%m%d-%H%M%S")
     path, n = Path("runs") / f"{cfg.run.name}-{stamp}", 1
     while path.exists():  # two runs started in the same second
         n += 1
         path = Path("runs") / f"{cfg.run.name}-{stamp}-{n}"
+    if dangling is not None and os.environ.get("RANK", "0") == "0":
+        # Not silently: the user asked to continue a run, and there is none to continue.
+        print(f"note: runs/latest points to '{dangling}', which does not exist; checkpoint.resume=auto has "
+              f"nothing to continue and starts a new run in {path}", flush=True)
     return path
 
 
