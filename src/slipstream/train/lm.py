@@ -120,14 +120,14 @@ def build_lm_trainer(cfg: Config):
     from slipstream.models.transformer import Transformer, materialize
     from slipstream.observe.flops import flops_per_token
     from slipstream.perf.repro import seed_all
-    from slipstream.train.rundir import check_run_dir, make_run_dir
+    from slipstream.train.rundir import check_run_dir, make_run_dir, on_rank0
     from slipstream.train.trainer import Trainer
 
     par = init_parallel(cfg)  # under torchrun: join the job first; errors in the layout stop every rank
     device = par.device
     # Rank 0 names the run directory (a default name holds a timestamp) and every rank uses it.
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=par.broadcast(str(make_run_dir(cfg)))))
-    check_run_dir(make_run_dir(cfg))  # fail before preparing data or building the model
+    on_rank0(par, check_run_dir, make_run_dir(cfg))  # fail before preparing data or building the model
     if par.env.local_rank != 0:
         par.barrier()  # one process per node prepares (or finds) the cached data; the others wait
     data_dir, manifest = ensure_data(cfg, check=par.env.local_rank == 0)

@@ -40,7 +40,7 @@ from slipstream.optimize.apply import apply_optimizations
 from slipstream.optimize.optimizers import torch_optimizers
 from slipstream.optimize.precision import autocast_context, make_grad_scaler
 from slipstream.train.resume import capture_state, restore_state, resume_target
-from slipstream.train.rundir import make_run_dir, prepare_run_dir
+from slipstream.train.rundir import make_run_dir, on_rank0, prepare_run_dir, release_run_dir
 from slipstream.train.schedule import build_scheduler
 from slipstream.train.setup import build_optimizer, configure_runtime
 
@@ -145,6 +145,7 @@ class Trainer:
         self.writer = CheckpointWriter(self.run_dir / "checkpoints", c.keep_last, c.keep_every, async_save,
                                        commit_timeout_s=self.cfg.parallel.timeout_s, group=self.parallel.side_group)
         self.resilience = None  # a Resilience while fit() runs: preemption, watchdog, guards
+        self._run_lock = None  # the run directory's lock while fit() runs (train/rundir.py)
         self._verdict = None
         if self.cfg.optim.in_backward and self.cfg.stability.policy in ("skip", "rollback"):
             raise UserError(f"stability.policy = {self.cfg.stability.policy} must see the gradients before the update, "
@@ -209,9 +210,10 @@ class Trainer:
     # --- the loop ---
 
     def _prepare_run_dir(self, resume_from: Path | None) -> None:
-        if self.parallel.is_main:
-            prepare_run_dir(self.run_dir, config_to_toml(self.cfg), self.step if resume_from is not None else None)
-        self.parallel.barrier()
+        # Rank 0 checks, marks and locks the shared folder before any rank writes into it; its
+        # verdict reaches every rank (the broadcast is also the barrier). fit() releases the lock.
+        self._run_lock = on_rank0(self.parallel, prepare_run_dir, self.run_dir, config_to_toml(self.cfg),
+                                  self.step if resume_from is not None else None, resume_from)
 
     def _make_loggers(self, resumed: bool):
         from slipstream.observe.loggers import make_run_loggers
@@ -380,6 +382,13 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Train to train.max_steps (resuming if configured); returns the run summary."""
+        try:
+            return self._fit()
+        finally:  # also on errors: the next run in this folder (even in this process) may start
+            release_run_dir(self._run_lock)
+            self._run_lock = None
+
+    def _fit(self) -> dict[str, Any]:
         from slipstream.observe.console import TrainProgress, print_summary
         from slipstream.observe.flops import mfu
         from slipstream.observe.memory import peak_memory_bytes, reset_peak_memory
