@@ -14,8 +14,11 @@ half the corpus). A corpus of a single document (one big text file) is split by 
 instead, so e.g. a lone novel still gets a validation set.
 
 Safety:
-  - atomic: everything is written into a hidden temp folder next to out_dir, which is
-    renamed into place only once complete; a crash leaves out_dir as it was.
+  - atomic: everything is written into a hidden temp folder next to out_dir and moved into
+    place only once complete, the manifest last; a crash leaves out_dir as it was.
+  - only its own files: re-preparing a folder replaces exactly the files its old manifest
+    lists (shards, tokenizer copy, manifest); any other file in it stays untouched, and an
+    input inside the output folder is refused.
   - idempotent: if out_dir already holds a manifest for the same inputs (paths, sizes,
     mtimes), tokenizer and settings, and its shards have the recorded sizes and sha256s,
     nothing is redone. A damaged shard is not "cached": the folder is prepared again.
@@ -41,13 +44,12 @@ import shutil
 import signal
 import tempfile
 import time
-import uuid
 from datetime import datetime, timezone
 from typing import Iterable, Iterator
 
 import numpy as np
 
-from slipstream.data.sources import SourceStats, fingerprint_inputs, iter_documents
+from slipstream.data.sources import STDLIB, SourceStats, fingerprint_inputs, iter_documents
 from slipstream.data.tokenizers import Tokenizer, get_tokenizer
 from slipstream.errors import UserError
 
@@ -397,21 +399,68 @@ def _existing_manifest(out_dir: str) -> dict | None:
         ) from None
 
 
-def _swap_into_place(tmp_dir: str, out_dir: str) -> None:
+def _manifest_files(manifest: dict, out_dir: str) -> list[str]:
+    """The files an (old) manifest says slipstream wrote into out_dir: its shards and its
+    tokenizer copy. A name that is not a plain file name would reach outside the folder."""
+    names = [shard.get("file") for info in manifest.get("splits", {}).values() for shard in info.get("shards", [])]
+    if manifest.get("tokenizer_file"):
+        names.append(manifest["tokenizer_file"])
+    for name in names:
+        if not isinstance(name, str) or os.path.basename(name) != name or name in ("", ".", "..", MANIFEST):
+            raise UserError(f"{os.path.join(out_dir, MANIFEST)} lists {name!r}, which is not a file of that folder; "
+                            f"refusing to replace its data: delete the folder or choose another --out")
+    return names
+
+
+def _swap_into_place(tmp_dir: str, out_dir: str, old_manifest: dict | None) -> None:
+    """Move the new data from tmp_dir into out_dir. Only what the old manifest lists is
+    replaced: anything else in the folder (the user's own files) stays where it is.
+
+    Order: the old listed files move aside (into tmp_dir), the new shards move in, and the
+    new manifest replaces the old one last: up to that rename the old manifest still
+    describes the folder, and any failure before it puts the old files back."""
     if not os.path.exists(out_dir):
         os.rename(tmp_dir, out_dir)
         return
-    # A non-empty folder cannot be renamed over; move the old one aside first. Between
-    # the two renames out_dir is absent, never half-written.
-    parent, name = os.path.split(os.path.abspath(out_dir))
-    old = os.path.join(parent, f".{name}.old-{uuid.uuid4().hex[:8]}")
-    os.rename(out_dir, old)
+    old_files = set(_manifest_files(old_manifest or {}, out_dir))
+    new_files = sorted(name for name in os.listdir(tmp_dir) if name != MANIFEST)
+    clash = [name for name in new_files if os.path.lexists(os.path.join(out_dir, name)) and name not in old_files]
+    if clash:
+        raise UserError(f"output folder {out_dir!r} holds {', '.join(clash[:3])}, which its manifest does not list "
+                        f"and the new data would overwrite; move those files or choose another --out")
+    aside = os.path.join(tmp_dir, ".replaced")
+    os.mkdir(aside)
+    moved_aside, moved_in = [], []
     try:
-        os.rename(tmp_dir, out_dir)
+        for name in sorted(old_files):
+            path = os.path.join(out_dir, name)
+            if os.path.lexists(path) and not os.path.isdir(path):  # a listed name that is a folder is not ours
+                os.rename(path, os.path.join(aside, name))
+                moved_aside.append(name)
+        for name in new_files:
+            os.rename(os.path.join(tmp_dir, name), os.path.join(out_dir, name))
+            moved_in.append(name)
+        os.replace(os.path.join(tmp_dir, MANIFEST), os.path.join(out_dir, MANIFEST))  # the commit point
     except BaseException:
-        os.rename(old, out_dir)  # put the previous data back rather than leave nothing
+        for name in moved_in:  # put the previous data back rather than leave a mix
+            os.rename(os.path.join(out_dir, name), os.path.join(tmp_dir, name))
+        for name in moved_aside:
+            os.rename(os.path.join(aside, name), os.path.join(out_dir, name))
         raise
-    shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(tmp_dir, ignore_errors=True)  # the old shards: files of our old manifest only
+
+
+def _refuse_inputs_inside(inputs: list[str], out_dir: str) -> None:
+    """An input inside the output folder would be read as corpus and then replaced by its own
+    tokens (or deleted with the old data)."""
+    out = os.path.realpath(out_dir)
+    for path in inputs:
+        if path == STDLIB:
+            continue
+        real = os.path.realpath(path)
+        if real == out or os.path.commonpath([real, out]) == out:
+            raise UserError(f"input {path!r} lies inside the output folder {out_dir!r}; move it out, or choose "
+                            f"an --out folder that holds no inputs")
 
 
 # ----------------------------------------------------------------------------- prepare
@@ -448,6 +497,7 @@ def prepare_dataset(
     fingerprint = fingerprint_inputs(inputs)
     settings = {"text_field": text_field, "val_fraction": val_fraction, "shard_tokens": shard_tokens}
 
+    _refuse_inputs_inside(inputs, out_dir)
     existing = _existing_manifest(out_dir)
     checksums = existing is not None and wants_checksums(verify, existing)
     if existing is not None and _same_build(existing, fingerprint, tok, settings, out_dir, checksums, console):
@@ -468,7 +518,7 @@ def prepare_dataset(
         raise UserError(f"cannot write the output folder {out_dir!r} ({e.strerror}); choose a writable --out") from None
     try:
         manifest = _build(inputs, tok, dtype, tmp_dir, text_field, val_fraction, shard_tokens, num_workers, fingerprint, settings, progress)
-        _swap_into_place(tmp_dir, out_dir)
+        _swap_into_place(tmp_dir, out_dir, existing)
     except BaseException:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
