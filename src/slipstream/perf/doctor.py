@@ -378,7 +378,7 @@ def _compare_text(before: dict[str, Any], after: dict[str, Any], overrides: list
 
 
 def run_doctor(trace_files: list[str] | None, cfg=None, overrides: list[str] | None = None,
-               apply: bool = False, as_json: bool = False) -> dict[str, Any]:
+               apply: bool = False, as_json: bool = False, max_trace_bytes: int | None = None) -> dict[str, Any]:
     """Diagnose traces (or profile a run of `cfg` first), print the report, return it as a dict.
 
     trace_files: chrome traces, one per rank; None or empty: profile `cfg` with
@@ -388,6 +388,7 @@ def run_doctor(trace_files: list[str] | None, cfg=None, overrides: list[str] | N
     overrides: the CLI's `--section.key=value` overrides (only used to build cfg when cfg is None).
     apply: profile again with the suggested overrides appended and print before/after.
     as_json: print JSON instead of text.
+    max_trace_bytes: the cap on each trace's (decompressed) size; None: safe_read.TRACE's default.
     """
     if trace_files and apply:
         # The "before" must be the same run as the "after": a trace from elsewhere isn't.
@@ -402,7 +403,7 @@ def run_doctor(trace_files: list[str] | None, cfg=None, overrides: list[str] | N
     else:
         result = _profile(cfg, quiet=as_json)
         files = list(result["trace_files"])
-    report = diagnose(load_and_analyze(files), cfg)
+    report = diagnose(load_and_analyze(files, max_trace_bytes), cfg)
     out = report.to_dict()
     out["trace_files"] = files
 
@@ -417,7 +418,7 @@ def run_doctor(trace_files: list[str] | None, cfg=None, overrides: list[str] | N
                 after_cfg = dataclasses.replace(after_cfg, run=dataclasses.replace(after_cfg.run,
                                                                                    dir=cfg.run.dir + "-doctor-apply"))
             after_result = _profile(after_cfg, quiet=as_json)
-            after_analyses = load_and_analyze(list(after_result["trace_files"]))
+            after_analyses = load_and_analyze(list(after_result["trace_files"]), max_trace_bytes)
             out["apply"] = {
                 "overrides": suggested,
                 "before": _run_numbers(report.analyses, cfg, result or {"trace_files": files}),

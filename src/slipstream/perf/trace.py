@@ -25,16 +25,16 @@ from other programs work too; the data wait is then reported as unknown.
 from __future__ import annotations
 
 import dataclasses
-import gzip
-import json
 import re
 import statistics
+import sys
 from bisect import bisect_left
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from slipstream import safe_read
 from slipstream.errors import UserError
 
 LABEL_PREFIX = "slipstream/"
@@ -70,7 +70,7 @@ _STEP_RE = re.compile(r"^ProfilerStep#(\d+)$")
 _RANK_RE = re.compile(r"rank[_-]?(\d+)", re.IGNORECASE)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # slots: a big trace keeps millions of these
 class Event:
     """One complete ("X") event; times in microseconds as the trace stores them."""
 
@@ -180,31 +180,6 @@ class TraceAnalysis:
 # ---------------------------------------------------------------------------- loading
 
 
-def _read_json(p: Path) -> Any:
-    raw = p.read_bytes()
-    if raw[:2] == b"\x1f\x8b":  # gzip magic: trust the content, not the file name
-        try:
-            raw = gzip.decompress(raw)
-        except (OSError, EOFError) as e:
-            raise UserError(f"{p}: gzip data is corrupt or truncated ({e}); re-export the trace") from None
-    elif p.name.endswith(".gz"):
-        raise UserError(f"{p}: named .gz but is not gzip data")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise UserError(f"{p}: not a chrome trace (binary data, not JSON text)") from None
-    stripped = text.lstrip()
-    if not stripped or stripped[0] not in "{[":
-        raise UserError(f"{p}: not a chrome trace (not JSON); pass the .json or .json.gz file "
-                        "that torch.profiler's export_chrome_trace wrote")
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as e:
-        # The file starts like JSON but does not parse: almost always an interrupted write.
-        raise UserError(f"{p}: invalid JSON ({e.msg} at line {e.lineno}, column {e.colno}); the trace is "
-                        "probably truncated (the run stopped while the profiler was writing it)") from None
-
-
 def _rank_of(p: Path, data: dict[str, Any], default: int) -> int:
     m = _RANK_RE.search(p.name)
     if m:
@@ -215,36 +190,78 @@ def _rank_of(p: Path, data: dict[str, Any], default: int) -> int:
     return default
 
 
-def load_trace(path: str | Path, default_rank: int = 0) -> Trace:
+def _event(e: Any) -> Event | None:
+    """The Event of one raw trace event, or None for anything but a well-formed complete event."""
+    # Only complete events have a duration; metadata, flow and counter events don't.
+    if not isinstance(e, dict) or e.get("ph") != "X":
+        return None
+    name, cat, pid, tid = e.get("name", ""), e.get("cat", ""), e.get("pid"), e.get("tid")
+    # A file from elsewhere may put anything here: keep scalars only (a nested list would be
+    # unhashable as a thread key, and printing a deep one recurses).
+    if not all(v is None or isinstance(v, (str, int, float)) for v in (name, cat, pid, tid)):
+        return None
+    try:
+        ts, dur = float(e["ts"]), float(e.get("dur", 0.0))
+    except (KeyError, TypeError, ValueError):
+        return None  # a malformed event: skip it rather than reject the whole trace
+    # Names repeat millions of times in a big trace: one shared string each saves memory.
+    return Event(sys.intern(str(name)), sys.intern(str(cat).lower()), ts, dur, pid, tid)
+
+
+def _read_events(p: Path, cap: safe_read.Cap) -> tuple[list[Event], dict[str, Any]]:
+    """The complete events and the other top-level members of a chrome trace (.json or
+    .json.gz, told by the content). The file is parsed as a stream: memory holds the kept
+    events, not the whole JSON, and the cap bounds the (decompressed) bytes read."""
+    stream = safe_read.JsonStream(
+        p, cap, decompress=True, what="chrome trace",
+        # The file starts like JSON but does not parse: almost always an interrupted write.
+        hint="; the trace is probably truncated (the run stopped while the profiler was writing it)")
+    first = stream.peek()
+    if first not in ("{", "["):
+        raise UserError(f"{p}: not a chrome trace (not JSON); pass the .json or .json.gz file "
+                        "that torch.profiler's export_chrome_trace wrote")
+    events: list[Event] = []
+    metadata: dict[str, Any] = {}
+
+    def keep(raw_events: Any) -> None:
+        for raw in raw_events:
+            event = _event(raw)
+            if event is not None:
+                events.append(event)
+
+    if first == "[":  # the chrome format also allows a bare array of events
+        keep(stream.items())
+        found = True
+    else:
+        found = False
+        for key in stream.members():
+            if key != "traceEvents":
+                metadata[key] = stream.value()
+                continue
+            if stream.peek() != "[":
+                stream.value()  # parse it, so that a damaged file says so first
+                raise UserError(f"{p}: 'traceEvents' must be a list of events")
+            found = True
+            keep(stream.items())
+    stream.finish()
+    if not found:
+        raise UserError(f"{p}: JSON without 'traceEvents': not a chrome trace from torch.profiler")
+    return events, metadata
+
+
+def load_trace(path: str | Path, default_rank: int = 0, max_bytes: int | None = None) -> Trace:
     """Read one chrome trace (.json or .json.gz). Raises UserError for anything else.
 
     The rank comes from the file name (`rank3.json`), else the trace's distributedInfo,
-    else `default_rank`.
+    else `default_rank`. max_bytes caps the (decompressed) size read: None is
+    safe_read.TRACE's default.
     """
     p = Path(path)
     if p.is_dir():
         raise UserError(f"{p} is a folder; pass the trace files in it (e.g. {p}/rank0.json)")
     if not p.is_file():
         raise UserError(f"trace file {p} does not exist")
-    data = _read_json(p)
-    if isinstance(data, list):  # the chrome format also allows a bare array of events
-        data = {"traceEvents": data}
-    if not isinstance(data, dict) or "traceEvents" not in data:
-        raise UserError(f"{p}: JSON without 'traceEvents': not a chrome trace from torch.profiler")
-    raw_events = data["traceEvents"]
-    if not isinstance(raw_events, list):
-        raise UserError(f"{p}: 'traceEvents' must be a list of events")
-
-    events = []
-    for e in raw_events:
-        # Only complete events have a duration; metadata, flow and counter events don't.
-        if not isinstance(e, dict) or e.get("ph") != "X":
-            continue
-        try:
-            events.append(Event(str(e.get("name", "")), str(e.get("cat", "")).lower(),
-                                float(e["ts"]), float(e.get("dur", 0.0)), e.get("pid"), e.get("tid")))
-        except (KeyError, TypeError, ValueError):
-            continue  # a malformed event: skip it rather than reject the whole trace
+    events, metadata = _read_events(p, safe_read.TRACE.with_limit(max_bytes))
     events.sort(key=lambda e: (e.ts, -e.dur))
 
     # The profiler also mirrors ranges onto the device timeline; the host copy is the step.
@@ -259,8 +276,7 @@ def load_trace(path: str | Path, default_rank: int = 0) -> Trace:
     if not steps:
         raise UserError(f"{p}: no steps: the trace has no ProfilerStep#N events. Profile with a schedule "
                         "(torch.profiler.schedule and prof.step() after each step) or use `slipstream profile`")
-    metadata = {k: v for k, v in data.items() if k != "traceEvents"}
-    return Trace(str(p), _rank_of(p, data, default_rank), events, steps, metadata)
+    return Trace(str(p), _rank_of(p, metadata, default_rank), events, steps, metadata)
 
 
 # ---------------------------------------------------------------------------- intervals
@@ -514,11 +530,12 @@ def analyze(trace: Trace, top_n: int = 10) -> TraceAnalysis:
         gaps=all_gaps[:top_n], idle_by_host=dict(idle_by_host.most_common(top_n)), notes=notes)
 
 
-def load_and_analyze(paths: list[str | Path]) -> list[TraceAnalysis]:
-    """Analyze several traces (one per rank); ranks default to the position in the list."""
+def load_and_analyze(paths: list[str | Path], max_bytes: int | None = None) -> list[TraceAnalysis]:
+    """Analyze several traces (one per rank); ranks default to the position in the list.
+    max_bytes: the cap on each trace's (decompressed) size, see load_trace."""
     if not paths:
         raise UserError("no trace files given")
-    traces = [load_trace(p, default_rank=i) for i, p in enumerate(paths)]
+    traces = [load_trace(p, default_rank=i, max_bytes=max_bytes) for i, p in enumerate(paths)]
     by_rank: dict[int, list[str]] = {}
     for t in traces:
         by_rank.setdefault(t.rank, []).append(t.path)
