@@ -201,11 +201,14 @@ def cmd_profile(args, extra) -> int:
 
 def cmd_doctor(args, extra) -> int:
     from slipstream.perf.doctor import run_doctor
+    from slipstream.safe_read import parse_size
 
     overrides = _split_overrides(extra)
     # Traces from an unknown run: no config, so the advice does not assume that run's settings.
     cfg = None if args.trace and not (args.apply or args.config or overrides) else _load(args, extra)
-    run_doctor(args.trace or None, cfg=cfg, overrides=overrides, apply=args.apply, as_json=args.json)
+    max_bytes = parse_size(args.max_trace_bytes, "--max-trace-bytes") if args.max_trace_bytes else None
+    run_doctor(args.trace or None, cfg=cfg, overrides=overrides, apply=args.apply, as_json=args.json,
+               max_trace_bytes=max_bytes)
     return 0
 
 
@@ -237,6 +240,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = with_config(sub.add_parser("doctor", help="name the bottlenecks of a run (or of traces) and the switches that fix them"))
     p.add_argument("--trace", nargs="+", default=None, help="read these chrome traces (.json or .json.gz) instead of running")
     p.add_argument("--apply", action="store_true", help="rerun with the suggested switches; print before/after")
+    p.add_argument("--max-trace-bytes", default=None, metavar="SIZE",
+                   help="refuse a trace larger than this once decompressed, e.g. 4GiB (default 2GiB)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_doctor)
 
