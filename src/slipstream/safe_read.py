@@ -154,13 +154,13 @@ def read_bytes_capped(path: str | Path, cap: Cap, decompress: bool = False) -> b
     return b"".join(iter_chunks(path, cap, decompress))
 
 
-def read_line_capped(f: BinaryIO, cap: Cap, where: str) -> bytes:
-    """The next line of a binary file (b"" at the end), refusing one longer than the cap
-    before reading the rest of it."""
+def read_line_capped(f: BinaryIO, cap: Cap, path: str | Path, line_no: int) -> bytes:
+    """Line `line_no` of a binary file (the next one; b"" at the end), refusing one longer
+    than the cap before reading the rest of it."""
     limit = cap.limit
     line = f.readline(limit + 1)
     if len(line) > limit and not line.endswith(b"\n"):
-        raise cap.exceeded(where, problem="is longer than")
+        raise cap.exceeded(f"{path}, line {line_no}", problem="is longer than")
     return line
 
 

@@ -52,6 +52,7 @@ import numpy as np
 from slipstream.data.sources import STDLIB, SourceStats, fingerprint_inputs, iter_documents
 from slipstream.data.tokenizers import Tokenizer, get_tokenizer
 from slipstream.errors import UserError
+from slipstream.safe_read import DATA_MANIFEST, load_json_capped
 
 FORMAT = "slipstream-tokens"
 FORMAT_VERSION = 1
@@ -267,8 +268,7 @@ def load_manifest(data_dir: str) -> dict:
     if not os.path.isfile(path):
         raise UserError(f"no prepared data in {data_dir!r} (no {MANIFEST}); run `slipstream data prepare` with --out {data_dir}")
     try:
-        with open(path) as f:
-            manifest = json.load(f)
+        manifest = load_json_capped(path, DATA_MANIFEST)
     except (OSError, ValueError) as e:
         raise UserError(f"{path} is unreadable or corrupt ({e}); delete {data_dir!r} and run `slipstream data prepare` again") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:

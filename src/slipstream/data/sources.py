@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Iterator
 
 from slipstream.errors import UserError
+from slipstream.safe_read import DOCUMENT, loads_bounded, read_bytes_capped, read_line_capped
 
 STDLIB = "stdlib"
 BINARY_SNIFF_BYTES = 8192
@@ -108,13 +109,19 @@ def _decode(data: bytes, stats: SourceStats) -> str:
 
 def _iter_jsonl(path: str, text_field: str, stats: SourceStats) -> Iterator[str]:
     with open(path, "rb") as f:
-        for line_no, raw in enumerate(f, start=1):
+        line_no = 0
+        while True:
+            line_no += 1
+            # One line is one document: a line over the document cap is refused before it is read whole.
+            raw = read_line_capped(f, DOCUMENT, path, line_no)
+            if not raw:
+                break
             stats.bytes += len(raw)
             line = _decode(raw, stats).strip()
             if not line:
                 continue
             try:
-                obj = json.loads(line)
+                obj = loads_bounded(line, f"{path}, line {line_no}")
             except json.JSONDecodeError as e:
                 raise UserError(
                     f"{path}, line {line_no}: not valid JSON ({e.msg}); each line of a .jsonl file "
@@ -163,11 +170,13 @@ def iter_documents(inputs: list[str], text_field: str = "text", stats: SourceSta
                     yield text
             continue
         with open(path, "rb") as f:
-            data = f.read()
+            head = f.read(BINARY_SNIFF_BYTES)
+            if b"\0" in head:  # a binary is skipped unread, however big
+                stats.bytes += os.fstat(f.fileno()).st_size
+                stats.skipped_files += 1
+                continue
+        data = read_bytes_capped(path, DOCUMENT)  # the whole file is one document
         stats.bytes += len(data)
-        if b"\0" in data[:BINARY_SNIFF_BYTES]:
-            stats.skipped_files += 1
-            continue
         stats.files += 1
         text = _decode(data, stats)
         if text:
