@@ -21,12 +21,15 @@ import argparse
 import contextlib
 import copy
 import datetime
+import math
 import os
 import re
 import shlex
 import signal
 import subprocess
 import sys
+import unicodedata
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,13 +40,33 @@ DEFAULT_RDZV_TIMEOUT_S = 300
 # The operator's default master port and the name it looks the port up by.
 K8S_MASTER_PORT = 23456
 K8S_PORT_NAME = "pytorchjob-port"
-_K8S_NAME = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]*$")
+_K8S_NAME = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_.-]*")
 _SLURM_NOT_IN_JOB = ("`slipstream launch slurm-node` runs inside an sbatch job, once per node via srun; "
                      "generate that job with `slipstream launch slurm ... -- <command>`")
 
 
-# ------------------------------------------------------------------ shared helpers
+# ------------------------------------------------------------------ checking user values
+
+def check_text(flag: str, value: str, forbid: str = "", why: str = "") -> str:
+    """Refuse what could end a line or a field of a generated file: control characters (C0,
+    DEL, C1: a newline would end an #SBATCH line and start a command of its own), Unicode
+    line/paragraph separators, and unpaired surrogates (bytes that are not UTF-8). Quoting
+    handles everything else; `forbid` names extra characters a non-shell parser reads its own way."""
+    for ch in value:
+        if unicodedata.category(ch) in ("Cc", "Cs", "Zl", "Zp"):
+            raise UserError(f"{flag} {value!r}: control character U+{ord(ch):04X} is not allowed; remove it")
+        if ch in forbid:
+            raise UserError(f"{flag} {value!r}: {ch!r} is not allowed{why}")
+    return value
+
+
+def check_command(command: list[str] | tuple[str, ...]) -> list[str]:
+    """The rank command lands in generated files as argv (quoted, or a YAML list): checked like every value."""
+    for i, arg in enumerate(command):
+        check_text(f"argument {i + 1} of the command after `--`", arg)
+    return list(command)
+
 
 def _slipstream_command(args: argparse.Namespace, extra: list[str], subcommands: list[str]) -> list[str]:
     """The command after `--`, checked to be a slipstream subcommand."""
@@ -56,13 +79,18 @@ def _slipstream_command(args: argparse.Namespace, extra: list[str], subcommands:
     if not command:
         raise UserError(f"no command to launch; add one after `--`, e.g. `-- train` (one of: {', '.join(subcommands)})")
     if command[0] not in subcommands:
-        raise UserError(f"'{command[0]}' is not a slipstream command; after `--` put one of: {', '.join(subcommands)}")
-    return command
+        raise UserError(f"{command[0]!r} is not a slipstream command; after `--` put one of: {', '.join(subcommands)}")
+    return check_command(command)
 
 
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise UserError(message)
+
+
+def _path_flag(flag: str, value: str | None) -> str | None:
+    """A path flag checked before it becomes a Path: a NUL byte would crash Path.resolve/exists."""
+    return None if value is None else check_text(flag, value)
 
 
 def _run(cmd: list[str]) -> int:
@@ -116,13 +144,23 @@ def _write_new(path: Path, text: str, force: bool) -> None:
 
 # ------------------------------------------------------------------ local
 
+def local_argv(nproc: int, monitor_interval: float, command: list[str]) -> list[str]:
+    """The torchrun command line of `launch local`: an argv list, run without a shell."""
+    _check(nproc >= 1, f"--nproc must be >= 1 (got {nproc})")
+    # `not > 0` also refuses NaN; inf would never check on the ranks.
+    _check(monitor_interval > 0 and math.isfinite(monitor_interval),
+           f"--monitor-interval must be a number of seconds > 0 (got {monitor_interval})")
+    return _torchrun() + ["--standalone", "--nproc-per-node", str(nproc), "--max-restarts", "0",
+                          "--monitor-interval", str(monitor_interval), "-m", "slipstream", *check_command(command)]
+
+
+def run_local(nproc: int, max_restarts: int, monitor_interval: float, command: list[str]) -> int:
+    _check(max_restarts >= 0, f"--max-restarts must be >= 0 (got {max_restarts})")
+    return run_with_restarts(local_argv(nproc, monitor_interval, command), max_restarts)
+
+
 def cmd_local(args: argparse.Namespace, command: list[str]) -> int:
-    _check(args.nproc >= 1, f"--nproc must be >= 1 (got {args.nproc})")
-    _check(args.max_restarts >= 0, f"--max-restarts must be >= 0 (got {args.max_restarts})")
-    _check(args.monitor_interval > 0, f"--monitor-interval must be > 0 seconds (got {args.monitor_interval})")
-    cmd = _torchrun() + ["--standalone", "--nproc-per-node", str(args.nproc), "--max-restarts", "0",
-                         "--monitor-interval", str(args.monitor_interval), "-m", "slipstream", *command]
-    return run_with_restarts(cmd, args.max_restarts)
+    return run_local(args.nproc, args.max_restarts, args.monitor_interval, command)
 
 
 # Worker exit codes that must not be retried: a user error (2) would fail again, and a
@@ -223,15 +261,16 @@ def _slurm_int(name: str, minimum: int) -> int:
     return int(value)
 
 
-def _check_node_options(args: argparse.Namespace) -> None:
-    _check(args.gpus_per_node >= 1, f"--gpus-per-node must be >= 1 (got {args.gpus_per_node})")
-    _check(1 <= args.port <= 65535, f"--port must be in 1..65535 (got {args.port})")
-    _check(args.max_restarts >= 0, f"--max-restarts must be >= 0 (got {args.max_restarts})")
-    _check(args.rdzv_timeout >= 1, f"--rdzv-timeout must be >= 1 second (got {args.rdzv_timeout})")
+def _check_node_options(gpus_per_node: int, port: int, max_restarts: int, rdzv_timeout: int) -> None:
+    _check(gpus_per_node >= 1, f"--gpus-per-node must be >= 1 (got {gpus_per_node})")
+    _check(1 <= port <= 65535, f"--port must be in 1..65535 (got {port})")
+    _check(max_restarts >= 0, f"--max-restarts must be >= 0 (got {max_restarts})")
+    _check(rdzv_timeout >= 1, f"--rdzv-timeout must be >= 1 second (got {rdzv_timeout})")
 
 
-def cmd_slurm_node(args: argparse.Namespace, command: list[str]) -> int:
-    _check_node_options(args)
+def run_slurm_node(gpus_per_node: int, port: int, max_restarts: int, rdzv_timeout: int, command: list[str]) -> int:
+    _check_node_options(gpus_per_node, port, max_restarts, rdzv_timeout)
+    command = check_command(command)
     job_id = _slurm_env("SLURM_JOB_ID")
     nnodes = _slurm_int("SLURM_NNODES", 1)
     node_id = _slurm_int("SLURM_NODEID", 0)
@@ -239,55 +278,119 @@ def cmd_slurm_node(args: argparse.Namespace, command: list[str]) -> int:
     hosts = parse_hostlist(_slurm_env("SLURM_JOB_NODELIST"))
     # No --node-rank: with c10d the rendezvous assigns node ranks (torchrun ignores it and warns).
     cmd = _torchrun() + [
-        "--nnodes", str(nnodes), "--nproc-per-node", str(args.gpus_per_node),
+        "--nnodes", str(nnodes), "--nproc-per-node", str(gpus_per_node),
         # c10d: the first node hosts the rendezvous store; every node joins it under the job id.
-        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0]}:{args.port}", "--rdzv-id", job_id,
-        "--rdzv-conf", f"join_timeout={args.rdzv_timeout}",
-        "--max-restarts", str(args.max_restarts), "-m", "slipstream", *command]
+        "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{hosts[0]}:{port}", "--rdzv-id", job_id,
+        "--rdzv-conf", f"join_timeout={rdzv_timeout}",
+        "--max-restarts", str(max_restarts), "-m", "slipstream", *command]
     return _run(cmd)
 
 
-def slurm_node_argv(gpus_per_node: int, port: int, max_restarts: int, rdzv_timeout: int, command: list[str]) -> list[str]:
+def cmd_slurm_node(args: argparse.Namespace, command: list[str]) -> int:
+    return run_slurm_node(args.gpus_per_node, args.port, args.max_restarts, args.rdzv_timeout, command)
+
+
+def slurm_node_argv(python: str, gpus_per_node: int, port: int, max_restarts: int, rdzv_timeout: int,
+                    command: list[str]) -> list[str]:
     """The per-node command line that the sbatch script hands to srun."""
-    return [sys.executable, "-m", "slipstream", "launch", "slurm-node", "--gpus-per-node", str(gpus_per_node),
+    return [python, "-m", "slipstream", "launch", "slurm-node", "--gpus-per-node", str(gpus_per_node),
             "--port", str(port), "--max-restarts", str(max_restarts), "--rdzv-timeout", str(rdzv_timeout),
             "--", *command]
 
 
 # ------------------------------------------------------------------ slurm (sbatch script)
 
-def render_sbatch(args: argparse.Namespace, command: list[str], workdir: Path, out: Path) -> str:
+# Slurm reads #SBATCH lines with its own parser, not a shell: a backslash escapes the next
+# character even inside single quotes. Without quotes and backslashes in a value, its reading
+# and a shell's reading of the shell-quoted value agree.
+_SBATCH_FORBID = "'\"\\"
+_SBATCH_WHY = " in an #SBATCH value (Slurm's directive parser reads quotes and backslashes its own way)"
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    """Everything `launch slurm` writes into an sbatch script; checked when built, so a
+    SlurmJob always renders to a script that runs exactly `command` (and its own setup)."""
+
+    command: tuple[str, ...]
+    nodes: int
+    gpus_per_node: int
+    workdir: Path  # absolute: the job's --chdir and the folder of its logs/
+    job_name: str = "slipstream"
+    partition: str | None = None
+    time: str | None = None
+    account: str | None = None
+    mem: str | None = None
+    cpus_per_task: int | None = None
+    port: int = DEFAULT_PORT
+    max_restarts: int = 0
+    rdzv_timeout: int = DEFAULT_RDZV_TIMEOUT_S
+    # The interpreter every node runs; this one by default (a shared file system is assumed).
+    python: str = field(default_factory=lambda: sys.executable)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "command", tuple(check_command(self.command)))
+        # Control characters first, so a newline is named as such whatever the field's format.
+        for flag, value in (("--job-name", self.job_name), ("--time", self.time), ("--mem", self.mem)):
+            check_text(flag, value or "")
+        for flag, value in (("--partition", self.partition), ("--account", self.account),
+                            ("--workdir", str(self.workdir))):
+            check_text(flag, value or "", forbid=_SBATCH_FORBID, why=_SBATCH_WHY)
+        check_text("the Python interpreter path", self.python)
+        _check(self.nodes >= 1, f"--nodes must be >= 1 (got {self.nodes})")
+        _check_node_options(self.gpus_per_node, self.port, self.max_restarts, self.rdzv_timeout)
+        _check(self.cpus_per_task is None or self.cpus_per_task >= 1,
+               f"--cpus-per-task must be >= 1 (got {self.cpus_per_task})")
+        _check(re.fullmatch(r"[A-Za-z0-9_.+-]+", self.job_name) is not None,
+               f"--job-name {self.job_name!r}: use letters, digits and _ . + - only")
+        _check(not self.time or re.fullmatch(r"[0-9]+(-[0-9]+)?(:[0-9]+){0,2}", self.time) is not None,
+               f"--time {self.time!r} is not a Slurm time; write HH:MM:SS or D-HH:MM:SS")
+        _check(not self.mem or re.fullmatch(r"[0-9]+[KMGTkmgt]?", self.mem) is not None,
+               f"--mem {self.mem!r} is not a Slurm memory size; write a number with an optional unit K, M, G or T (256G)")
+        _check(self.workdir.is_absolute(), f"--workdir {str(self.workdir)!r} must be an absolute path")
+
+    def directives(self) -> list[str]:
+        """The sbatch options of the job, one per #SBATCH line."""
+        lines = [f"--job-name={self.job_name}", f"--nodes={self.nodes}",
+                 "--ntasks-per-node=1",  # one torchrun agent per node; it starts the per-GPU ranks
+                 f"--gpus-per-node={self.gpus_per_node}"]
+        for flag, value in (("cpus-per-task", self.cpus_per_task), ("time", self.time), ("partition", self.partition),
+                            ("account", self.account), ("mem", self.mem)):
+            if value:
+                lines.append(f"--{flag}={value}")
+        # Preemption warning: SIGUSR1 to the ranks 120 s before the time limit (they save and exit 75).
+        return lines + [f"--chdir={self.workdir}", "--output=logs/%x-%j.out", "--signal=USR1@120"]
+
+    def srun_argv(self) -> list[str]:
+        return ["srun", "--kill-on-bad-exit=1", *slurm_node_argv(self.python, self.gpus_per_node, self.port,
+                                                                 self.max_restarts, self.rdzv_timeout,
+                                                                 list(self.command))]
+
+
+def render_sbatch(job: SlurmJob, out: Path) -> str:
+    """The sbatch script of `job`. Every value in it is shell-quoted (and free of control
+    characters, which SlurmJob refused), so the script runs only the commands written here."""
     q = shlex.quote
-    sbatch = [f"--job-name={args.job_name}", f"--nodes={args.nodes}",
-              "--ntasks-per-node=1",  # one torchrun agent per node; it starts the per-GPU ranks
-              f"--gpus-per-node={args.gpus_per_node}"]
-    for flag, value in (("cpus-per-task", args.cpus_per_task), ("time", args.time), ("partition", args.partition),
-                        ("account", args.account), ("mem", args.mem)):
-        if value:
-            sbatch.append(f"--{flag}={value}")
-    # Preemption warning: SIGUSR1 to the ranks 120 s before the time limit (they save and exit 75).
-    sbatch += [f"--chdir={workdir}", "--output=logs/%x-%j.out", "--signal=USR1@120"]
-    threads = max(1, args.cpus_per_task // args.gpus_per_node) if args.cpus_per_task else 1
-    srun = ["srun", "--kill-on-bad-exit=1",
-            *slurm_node_argv(args.gpus_per_node, args.port, args.max_restarts, args.rdzv_timeout, command)]
+    check_text("--out", str(out))
+    threads = max(1, job.cpus_per_task // job.gpus_per_node) if job.cpus_per_task else 1
     lines = [
         "#!/bin/bash",
         f"# Written by `slipstream launch slurm` on {datetime.datetime.now().isoformat(timespec='seconds')}.",
         f"# Submit with: sbatch {q(str(out))}",
-        *(f"#SBATCH {q(line)}" for line in sbatch),
+        *(f"#SBATCH {q(line)}" for line in job.directives()),
         "",
         "set -euo pipefail",
-        f"cd {q(str(workdir))}",
+        f"cd {q(str(job.workdir))}",
         "mkdir -p logs",
         "",
         "# Reproducibility: what this job ran with (first node only). Secret-looking values are masked.",
         'ENV_FILE="logs/${SLURM_JOB_NAME}-${SLURM_JOB_ID}-env.txt"',
         "{",
         '  echo "job ${SLURM_JOB_ID} nodes ${SLURM_JOB_NODELIST} started $(date -u +%Y-%m-%dT%H:%M:%SZ)"',
-        f"  echo {q('command: ' + shlex.join(command))}",
+        f"  echo {q('command: ' + shlex.join(job.command))}",
         "  git rev-parse HEAD 2>/dev/null || true",
         "  # python, torch, CUDA, cuDNN, GPU models, driver and package versions",
-        f"  {q(sys.executable)} -m torch.utils.collect_env || true",
+        f"  {q(job.python)} -m torch.utils.collect_env || true",
         "  if command -v nvidia-smi >/dev/null; then nvidia-smi || true; fi",
         "  env | sort | sed -E 's/^([^=]*(TOKEN|SECRET|PASSWORD|API_KEY|CREDENTIAL)[^=]*)=.*/\\1=<masked>/I'",
         '} > "$ENV_FILE" 2>&1',
@@ -308,59 +411,124 @@ def render_sbatch(args: argparse.Namespace, command: list[str], workdir: Path, o
         "# CPU threads per rank: the task's CPUs shared by its GPU ranks (torchrun would otherwise use 1).",
         f"export OMP_NUM_THREADS={threads}",
         "",
-        shlex.join(srun),
+        shlex.join(job.srun_argv()),
         "",
     ]
     return "\n".join(lines)
 
 
-def cmd_slurm(args: argparse.Namespace, command: list[str]) -> int:
-    _check(args.nodes >= 1, f"--nodes must be >= 1 (got {args.nodes})")
-    _check_node_options(args)
-    _check(args.cpus_per_task is None or args.cpus_per_task >= 1, f"--cpus-per-task must be >= 1 (got {args.cpus_per_task})")
-    _check(re.fullmatch(r"[A-Za-z0-9_.+-]+", args.job_name) is not None,
-           f"--job-name {args.job_name!r}: use letters, digits and _ . + - only")
-    _check(not args.time or re.fullmatch(r"[0-9]+(-[0-9]+)?(:[0-9]+){0,2}", args.time) is not None,
-           f"--time {args.time!r} is not a Slurm time; write HH:MM:SS or D-HH:MM:SS")
-    workdir = Path(args.workdir or os.getcwd()).expanduser().resolve()
-    out = Path(args.out or f"{args.job_name}.sbatch")
-    if workdir.is_dir():
+def write_sbatch(job: SlurmJob, out: Path, force: bool = False) -> None:
+    """Write the job's sbatch script to `out` (never replacing a file unless `force`)."""
+    text = render_sbatch(job, out)
+    if job.workdir.is_dir():
         # Slurm opens --output=logs/... before the script runs: a missing folder loses the log.
-        (workdir / "logs").mkdir(exist_ok=True)
+        (job.workdir / "logs").mkdir(exist_ok=True)
     else:
-        print(f"note: {workdir} does not exist here; create {workdir}/logs on the cluster before submitting")
-    _write_new(out, render_sbatch(args, command, workdir, out), args.force)
-    print(f"wrote {out}: {args.nodes} node(s) x {args.gpus_per_node} GPU(s), workdir {workdir}")
+        print(f"note: {job.workdir} does not exist here; create {job.workdir}/logs on the cluster before submitting")
+    _write_new(out, text, force)
+
+
+def cmd_slurm(args: argparse.Namespace, command: list[str]) -> int:
+    workdir = Path(_path_flag("--workdir", args.workdir) or os.getcwd()).expanduser().resolve()
+    job = SlurmJob(command=tuple(command), nodes=args.nodes, gpus_per_node=args.gpus_per_node, workdir=workdir,
+                   job_name=args.job_name, partition=args.partition, time=args.time, account=args.account,
+                   mem=args.mem, cpus_per_task=args.cpus_per_task, port=args.port, max_restarts=args.max_restarts,
+                   rdzv_timeout=args.rdzv_timeout)
+    out = Path(_path_flag("--out", args.out) or f"{job.job_name}.sbatch")
+    write_sbatch(job, out, args.force)
+    print(f"wrote {out}: {job.nodes} node(s) x {job.gpus_per_node} GPU(s), workdir {workdir}")
     print(f"submit it with: sbatch {shlex.quote(str(out))}   (logs go to {workdir}/logs/)")
     return 0
 
 
 # ------------------------------------------------------------------ k8s (PyTorchJob)
 
-def build_pytorchjob(args: argparse.Namespace, command: list[str]) -> dict[str, Any]:
-    env = []
-    for item in args.env:
+# A Kubernetes resource quantity: 16, 0.5, 500m, 64Gi, 1e9.
+_K8S_QUANTITY = re.compile(r"[+]?([0-9]+(\.[0-9]*)?|\.[0-9]+)([eE][+-]?[0-9]+|[numkMGTPE]|[KMGTPE]i)?")
+_K8S_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+
+
+@dataclass(frozen=True)
+class K8sJob:
+    """Everything `launch k8s` writes into a PyTorchJob manifest; checked when built."""
+
+    name: str
+    image: str
+    command: tuple[str, ...]
+    nodes: int = 1
+    gpus_per_node: int = 1
+    cpus: str | None = None
+    memory: str | None = None
+    pvc: str | None = None
+    mount: str | None = None
+    env: tuple[tuple[str, str], ...] = ()  # (name, value) pairs, in order
+    namespace: str | None = None
+    max_restarts: int = 3
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "command", tuple(check_command(self.command)))
+        # Control characters first, so a newline is named as such whatever the field's format.
+        for flag, value in (("--name", self.name), ("--image", self.image), ("--cpus", self.cpus),
+                            ("--memory", self.memory), ("--pvc", self.pvc), ("--mount", self.mount),
+                            ("--namespace", self.namespace)):
+            check_text(flag, value or "")
+        # The operator names pods and services <name>-worker-<i>; those must stay valid DNS labels.
+        _check(_K8S_NAME.fullmatch(self.name) is not None and len(self.name) <= 50,
+               f"--name {self.name!r}: use lowercase letters, digits and '-', start with a letter, at most 50 characters")
+        _check(bool(self.image) and not any(ch.isspace() for ch in self.image),
+               f"--image {self.image!r} must name a container image (no spaces), e.g. registry/slipstream:gpu")
+        _check(self.nodes >= 1, f"--nodes must be >= 1 (got {self.nodes})")
+        _check(self.gpus_per_node >= 0, f"--gpus-per-node must be >= 0 (got {self.gpus_per_node})")
+        _check(self.max_restarts >= 0, f"--max-restarts must be >= 0 (got {self.max_restarts})")
+        for flag, value in (("--cpus", self.cpus), ("--memory", self.memory)):
+            _check(not value or _K8S_QUANTITY.fullmatch(value) is not None,
+                   f"{flag} {value!r} is not a Kubernetes quantity; write e.g. 16, 500m, 64Gi")
+        _check(self.pvc is None or (_K8S_SUBDOMAIN.fullmatch(self.pvc) is not None and len(self.pvc) <= 253),
+               f"--pvc {self.pvc!r}: a claim name uses lowercase letters, digits, '-' and '.'")
+        _check(self.mount is None or self.mount.startswith("/"),
+               f"--mount {self.mount!r} must be an absolute container path")
+        _check(bool(self.pvc) or self.mount is None, "--mount needs --pvc CLAIM (the volume to mount there)")
+        _check(self.namespace is None or (_K8S_NAME.fullmatch(self.namespace) is not None and len(self.namespace) <= 63),
+               f"--namespace {self.namespace!r}: use lowercase letters, digits and '-', start with a letter")
+        names = [key for key, _ in self.env]
+        for key, value in self.env:
+            _check(_ENV_NAME.fullmatch(key) is not None, f"--env {key!r}: a variable name uses letters, digits and _ . -")
+            _check(names.count(key) == 1, f"--env {key} is given more than once; keep one")
+            check_text(f"--env {key}", value)
+
+
+def parse_env(items: list[str]) -> tuple[tuple[str, str], ...]:
+    """`--env KEY=VALUE` strings as (key, value) pairs."""
+    pairs = []
+    for item in items:
         key, sep, value = item.partition("=")
-        _check(bool(sep) and _ENV_NAME.match(key) is not None, f"--env {item!r}: write KEY=VALUE")
-        env.append({"name": key, "value": value})
+        _check(bool(sep) and _ENV_NAME.fullmatch(key) is not None, f"--env {item!r}: write KEY=VALUE")
+        pairs.append((key, value))
+    return tuple(pairs)
+
+
+def build_pytorchjob(job: K8sJob) -> dict[str, Any]:
+    """The PyTorchJob manifest of `job` as plain data (written with yaml.safe_dump, never a template)."""
+    env = [{"name": key, "value": value} for key, value in job.env]
     resources: dict[str, dict[str, Any]] = {"limits": {}, "requests": {}}
-    if args.gpus_per_node > 0:
-        resources["limits"]["nvidia.com/gpu"] = args.gpus_per_node
-    for key, value in (("cpu", args.cpus), ("memory", args.memory)):
+    if job.gpus_per_node > 0:
+        resources["limits"]["nvidia.com/gpu"] = job.gpus_per_node
+    for key, value in (("cpu", job.cpus), ("memory", job.memory)):
         if value:
             resources["limits"][key] = resources["requests"][key] = str(value)
     volumes: list[dict[str, Any]] = [{"name": "dshm", "emptyDir": {"medium": "Memory"}}]
     # Data-loader workers pass batches through shared memory; the container default is 64 MB.
     mounts: list[dict[str, Any]] = [{"name": "dshm", "mountPath": "/dev/shm"}]
-    if args.pvc:
-        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": args.pvc}})
-        mounts.append({"name": "checkpoints", "mountPath": args.mount or "/checkpoints"})
+    if job.pvc:
+        volumes.append({"name": "checkpoints", "persistentVolumeClaim": {"claimName": job.pvc}})
+        mounts.append({"name": "checkpoints", "mountPath": job.mount or "/checkpoints"})
     container: dict[str, Any] = {
         "name": "pytorch",  # the operator finds the training container by this name
-        "image": args.image,
+        "image": job.image,
         "imagePullPolicy": "IfNotPresent",
         # torchrun takes --nnodes, --nproc-per-node, --node-rank, --master-addr/port from the PET_* variables.
-        "command": ["torchrun", "-m", "slipstream", *command],
+        # An argv list: the container runtime execs it, no shell reads it.
+        "command": ["torchrun", "-m", "slipstream", *job.command],
         "ports": [{"name": K8S_PORT_NAME, "containerPort": K8S_MASTER_PORT}],
         "env": env,
         "resources": {k: v for k, v in resources.items() if v},
@@ -373,41 +541,38 @@ def build_pytorchjob(args: argparse.Namespace, command: list[str]) -> dict[str, 
                 "template": {"spec": {"containers": [copy.deepcopy(container)], "volumes": copy.deepcopy(volumes)}}}
 
     specs = {"Master": replica(1)}
-    if args.nodes > 1:
-        specs["Worker"] = replica(args.nodes - 1)
-    metadata = {"name": args.name}
-    if args.namespace:
-        metadata["namespace"] = args.namespace
+    if job.nodes > 1:
+        specs["Worker"] = replica(job.nodes - 1)
+    metadata = {"name": job.name}
+    if job.namespace:
+        metadata["namespace"] = job.namespace
     return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
         "metadata": metadata,
         "spec": {
-            "nprocPerNode": str(max(1, args.gpus_per_node)),  # a string in the v1 API ("auto", "gpu" or a number)
+            "nprocPerNode": str(max(1, job.gpus_per_node)),  # a string in the v1 API ("auto", "gpu" or a number)
             # Restarts happen as pod restarts (OnFailure), at most backoffLimit times; a finished job
             # stops any still-running pods so a failed rank does not leave the others waiting.
-            "runPolicy": {"backoffLimit": args.max_restarts, "cleanPodPolicy": "Running"},
+            "runPolicy": {"backoffLimit": job.max_restarts, "cleanPodPolicy": "Running"},
             "pytorchReplicaSpecs": specs,
         },
     }
 
 
-def cmd_k8s(args: argparse.Namespace, command: list[str]) -> int:
+def render_pytorchjob(job: K8sJob) -> str:
     import yaml
 
-    # The operator names pods and services <name>-worker-<i>; those must stay valid DNS labels.
-    _check(_K8S_NAME.match(args.name) is not None and len(args.name) <= 50,
-           f"--name {args.name!r}: use lowercase letters, digits and '-', start with a letter, at most 50 characters")
-    _check(bool(args.image.strip()), "--image must name a container image, e.g. registry/slipstream:gpu")
-    _check(args.nodes >= 1, f"--nodes must be >= 1 (got {args.nodes})")
-    _check(args.gpus_per_node >= 0, f"--gpus-per-node must be >= 0 (got {args.gpus_per_node})")
-    _check(args.max_restarts >= 0, f"--max-restarts must be >= 0 (got {args.max_restarts})")
-    _check(args.mount is None or args.mount.startswith("/"), f"--mount {args.mount!r} must be an absolute container path")
-    _check(bool(args.pvc) or args.mount is None, "--mount needs --pvc CLAIM (the volume to mount there)")
-    out = Path(args.out or f"{args.name}.yaml")
-    manifest = build_pytorchjob(args, command)
-    _write_new(out, yaml.safe_dump(manifest, sort_keys=False), args.force)
-    print(f"wrote {out}: PyTorchJob {args.name}, {args.nodes} node(s) x {max(1, args.gpus_per_node)} process(es)")
+    return yaml.safe_dump(build_pytorchjob(job), sort_keys=False)
+
+
+def cmd_k8s(args: argparse.Namespace, command: list[str]) -> int:
+    job = K8sJob(name=args.name, image=args.image, command=tuple(command), nodes=args.nodes,
+                 gpus_per_node=args.gpus_per_node, cpus=args.cpus, memory=args.memory, pvc=args.pvc,
+                 mount=args.mount, env=parse_env(args.env), namespace=args.namespace, max_restarts=args.max_restarts)
+    out = Path(_path_flag("--out", args.out) or f"{job.name}.yaml")
+    _write_new(out, render_pytorchjob(job), args.force)
+    print(f"wrote {out}: PyTorchJob {job.name}, {job.nodes} node(s) x {max(1, job.gpus_per_node)} process(es)")
     print(f"submit it with: kubectl apply -f {shlex.quote(str(out))}   (needs the Kubeflow training operator)")
     return 0
 
