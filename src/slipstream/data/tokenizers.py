@@ -22,6 +22,7 @@ from typing import Iterable, Sequence
 
 from slipstream.data.sources import iter_documents
 from slipstream.errors import UserError
+from slipstream.safe_read import TOKENIZER, check_size
 
 EOT_TEXT = "<|endoftext|>"
 VALID_SPECS = "byte, bpe:PATH/TO/tokenizer.json (see `slipstream data train-tokenizer`), tiktoken:NAME (e.g. tiktoken:gpt2)"
@@ -87,6 +88,9 @@ class BPETokenizer(Tokenizer):
         path = os.path.abspath(os.path.expanduser(path))
         if not os.path.isfile(path):
             raise UserError(f"tokenizer file not found: {path}; train one with `slipstream data train-tokenizer` or fix the bpe: path")
+        # The Rust loader reads the whole file into memory: refuse a huge one first (it bounds
+        # nesting itself, with a clear error caught below).
+        check_size(path, TOKENIZER)
         try:
             self._tok = HFTokenizer.from_file(path)
         except Exception as e:  # the Rust side raises a plain Exception for any bad file
@@ -102,8 +106,11 @@ class BPETokenizer(Tokenizer):
         self.spec = f"bpe:{path}"
         self.eot_id = eot
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
+        digest = hashlib.sha256()
         with open(path, "rb") as f:
-            self.fingerprint = "sha256:" + hashlib.sha256(f.read()).hexdigest()
+            for block in iter(lambda: f.read(1 << 20), b""):
+                digest.update(block)
+        self.fingerprint = "sha256:" + digest.hexdigest()
         self.path = path
 
     def encode(self, text: str) -> list[int]:

@@ -33,6 +33,7 @@ import torch
 
 from slipstream.config.schema import ModelConfig
 from slipstream.errors import UserError
+from slipstream.safe_read import HF_JSON, load_json_capped
 from slipstream.models.transformer import Transformer, kv_heads, mlp_hidden, padded_vocab_size, rope_tables
 
 SUPPORTED_ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
@@ -162,27 +163,48 @@ def _read_hf_dir(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     if not (directory / "config.json").is_file():
         raise UserError(f"'{directory}' is not a Hugging Face model directory (no config.json); "
                         f"pass a local directory saved with save_pretrained (nothing is downloaded)")
-    hf_cfg = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    hf_cfg = _read_hf_json(directory / "config.json")
     _family_of_hf_config(hf_cfg)  # refuse unsupported models before reading gigabytes of weights
     for name in ("model.safetensors", "pytorch_model.bin"):
         if (directory / name).is_file():
             return hf_cfg, _load_weight_file(directory / name)
     for name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
         if (directory / name).is_file():
-            weight_map = json.loads((directory / name).read_text(encoding="utf-8"))["weight_map"]
+            weight_map = _read_hf_json(directory / name).get("weight_map")
+            shards = set(weight_map.values()) if isinstance(weight_map, dict) else {None}
+            # A shard is a file of this folder: never a path that leads out of it.
+            if not all(isinstance(s, str) and s == Path(s).name and s not in ("", ".", "..") for s in shards):
+                raise UserError(f"{directory / name}: 'weight_map' must map weight names to file names "
+                                f"inside '{directory}'")
             sd = {}
-            for shard in sorted(set(weight_map.values())):
+            for shard in sorted(shards):
                 sd.update(_load_weight_file(directory / shard))
             return hf_cfg, sd
     raise UserError(f"no weights in '{directory}': expected model.safetensors or pytorch_model.bin "
                     f"(or a sharded .index.json)")
 
 
+def _read_hf_json(path: Path) -> dict:
+    """A JSON object of a HF folder (config.json, *.index.json), read under a size and depth cap."""
+    try:
+        value = load_json_capped(path, HF_JSON)
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{path} is unreadable or not JSON ({e}); re-save the model with save_pretrained") from None
+    if not isinstance(value, dict):
+        raise UserError(f"{path} holds a JSON {type(value).__name__}, not an object; it is not a Hugging Face file")
+    return value
+
+
 def _load_weight_file(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        return load_file(str(path))
+        # safetensors bounds its own header (100 MB) and checks offsets against the file size;
+        # a damaged file raises its SafetensorError, which is the user's to fix.
+        try:
+            return load_file(str(path))
+        except Exception as e:  # noqa: BLE001 - SafetensorError and OSError alike
+            raise UserError(f"{path} is not a valid safetensors file ({e})") from None
     # weights_only: a pickle from the internet must not be able to run code.
     return torch.load(path, map_location="cpu", weights_only=True)
 
