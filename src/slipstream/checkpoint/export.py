@@ -17,7 +17,10 @@ inspect
     integrity check of `verify_checkpoint(deep=True)`. `--json` prints the same as one JSON
     object. Exit code 0 when intact, 1 when damaged (the report still prints and names every
     problem), 2 for a bad path. The DCP metadata (a pickle written by
-    torch.distributed.checkpoint) is read only when it passes the manifest's checksum.
+    torch.distributed.checkpoint) is read only when it passes the manifest's checksum, and
+    then under an allow-list (checkpoint/untrusted.py): a file that would build anything but
+    DCP's metadata records is refused and reported as a problem. Format 1 checkpoints have no
+    manifest, so they are reported as not verified (exit 1), never as intact.
 
 export
     Loads the model weights on this one process, whatever world size and strategy saved them
@@ -38,7 +41,9 @@ export
                    tokenizer.json and tokenizer_config.json (PreTrainedTokenizerFast).
 
     Every format also gets config.toml (the run's resolved config), export.json (source,
-    step, format, dtype, tied keys) and, for bpe tokenizers, tokenizer.json. `--dtype` casts
+    step, format, dtype, tied keys) and, for bpe tokenizers, tokenizer.json (the copy inside
+    the checkpoint: a checkpoint whose meta names a tokenizer file outside its folder is
+    refused). `--dtype` casts
     floating-point tensors (default: as saved, normally fp32). The folder is written under a
     temporary name next to `--out` and renamed into place. An existing `--out` is refused
     unless `--force`, and even then replaced only when it holds nothing but files an export
@@ -68,6 +73,7 @@ import importlib
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, Callable
@@ -136,7 +142,12 @@ def cmd_inspect(args, extra) -> int:
         print(json.dumps(report, indent=2))
     else:
         print(format_report(report))
-    return 0 if report["integrity"]["ok"] else 1
+    problems = report["integrity"]["problems"]
+    if problems:  # the report goes to stdout; the verdict also goes where errors go
+        print(f"error: checkpoint '{report['path']}' did not pass its integrity check: {problems[0]}",
+              file=sys.stderr)
+        return 1
+    return 0
 
 
 def cmd_export(args, extra) -> int:
@@ -158,24 +169,28 @@ def _human(n: int | float) -> str:
 
 
 def _read_json(path: Path) -> tuple[Any, str | None]:
+    from slipstream.checkpoint.untrusted import inside
+
     try:
-        return json.loads(path.read_text(encoding="utf-8")), None
-    except (OSError, json.JSONDecodeError) as e:
+        return json.loads(inside(path.parent, path.name).read_text(encoding="utf-8")), None
+    except (OSError, json.JSONDecodeError, UserError) as e:
         return None, f"{path.name} is unreadable ({e})"
 
 
 def _tensor_groups(ckpt_dir: Path, trusted: bool) -> tuple[dict[str, dict[str, int]] | None, str | None]:
     """Per top-level key ("model", "optim", "model_rank0", "optim_zero1_rank1", ...): tensors,
-    elements and bytes (numel * element size), from the DCP metadata alone."""
-    from torch.distributed.checkpoint import FileSystemReader
+    elements and bytes (numel * element size), from the DCP metadata alone. The error is a
+    problem of the checkpoint (the metadata is refused or unreadable)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from slipstream.checkpoint.untrusted import RefusedFile, read_dcp_metadata
+
     if not trusted:
-        return None, "model_optim/.metadata failed its checksum: not read"
+        return None, None
     try:
-        metadata = FileSystemReader(str(ckpt_dir / "model_optim")).read_metadata()
-    except Exception as e:  # noqa: BLE001 - a damaged file can fail in many ways
-        return None, f"model_optim/.metadata is unreadable ({type(e).__name__}: {e})"
+        metadata = read_dcp_metadata(ckpt_dir / "model_optim")
+    except RefusedFile as e:
+        return None, f"model_optim/.metadata is refused: {e.reason} (never unpickled as it is: it may run code)"
     groups: dict[str, dict[str, int]] = {}
     for fqn, entry in metadata.state_dict_metadata.items():
         group = groups.setdefault(fqn.split(".", 1)[0], {"tensors": 0, "elements": 0, "bytes": 0})
@@ -205,6 +220,8 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
     meta = meta if isinstance(meta, dict) else {}
     if err and not any(p.startswith("meta.json") for p in problems):
         problems.append(err)
+    if not problems and meta.get("format_version", 1) < 2:
+        problems.append(ckpt.UNVERIFIABLE)  # nothing to check against: never reported as intact
     layout = meta.get("optimizer_layout") or {}
 
     model = None
@@ -212,7 +229,7 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
         from slipstream.config.load import config_from_toml_text
         from slipstream.observe.flops import param_count
 
-        cfg = config_from_toml_text((ckpt_dir / "config.toml").read_text(encoding="utf-8"))
+        cfg = config_from_toml_text(ckpt.read_text_inside(ckpt_dir, "config.toml"))
         m = cfg.model
         model = {"preset": m.preset, "n_layer": m.n_layer, "d_model": m.d_model, "n_head": m.n_head,
                  "n_kv_head": m.n_kv_head or m.n_head, "vocab_size": m.vocab_size, "max_seq_len": m.max_seq_len,
@@ -235,9 +252,11 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
         notes.append(err)
 
     metadata_ok = not any(p.startswith("model_optim/.metadata") for p in problems)
+    if not metadata_ok:
+        notes.append("model_optim/.metadata failed its checksum: not read")
     groups, err = _tensor_groups(ckpt_dir, metadata_ok)
-    if err and metadata_ok:
-        notes.append(err)
+    if err:
+        problems.append(err)
     per_rank_optim = bool(groups) and any(g.startswith(("optim_rank", "optim_zero1_rank")) for g in groups)
     on_disk = sum(p.stat().st_size for p in ckpt_dir.rglob("*") if p.is_file())
     saved = meta.get("time")
@@ -299,8 +318,13 @@ def format_report(r: dict[str, Any]) -> str:
         lines.append(f"  {name:<22} {g['tensors']:>6,} tensors  {_human(g['bytes']):>12}")
     for note in r["notes"]:
         lines.append(f"note         {note}")
+    from slipstream.checkpoint.manager import UNVERIFIABLE
+
     problems = r["integrity"]["problems"]
-    if problems:
+    if problems == [UNVERIFIABLE]:
+        lines.append("integrity    NOT VERIFIED:")
+        lines.extend(f"  - {p}" for p in problems)
+    elif problems:
         lines.append(f"integrity    DAMAGED: {len(problems)} problem{'s' if len(problems) > 1 else ''}")
         lines.extend(f"  - {p}" for p in problems)
     else:
@@ -330,7 +354,7 @@ def _load_model(ckpt_dir: Path):
     from slipstream.models.transformer import Transformer, materialize
 
     try:
-        cfg = config_from_toml_text((ckpt_dir / "config.toml").read_text(encoding="utf-8"))
+        cfg = config_from_toml_text(ckpt.read_text_inside(ckpt_dir, "config.toml"))
     except OSError as e:
         raise UserError(f"checkpoint '{ckpt_dir}' has no readable config.toml ({e.strerror}); it is damaged") from None
     with torch.device("meta"):
@@ -383,12 +407,10 @@ def export_checkpoint(path: str | Path, fmt: str, out: str | Path, dtype: str | 
 
     if fmt == "hf":
         _check_hf_exportable(ckpt_dir)
+    # Only the tokenizer the checkpoint carries: a spec naming a file elsewhere is refused.
+    spec = ckpt.checkpoint_tokenizer(ckpt_dir, meta, "byte")
+    tokenizer_file = Path(spec[4:]) if spec.startswith("bpe:") else None
     model, cfg = _load_model(ckpt_dir)
-    tokenizer_file = None
-    spec = str(meta.get("tokenizer", ""))
-    if spec.startswith("bpe:"):
-        candidate = Path(spec[4:]) if Path(spec[4:]).is_absolute() else ckpt_dir / spec[4:]
-        tokenizer_file = candidate if candidate.is_file() else None
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -413,7 +435,7 @@ def export_checkpoint(path: str | Path, fmt: str, out: str | Path, dtype: str | 
                     "tied": json.dumps(ties)})
             if tokenizer_file is not None:
                 shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
-        shutil.copyfile(ckpt_dir / "config.toml", tmp / "config.toml")
+        (tmp / "config.toml").write_text(ckpt.read_text_inside(ckpt_dir, "config.toml"), encoding="utf-8")
         info = {"source": str(ckpt_dir.resolve()), "step": meta.get("step"), "format": fmt,
                 "dtype": dtype or "as saved", "weights": _WEIGHT_FILES[fmt], "tied": ties,
                 "preset": cfg.model.preset, "slipstream_version": __version__, "torch": torch.__version__}
@@ -438,11 +460,12 @@ def _commit(tmp: Path, out: Path) -> None:
 
 def _check_hf_exportable(ckpt_dir: Path) -> None:
     """Refuse before loading any weights: shape not representable, or no transformers."""
+    from slipstream.checkpoint.manager import read_text_inside
     from slipstream.config.load import config_from_toml_text
     from slipstream.models.hf import _import_transformers, hf_family
 
     try:
-        cfg = config_from_toml_text((ckpt_dir / "config.toml").read_text(encoding="utf-8"))
+        cfg = config_from_toml_text(read_text_inside(ckpt_dir, "config.toml"))
     except OSError as e:
         raise UserError(f"checkpoint '{ckpt_dir}' has no readable config.toml ({e.strerror}); it is damaged") from None
     try:

@@ -7,15 +7,20 @@ Layout of one checkpoint (a folder under <run dir>/checkpoints/):
       trainer_state.json   step, scheduler, data-loader position, RNG states, counters
       config.toml          the resolved config of the run
       meta.json            format version, step, world size, tokenizer, versions
-      tokenizer.json       copy of a bpe tokenizer file, when one is used
+      tokenizer.json       the contents of a bpe tokenizer, when one is used (meta.json
+                           names it as "bpe:tokenizer.json")
+      manifest.json        size and CRC32 of every file above (format 2)
       COMPLETE             written last: a folder without it is ignored
 
 Model and optimizer go through DCP (each rank writes its own shard), so the same format
 serves single-process runs, DDP and FSDP (sharded parameters and optimizer state) alike;
-ZeRO-1's optimizer shards are saved per rank. Everything else is JSON, written by rank 0:
-loading never unpickles arbitrary objects. A checkpoint is written into a temporary
-folder and renamed into place by rank 0 after every rank has written, so an interrupted
-save never looks complete.
+ZeRO-1's optimizer shards are saved per rank. Everything else is JSON, written by rank 0.
+A checkpoint is written into a temporary folder and renamed into place by rank 0 after
+every rank has written, so an interrupted save never looks complete.
+
+A checkpoint may come from someone else, manifest and all (SECURITY.md): loading never runs
+code from it (DCP's pickled metadata and values are read under an allow-list, see
+untrusted.py) and never reads a file outside its folder because a file inside says so.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import contextlib
 import json
 import os
 import random
+import re
 import shutil
 import time
 import warnings
@@ -235,27 +241,45 @@ def resolve_checkpoint(path: str | Path) -> Path:
                     f"with a {COMPLETE_MARKER} marker)")
 
 
+UNVERIFIABLE = "format 1 has no manifest.json: its files cannot be checked against checksums"
+
+
 def verify_checkpoint(path: Path, deep: bool = True) -> list[str]:
     """Problems found in a checkpoint folder (empty: intact). Checks the completion marker,
     meta.json, and every file of the manifest: present, same size, and (deep) same CRC32.
-    Checkpoints of format 1 have no manifest: only marker and meta are checked."""
+    Checkpoints of format 1 have no manifest: only marker and meta are checked (callers that
+    report integrity say so: see UNVERIFIABLE). Manifest entries outside the folder are
+    problems, never read."""
+    from slipstream.checkpoint.untrusted import inside
     from slipstream.checkpoint.writer import MANIFEST, file_crc32
 
     if not (path / COMPLETE_MARKER).is_file():
         return [f"no {COMPLETE_MARKER} marker (the save was interrupted)"]
     try:
-        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+        meta = json.loads(inside(path, "meta.json").read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UserError) as e:
         return [f"meta.json is unreadable ({e})"]
+    if not isinstance(meta, dict) or meta.get("format_version", 1) not in READABLE_VERSIONS:
+        return [f"meta.json has an unknown format version (this slipstream reads {READABLE_VERSIONS})"]
     if meta.get("format_version", 1) < 2:
         return []
     try:
-        manifest = json.loads((path / MANIFEST).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError) as e:
+        manifest = json.loads(inside(path, MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UserError) as e:
         return [f"{MANIFEST} is unreadable ({e})"]
+    if not isinstance(manifest, dict):
+        return [f"{MANIFEST} is not a JSON object"]
     problems = []
-    for name, (size, crc) in sorted(manifest.items()):
-        file = path / name
+    for name, entry in sorted(manifest.items()):
+        try:
+            file = inside(path, name)
+        except UserError:
+            problems.append(f"{MANIFEST} names '{name}', outside the checkpoint folder (not read)")
+            continue
+        if not (isinstance(entry, list) and len(entry) == 2 and all(type(v) is int for v in entry)):
+            problems.append(f"{MANIFEST} has a malformed entry for {name}")
+            continue
+        size, crc = entry
         if not file.is_file():
             problems.append(f"{name} is missing")
         elif file.stat().st_size != size:
@@ -275,10 +299,14 @@ def check_intact(path: Path, deep: bool = True) -> None:
 
 
 def read_meta(path: Path) -> dict[str, Any]:
+    from slipstream.checkpoint.untrusted import inside
+
     try:
-        meta = json.loads((path / "meta.json").read_text(encoding="utf-8"))
+        meta = json.loads(inside(path, "meta.json").read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"checkpoint '{path}' has an unreadable meta.json ({e}); it is damaged") from None
+    if not isinstance(meta, dict):
+        raise UserError(f"checkpoint '{path}' has a meta.json that is not a JSON object; it is damaged")
     if meta.get("format_version") not in READABLE_VERSIONS:
         raise UserError(f"checkpoint '{path}' has format version {meta.get('format_version')}, "
                         f"this slipstream reads version {FORMAT_VERSION}")
@@ -310,16 +338,39 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         raise UserError(f"could not load checkpoint '{path}': {type(e).__name__}: {str(e).splitlines()[0][:300]}. "
                         "The checkpoint is damaged or was saved for a different model shape.") from None
     try:
-        return json.loads((path / "trainer_state.json").read_text(encoding="utf-8"))
+        return json.loads(read_text_inside(path, "trainer_state.json"))
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"checkpoint '{path}' has an unreadable trainer_state.json ({e}); it is damaged") from None
+
+
+def read_text_inside(path: Path, name: str) -> str:
+    """A text file of the checkpoint folder (never one outside it: see untrusted.inside)."""
+    from slipstream.checkpoint.untrusted import inside
+
+    return inside(path, name).read_text(encoding="utf-8")
+
+
+def load_dcp(folder: Path, payload: dict[str, Any]) -> None:
+    """dcp.load of `folder` into `payload`, safe for a checkpoint from elsewhere: the metadata is
+    read under an allow-list (every rank checks it first, so a refused file is the same clear
+    error everywhere, before any collective) and non-tensor values with weights_only=True."""
+    from slipstream.checkpoint.untrusted import SafePlanner, SafeReader, read_dcp_metadata
+
+    read_dcp_metadata(folder)
+    planner = SafePlanner()
+    try:
+        dcp.load(payload, storage_reader=SafeReader(str(folder)), planner=planner)
+    except (Exception, CheckpointException):
+        if planner.refused is not None:
+            raise planner.refused from None
+        raise
 
 
 def _load_weights(path: Path, model: torch.nn.Module, optimizer: Any | None, model_key: str) -> None:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
 
     payload = state_payload(model, optimizer, model_key)
-    dcp.load(payload, checkpoint_id=str(path / "model_optim"))
+    load_dcp(path / "model_optim", payload)
     if optimizer is None:
         set_model_state_dict(model, payload[model_key])
     elif is_local_sgd(optimizer):
@@ -338,3 +389,28 @@ def _load_weights(path: Path, model: torch.nn.Module, optimizer: Any | None, mod
     else:
         set_state_dict(model, torch_optimizers(optimizer), model_state_dict=payload["model"],
                        optim_state_dict=payload["optim"])
+
+
+def checkpoint_tokenizer(path: Path, meta: dict[str, Any], fallback: str) -> str:
+    """The tokenizer spec to use with a checkpoint. A bpe tokenizer is the file the checkpoint
+    carries (meta.json says "bpe:tokenizer.json"): a spec naming a file outside the folder is
+    refused, never read."""
+    from slipstream.checkpoint.untrusted import inside
+
+    spec = meta.get("tokenizer", fallback)
+    if not isinstance(spec, str):
+        raise UserError(f"checkpoint '{path}' has a malformed tokenizer entry in meta.json; it is damaged")
+    kind, _, arg = spec.partition(":")
+    if kind == "bpe" and arg:
+        try:
+            file = inside(path, arg)
+        except UserError:
+            raise UserError(f"checkpoint '{path}' names its tokenizer '{spec}', a file outside the checkpoint "
+                            "folder; refused (a checkpoint carries its tokenizer as tokenizer.json inside it)") from None
+        if not file.is_file():
+            raise UserError(f"checkpoint '{path}' has no {arg} although its tokenizer is '{spec}'; it is damaged")
+        return f"bpe:{file}"
+    if spec == "byte" or (kind == "tiktoken" and re.fullmatch(r"[A-Za-z0-9_.-]+", arg)):
+        return spec  # by name: nothing is read from a path the checkpoint chose
+    raise UserError(f"checkpoint '{path}' names an unknown tokenizer {spec!r}; it is damaged or from a "
+                    "newer slipstream")

@@ -224,17 +224,15 @@ def load_lm_from_checkpoint(path: str | Path, device: str = "auto"):
     ckpt_dir = ckpt.resolve_checkpoint(path)
     meta = ckpt.read_meta(ckpt_dir)
     try:
-        cfg = config_from_toml_text((ckpt_dir / "config.toml").read_text(encoding="utf-8"))
+        cfg = config_from_toml_text(ckpt.read_text_inside(ckpt_dir, "config.toml"))
     except OSError as e:
         raise UserError(f"checkpoint '{ckpt_dir}' has no readable config.toml ({e.strerror}); it is damaged") from None
+    spec = ckpt.checkpoint_tokenizer(ckpt_dir, meta, cfg.data.tokenizer)  # only the copy inside the checkpoint
     target = resolve_device(device, what="--device")
     with torch.device("meta"):
         model = Transformer(cfg.model)
     model = materialize(model, target, seed=0)
     ckpt.load_checkpoint(ckpt_dir, model)
-    spec = meta.get("tokenizer", cfg.data.tokenizer)
-    if spec.startswith("bpe:") and not Path(spec[4:]).is_absolute():
-        spec = f"bpe:{ckpt_dir / spec[4:]}"
     return model, get_tokenizer(spec), cfg
 
 

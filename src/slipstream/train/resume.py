@@ -179,7 +179,7 @@ def config_changes(path: Path, cfg: Config) -> list[str]:
     from slipstream.config.load import config_from_toml_text
 
     try:
-        saved = dataclasses.asdict(config_from_toml_text((path / "config.toml").read_text(encoding="utf-8")))
+        saved = dataclasses.asdict(config_from_toml_text(ckpt.read_text_inside(path, "config.toml")))
     except (OSError, UserError):
         return []
     ignore = {("checkpoint", "resume"), ("run", "dir")}
