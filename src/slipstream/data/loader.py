@@ -192,7 +192,7 @@ class TokenLoader:
         windows = np.array([self._epoch_windows(int(e))[o] for e, o in zip(epochs, offsets)], dtype=np.int64)
         return windows * self.seq_len
 
-    def _read(self, start: int, out: np.ndarray) -> None:
+    def read(self, start: int, out: np.ndarray) -> None:
         """Copy tokens [start, start + len(out)) of the split into out, across shard boundaries."""
         pos, k = 0, int(np.searchsorted(self._shard_ends, start, side="right"))
         while pos < len(out):
@@ -212,7 +212,7 @@ class TokenLoader:
         """Write batch `index` into out of shape (2, batch_size, seq_len): out[0] = x, out[1] = y."""
         window = np.empty(self.seq_len + 1, dtype=np.int64)
         for b, start in enumerate(self._batch_starts(index).tolist()):
-            self._read(start, window)
+            self.read(start, window)
             out[0, b] = window[:-1]
             out[1, b] = window[1:]
 

@@ -225,6 +225,14 @@ class Parallel:
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
         return out / self.world_size
 
+    def sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a device tensor over all ranks, in its own dtype (a collective: every rank must call it)."""
+        if not self.distributed or self.world_size == 1:
+            return tensor
+        out = tensor.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out
+
     def gather(self, value: Any) -> list[Any]:
         """Every rank's value, on every rank."""
         if not self.distributed or self.world_size == 1:

@@ -204,6 +204,8 @@ class TrainProgress:
 SUMMARY_FIELDS: list[tuple[str, str]] = [
     ("final_loss", "final loss"),
     ("val_loss", "val loss"),
+    ("val_loss_stderr", "val loss std. error"),
+    ("val_tokens", "val tokens"),
     ("steps", "steps"),
     ("tokens", "tokens"),
     ("tokens_per_s", "tokens/s"),
@@ -221,9 +223,9 @@ SUMMARY_FIELDS: list[tuple[str, str]] = [
 def _format_summary_value(key: str, value: Any) -> str:
     if value is None:
         return "n/a"
-    if key in ("final_loss", "val_loss"):
+    if key in ("final_loss", "val_loss", "val_loss_stderr"):
         return f"{value:.4f}"
-    if key in ("tokens", "tokens_per_s"):
+    if key in ("tokens", "tokens_per_s", "val_tokens"):
         return human_count(value)
     if key == "mfu":
         return f"{100 * value:.1f}%"

@@ -115,12 +115,14 @@ def describe_model(cfg: Config) -> str:
 def build_lm_trainer(cfg: Config):
     """Everything `slipstream train` needs, assembled in the one documented order."""
     from slipstream.data import TokenLoader, get_tokenizer, tokenizer_spec_for
+    from slipstream.data.eval_windows import EvalWindows
     from slipstream.distributed.data_parallel import materialize_sharded
     from slipstream.distributed.mesh import SHARDED, init_parallel
     from slipstream.models.transformer import Transformer, materialize
     from slipstream.observe.flops import flops_per_token
     from slipstream.perf.repro import seed_all
     from slipstream.train.rundir import check_run_dir, make_run_dir, on_rank0
+    from slipstream.train.evaluate import lm_sequence_losses
     from slipstream.train.trainer import Trainer
 
     par = init_parallel(cfg)  # under torchrun: join the job first; errors in the layout stop every rank
@@ -137,7 +139,8 @@ def build_lm_trainer(cfg: Config):
     # A missing tokenizer file fails now, not when the first checkpoint is saved.
     check_tokenizer_vocab(get_tokenizer(tokenizer), manifest, data_dir)
     train_cfg = cfg.train
-    if train_cfg.eval_steps and manifest["splits"].get("val", {}).get("tokens", 0) <= train_cfg.seq_len:
+    evaluating = train_cfg.eval_steps and train_cfg.eval_tokens
+    if evaluating and manifest["splits"].get("val", {}).get("tokens", 0) <= train_cfg.seq_len:
         print(f"note: {data_dir} has no validation split long enough for one sequence; evaluation is off "
               "(prepare with data.val_fraction > 0 to get one)")
         train_cfg = dataclasses.replace(train_cfg, eval_steps=0)
@@ -163,17 +166,18 @@ def build_lm_trainer(cfg: Config):
                                rank=par.dp_rank, world_size=par.dims.dp,
                                pin_memory=d.pin_memory, augment=d.augment, augment_prob=d.augment_prob,
                                augment_cost_ms=d.augment_cost_ms)
-    val_loader = None
-    if t.eval_steps:
-        val_loader = TokenLoader(str(data_dir), "val", t.micro_batch_size, t.seq_len, seed=t.seed,
-                                 mode="sequential", device=device, rank=par.dp_rank, world_size=par.dims.dp)
+    val_windows = None
+    if t.eval_steps and t.eval_tokens:
+        val_windows = EvalWindows(str(data_dir), "val", t.micro_batch_size, t.seq_len, t.eval_tokens,
+                                  rank=par.dp_rank, world_size=par.dims.dp, device=device)
     meta, files = {"tokenizer": tokenizer}, {}
     if tokenizer.startswith("bpe:"):  # ship the tokenizer with the checkpoint so generate works anywhere
         files["tokenizer.json"] = tokenizer[4:]
         meta["tokenizer"] = "bpe:tokenizer.json"
     loss_fn = functools.partial(fused_lm_loss_fn, chunk_size=t.fused_loss_chunk) if t.fused_loss else lm_loss_fn
     planned = plan_step_memory(cfg, par, device)
-    return Trainer(model, train_loader, loss_fn, config=cfg, val_data=val_loader,
+    sequence_loss_fn = functools.partial(lm_sequence_losses, fused_chunk=t.fused_loss_chunk if t.fused_loss else None)
+    return Trainer(model, train_loader, loss_fn, config=cfg, val_data=val_windows, sequence_loss_fn=sequence_loss_fn,
                    tokens_per_batch=t.micro_batch_size * t.seq_len,
                    flops_per_token=flops_per_token(cfg.model, t.seq_len), device=device,
                    checkpoint_meta=meta, checkpoint_files=files, model_summary=describe_model(cfg), parallel=par,

@@ -39,6 +39,7 @@ from slipstream.observe.memprofile import format_memory_report, measure_step_mem
 from slipstream.optimize.apply import apply_optimizations
 from slipstream.optimize.optimizers import torch_optimizers
 from slipstream.optimize.precision import autocast_context, make_grad_scaler
+from slipstream.train.evaluate import format_eval
 from slipstream.train.resume import capture_state, restore_state, resume_target
 from slipstream.train.rundir import make_run_dir, on_rank0, prepare_run_dir, release_run_dir
 from slipstream.train.schedule import build_scheduler
@@ -89,6 +90,8 @@ class Trainer:
     init_model: for a model built on the meta device, a function that materializes and
     initializes it; called after data-parallel wrapping (FSDP: on each rank's shards only).
 
+    val_data: a Dataset or stateful loader (its first train.eval_steps batches are evaluated),
+    or `EvalWindows` (fixed windows scored per sequence by `sequence_loss_fn(model, x, y) -> (B,)`).
     tokens_per_batch: tokens in one micro-batch (LMs: batch x seq); None counts samples.
     flops_per_token: training FLOPs per token (or per sample) for MFU; None -> mfu null.
     """
@@ -97,7 +100,8 @@ class Trainer:
                  val_data: Any = None, tokens_per_batch: int | None = None, flops_per_token: float | None = None,
                  collate_fn=None, device: torch.device | None = None, checkpoint_meta: dict | None = None,
                  checkpoint_files: dict[str, str] | None = None, model_summary: str = "", parallel=None,
-                 init_model: Callable[[nn.Module], Any] | None = None, planned_peak_bytes: int | None = None):
+                 init_model: Callable[[nn.Module], Any] | None = None, planned_peak_bytes: int | None = None,
+                 sequence_loss_fn: Callable | None = None):
         from slipstream.distributed.data_parallel import apply_data_parallel
         from slipstream.distributed.mesh import SHARDED, init_parallel
 
@@ -121,8 +125,11 @@ class Trainer:
         self.loss_fn = loss_fn
         self.train_loader = _as_loader(train_data, self.cfg, self.device, shuffle=True, collate_fn=collate_fn,
                                        parallel=self.parallel)
-        self.val_loader = _as_loader(val_data, self.cfg, self.device, shuffle=False, collate_fn=collate_fn,
-                                     parallel=self.parallel)
+        from slipstream.data.eval_windows import EvalWindows
+
+        # Fixed evaluation windows pass through as they are; anything else becomes a stateful loader.
+        self.val_loader = val_data if isinstance(val_data, EvalWindows) else _as_loader(
+            val_data, self.cfg, self.device, shuffle=False, collate_fn=collate_fn, parallel=self.parallel)
         self.tokens_per_batch = tokens_per_batch
         self.flops_per_token = flops_per_token
         self.checkpoint_meta = checkpoint_meta or {}
@@ -138,7 +145,12 @@ class Trainer:
         self._autocast = autocast_context(self.device, self.cfg.precision.autocast)
         self.scaler = make_grad_scaler(self.device, self.cfg.precision)
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)  # fp16 overflow skips
-        self._val_start_state = self.val_loader.state_dict() if self.val_loader is not None else None
+        self.evaluator = None
+        if self.val_loader is not None and self.cfg.train.eval_steps:
+            from slipstream.train.evaluate import Evaluator
+
+            self.evaluator = Evaluator(self.val_loader, loss_fn, self.parallel, self._autocast,
+                                       max_batches=self.cfg.train.eval_steps, sequence_loss_fn=sequence_loss_fn)
         self.profiler = None  # a StepProfiler while fit() runs with profile.enabled
         c = self.cfg.checkpoint
         async_save = c.async_save and (self.parallel.world_size == 1 or self.parallel.side_group is not None)
@@ -360,25 +372,9 @@ class Trainer:
         self._verdict = self.resilience.after_step(self.step + 1, loss, grad_norm, position)
         return self._verdict.action
 
-    @torch.no_grad()  # not inference_mode: FSDP gathers parameters into buffers autograd may see later
-    def evaluate(self) -> float | None:
-        if self.val_loader is None or self.cfg.train.eval_steps == 0:
-            return None
-        self.model.eval()
-        self.val_loader.load_state_dict(self._val_start_state)  # same val batches every time
-        it = iter(self.val_loader)
-        total = torch.zeros((), device=self.device)
-        n = 0
-        for _ in range(self.cfg.train.eval_steps):
-            try:
-                batch = next(it)
-            except StopIteration:
-                break
-            with self._autocast:
-                total += self.loss_fn(self.model, batch).float()
-            n += 1
-        self.model.train()
-        return self.parallel.mean(total / max(n, 1)).item()  # each rank evaluated its own val slice
+    def evaluate(self):
+        """The validation loss with its standard error (an EvalResult), or None without val data."""
+        return self.evaluator(self.model, self.device) if self.evaluator is not None else None
 
     def fit(self) -> dict[str, Any]:
         """Train to train.max_steps (resuming if configured); returns the run summary."""
@@ -425,7 +421,7 @@ class Trainer:
         last_ckpt: Path | None = resume_from
         start_step, wall_start = self.step, time.perf_counter()
         train_time, train_items = 0.0, 0
-        final_loss = val_loss = None
+        final_loss = val_loss = val_result = None
         mfu_values: list[float] = []
         # Speed is measured over the steps this process ran (a resumed interval may have
         # started before the checkpoint); the loss and data sums are restored exactly.
@@ -530,10 +526,11 @@ class Trainer:
                 side_start = time.perf_counter()
                 if (eval_every and self.step % eval_every == 0) or last:
                     with self._label("eval"):
-                        val_loss = self.evaluate()
-                    if val_loss is not None:
-                        loggers.log({"step": self.step, "val_loss": val_loss}, self.step)
-                        progress.print_line(f"step {self.step}: val_loss {val_loss:.4f}")
+                        result = self.evaluate()
+                    if result is not None:
+                        val_loss, val_result = result.loss, result
+                        loggers.log({"step": self.step, **result.as_record()}, self.step)
+                        progress.print_line(f"step {self.step}: val_loss {format_eval(result)}")
                 interval_save = cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0
                 with self.resilience.paused():  # a long eval or save is not a hang
                     rolling_back = verdict is not None and verdict.action == "rollback"  # that state is the bad one
@@ -570,7 +567,9 @@ class Trainer:
             if hasattr(loader, "close"):
                 loader.close()  # stop prefetch threads / worker processes now
         summary = {
-            "final_loss": final_loss, "val_loss": val_loss, "steps": self.step,
+            "final_loss": final_loss, "val_loss": val_loss,
+            "val_loss_stderr": val_result.stderr if val_result else None,
+            "val_tokens": val_result.tokens if val_result else None, "steps": self.step,
             "steps_this_run": self.step - start_step, "tokens": self.tokens_seen,
             "skipped_steps": int(self.skipped_steps.item()) if self.scaler is not None else None,
             "tokens_per_s": train_items / train_time if train_time > 0 else None,
