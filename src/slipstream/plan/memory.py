@@ -255,7 +255,10 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
     other_micro = acts - (layers * per_block + final_norm)          # other in-flight micro-batches stay
     worst = phase(all_grads or head_grad, acts + weight_copies, loss_bwd + comm + reduce_buffer)
     copies_per_block = weight_copies / max(layers, 1)
-    for i in range(layers, 0, -1):                # blocks 1..i still hold their activations
+    # Blocks 1..i still hold their activations. The total is linear in i, so its highest point
+    # is at one end: checking i = layers, then i = 1, finds the same peak as walking every
+    # block, in constant time (a config with a million layers is refused in microseconds).
+    for i in dict.fromkeys((layers, 1)) if layers >= 1 else ():
         grads = all_grads or head_grad + (layers - i) * block_grad
         # zero2 frees a block's gathered parameters once its gradients are reduced.
         gathered = i * gather_unit + edge * dt.gathered if keeps_gathered else comm
