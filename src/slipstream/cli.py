@@ -31,6 +31,7 @@ import os
 import sys
 
 from slipstream.errors import UserError
+from slipstream.outputs import refuse_existing, refuse_same_file
 
 EXIT_USER_ERROR = 2
 
@@ -137,6 +138,8 @@ def cmd_data_train_tokenizer(args, extra) -> int:
 
     if extra:
         raise UserError(f"unexpected arguments: {' '.join(extra)}")
+    refuse_existing(args.out, args.force)
+    refuse_same_file(args.out, args.input, "--out", "one of the inputs")
     tok = train_bpe(args.input, args.out, vocab_size=args.vocab_size, text_field=args.text_field)
     print(f"wrote {args.out} (vocab {tok.vocab_size}); use it with --tokenizer bpe:{args.out}")
     return 0
@@ -147,19 +150,25 @@ def cmd_bench_overhead(args, extra) -> int:
 
     if args.rounds < 1 or args.steps < 1:
         raise UserError(f"--rounds and --steps must be >= 1 (got {args.rounds} and {args.steps})")
-
+    refuse_existing(args.out, args.force)  # an explicit --out; the default benchmarks/ file is refreshed
     run_overhead_bench(_load(args, extra), rounds=args.rounds, steps_per_round=args.steps, out=args.out)
     return 0
 
 
 def cmd_bench_ladder(args, extra) -> int:
-    from slipstream.perf.ladder import run_ladder
+    from slipstream.perf.ladder import ladder_outputs, run_ladder
 
     if extra:
         raise UserError(f"unexpected arguments: {' '.join(extra)}")
-    for which in (["memory", "speed"] if args.ladder == "both" else [args.ladder]):
+    ladders = ["memory", "speed"] if args.ladder == "both" else [args.ladder]
+    if args.out_dir:  # an explicit --out-dir; the default benchmarks/ files are refreshed
+        for which in ladders:
+            for path in ladder_outputs(which, args.device, args.size, args.out_dir):
+                refuse_existing(path, args.force, "--out-dir", what="ladder result")
+    for which in ladders:
         run_ladder(which, device=args.device, size=args.size, repeats=args.repeats, steps=args.steps,
-                   batch=args.batch, out_dir=args.out_dir, data_dir=args.data_dir, augment_ms=args.augment_ms)
+                   batch=args.batch, out_dir=args.out_dir or "benchmarks", data_dir=args.data_dir,
+                   augment_ms=args.augment_ms)
     return 0
 
 
@@ -168,6 +177,7 @@ def cmd_bench_sharding(args, extra) -> int:
 
     if extra:
         raise UserError(f"unexpected arguments: {' '.join(extra)}")
+    refuse_existing(args.out, args.force)
     run_sharding_bench(nproc=args.nproc, strategies=tuple(args.strategies), data_dir=args.data_dir,
                        steps=args.steps, out=args.out)
     return 0
@@ -176,6 +186,7 @@ def cmd_bench_sharding(args, extra) -> int:
 def cmd_bench_checkpoint(args, extra) -> int:
     from slipstream.perf.checkpoint_bench import run_checkpoint_bench
 
+    refuse_existing(args.out, args.force)
     run_checkpoint_bench(repeats=args.repeats, overrides=_split_overrides(extra), out=args.out)
     return 0
 
@@ -187,6 +198,7 @@ def cmd_bench_fused_ce(args, extra) -> int:
         raise UserError(f"unexpected arguments: {' '.join(extra)}")
     if min(args.rows, args.d, args.vocab, args.repeats, *args.chunk_size) < 1:
         raise UserError("--rows, --d, --vocab, --repeats and --chunk-size must be >= 1")
+    refuse_existing(args.out, args.force)
     run_fused_ce_bench(args.rows, args.d, args.vocab, tuple(args.dtype), args.device, args.repeats,
                        tuple(args.chunk_size), args.backend, args.out)
     return 0
@@ -210,6 +222,12 @@ def cmd_doctor(args, extra) -> int:
     run_doctor(args.trace or None, cfg=cfg, overrides=overrides, apply=args.apply, as_json=args.json,
                max_trace_bytes=max_bytes)
     return 0
+
+
+def add_force(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """--force: the one way to replace an existing output file (slipstream/outputs.py)."""
+    p.add_argument("--force", action="store_true", help="overwrite an existing output file")
+    return p
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -274,6 +292,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", nargs="+", required=True)
     p.add_argument("--vocab-size", type=int, default=4096)
     p.add_argument("--out", required=True, help="tokenizer JSON file to write")
+    add_force(p)
     p.add_argument("--text-field", default="text")
     p.set_defaults(func=cmd_data_train_tokenizer)
 
@@ -288,6 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=5, help="alternations of (trainer, hand loop)")
     p.add_argument("--steps", type=int, default=20, help="timed steps per round and contender")
     p.add_argument("--out", default="", help="JSON result file (default benchmarks/overhead-<machine>.json)")
+    add_force(p)
     p.set_defaults(func=cmd_bench_overhead)
     p = bench.add_parser("ladder", help="the books' memory and speed optimization ladders, measured rung by rung")
     p.add_argument("ladder", nargs="?", default="both", choices=["memory", "speed", "both"])
@@ -297,7 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per rung")
     p.add_argument("--steps", type=int, default=6, help="training steps per rung and repeat (step 1 is warm-up)")
     p.add_argument("--batch", type=int, default=32, help="global batch in sequences (the books used 32)")
-    p.add_argument("--out-dir", default="benchmarks", help="where the JSON and PNG go")
+    p.add_argument("--out-dir", default="", help="where the JSON and PNG go (default benchmarks)")
+    add_force(p)
     p.add_argument("--data-dir", default="", help="prepared data folder (default: the stdlib corpus, prepared once)")
     p.add_argument("--augment-ms", type=float, default=5.0,
                    help="speed ladder: CPU cost of the augmentation per sequence (makes the baseline data-bound)")
@@ -308,10 +329,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=3, help="training steps per strategy (step 2 is measured)")
     p.add_argument("--data-dir", default="", help="prepared data folder (default: the stdlib corpus, prepared once)")
     p.add_argument("--out", default="", help="JSON file (default benchmarks/sharding-cpu.json)")
+    add_force(p)
     p.set_defaults(func=cmd_bench_sharding)
     p = bench.add_parser("checkpoint", help="checkpoint save: training stall of synchronous vs asynchronous saves")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="", help="JSON file (default benchmarks/checkpoint-cpu.json)")
+    add_force(p)
     p.set_defaults(func=cmd_bench_checkpoint)
     p = bench.add_parser("fused-ce", help="fused linear + cross-entropy vs the unfused path: time and peak memory")
     p.add_argument("--rows", type=int, default=4096, help="tokens (batch x sequence)")
@@ -323,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chunk-size", type=int, nargs="+", default=[1024])
     p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
     p.add_argument("--out", default="", help="JSON file (default benchmarks/fused-ce-<device>.json)")
+    add_force(p)
     p.set_defaults(func=cmd_bench_fused_ce)
 
     from slipstream.plan.cli import add_plan_parsers

@@ -141,6 +141,12 @@ def _run_rung(base: list[str], rung: Rung, steps: int, run_dir: str) -> dict[str
             "memory": summary.get("memory"), "loss": summary["final_loss"]}
 
 
+def ladder_outputs(which: str, device: str, size: str, out_dir: str) -> tuple[Path, Path]:
+    """The JSON result and PNG plot a ladder writes into out_dir."""
+    stem = Path(out_dir) / f"ladder-{which}-{device}-{size}"
+    return stem.with_name(stem.name + ".json"), stem.with_name(stem.name + ".png")
+
+
 def run_ladder(which: str, device: str = "cpu", size: str = "tiny", repeats: int = 3, steps: int = 6,
                batch: int = 32, out_dir: str = "benchmarks", data_dir: str = "",
                augment_ms: float = 5.0) -> dict[str, Any]:
@@ -181,12 +187,12 @@ def run_ladder(which: str, device: str = "cpu", size: str = "tiny", repeats: int
     result = {"bench": f"ladder-{which}", "device": device, "size": size, "base": base, "batch": batch,
               "augment_cost_ms": augment_ms if which == "speed" else None,
               "repeats": repeats, "steps": steps, "rungs": rows, "env": collect_env()}
-    stem = Path(out_dir) / f"ladder-{which}-{device}-{size}"
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(f"{stem}.json", result)
+    json_path, png_path = ladder_outputs(which, device, size, out_dir)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(json_path, result)
     _print_table(result)
-    _plot(result, f"{stem}.png")
-    print(f"wrote {stem}.json and {stem}.png")
+    _plot(result, str(png_path))
+    print(f"wrote {json_path} and {png_path}")
     return result
 
 
@@ -237,5 +243,8 @@ def _plot(result: dict[str, Any], path: str) -> None:
     ax.set_ylabel("peak memory (MiB)" if memory else "tokens/s")
     ax.set_title(f"{result['bench']} on {result['device']} (size {result['size']}; median, min-max)")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    # A temp file, then a rename: an existing plot is replaced whole or not at all.
+    tmp = Path(path).with_name(f".{Path(path).name}.tmp.png")
+    fig.savefig(tmp, dpi=110)
     plt.close(fig)
+    tmp.replace(path)

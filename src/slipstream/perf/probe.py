@@ -570,14 +570,18 @@ def add_probe_arguments(parser) -> None:
     parser.add_argument("--device", default="auto", help="auto (the accelerator if any, else cpu), cpu, cuda[:N]")
     parser.add_argument("--data-dir", default="", help="storage: a prepared token-shard folder to read")
     parser.add_argument("--out", default="", help="JSON result file")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing --out file")
     parser.add_argument("--sizes", type=int, nargs="+", default=None, help="matmul sizes (square n)")
     parser.add_argument("--comm-sizes", type=int, nargs="+", default=None, help="collective message sizes, bytes")
 
 
 def main_probe(args, extra: list[str] | None = None) -> int:
     """CLI handler: `args` from add_probe_arguments (missing --sizes/--comm-sizes mean defaults)."""
+    from slipstream.outputs import refuse_existing
+
     if extra:
         raise UserError(f"unexpected arguments: {' '.join(extra)}")
+    refuse_existing(args.out, getattr(args, "force", False))  # before minutes of measuring
     run_probe(
         args.sections,
         device=args.device,

@@ -12,6 +12,7 @@ import argparse
 import json
 
 from slipstream.errors import UserError
+from slipstream.outputs import refuse_existing, refuse_same_file
 from slipstream.plan.memory import GIB
 from slipstream.plan.search import Candidate, PlanResult, explain_infeasible, plan
 from slipstream.plan.space import AC_MODES, DP_STRATEGIES, PP_SCHEDULES, PRECISIONS, Workload, strategy_overrides
@@ -57,6 +58,7 @@ def add_plan_parsers(sub, bench) -> None:
     p.add_argument("--ac", nargs="+", choices=AC_MODES, help="only these activation-checkpointing modes")
     p.add_argument("--micro-batch", type=int, nargs="+", help="only these micro-batch sizes")
     p.add_argument("--write-config", default="", help="write the best runnable layout as a TOML for `slipstream train`")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --write-config file")
     p.set_defaults(func=main_plan)
 
     p = sub.add_parser("cost", help="wall time, GPU-hours and money of a training run, with failure and preemption losses")
@@ -77,6 +79,7 @@ def add_plan_parsers(sub, bench) -> None:
     p = bench.add_parser("planner", help="planner accuracy: planned vs measured memory on this CPU, vs published runs")
     p.add_argument("--device", default="cpu", help="cpu: the fake-process-group grid; cuda: GPT-2 steps on this GPU")
     p.add_argument("--out", default="", help="JSON file (default benchmarks/planner-accuracy-<cpu|gpu>.json)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
     p.set_defaults(func=main_bench_planner)
 
 
@@ -126,6 +129,8 @@ def main_plan(args, extra) -> int:
         raise UserError(f"unexpected arguments: {' '.join(extra)}")
     if args.top < 1 or args.rejected < 0:
         raise UserError(f"--top must be >= 1 and --rejected >= 0, got {args.top} and {args.rejected}")
+    refuse_existing(args.write_config, args.force, "--write-config")
+    refuse_same_file(args.write_config, [args.model, args.probe], "--write-config", "an input of this plan")
     model, cluster = _setup(args, args.seq)
     work = Workload(seq_len=args.seq, global_batch=args.global_batch)
     result = plan(model, cluster, work, efficiency=args.efficiency, runnable_only=args.runnable_only, **_space(args))
@@ -274,6 +279,7 @@ def main_bench_planner(args, extra) -> int:
 
     if extra:
         raise UserError(f"unexpected arguments: {' '.join(extra)}")
+    refuse_existing(args.out, args.force)  # an explicit --out; the default benchmarks/ file is refreshed
     if args.device != "cpu":
         return _bench_planner_on_device(args)
     rows = run_accuracy()

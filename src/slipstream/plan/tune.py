@@ -376,6 +376,7 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--steps", type=int, default=20, help="training steps per trial (the first two are not timed)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--write-config", default=None, metavar="OUT", help="write the winner as a TOML config")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing --write-config file")
     return parser
 
 
@@ -383,7 +384,14 @@ def main_tune_system(args: argparse.Namespace, extra: list[str]) -> int:
     from slipstream.cli import _split_overrides
     from slipstream.resilience.advice import parse_duration
 
+    from slipstream.outputs import refuse_existing, refuse_same_file
+
     budget = parse_duration(args.budget, "--budget")
+    # Before the trials (minutes): the winner's file must not replace one the user has, least of
+    # all the config it extends.
+    refuse_existing(args.write_config, args.force, "--write-config")
+    if args.write_config:
+        refuse_same_file(args.write_config, [args.config], "--write-config", "the --config it would extend")
     result = tune_system(args.config, _split_overrides(extra), budget, top=args.top, nproc=args.nproc, steps=args.steps)
     if args.write_config and result["winner"] is not None:
         result["written_config"] = str(write_winner_config(result, args.write_config))
