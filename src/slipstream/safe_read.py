@@ -54,16 +54,19 @@ class Cap:
     what: str  # the kind of file, named in the error: "checkpoint JSON file"
     default: int  # bytes
     setting: str  # an environment variable (SLIPSTREAM_...) or a command-line flag
+    chosen: int | None = None  # a limit given explicitly (a flag's value): wins over both
 
     @property
     def limit(self) -> int:
+        if self.chosen is not None:
+            return self.chosen
         if self.setting.startswith("SLIPSTREAM_") and os.environ.get(self.setting, "").strip():
             return parse_size(os.environ[self.setting], self.setting)
         return self.default
 
     def with_limit(self, limit: int | None) -> Cap:
-        """The same cap with another limit (a flag's value); None keeps the default."""
-        return self if limit is None else dataclasses.replace(self, default=limit)
+        """The same cap with an explicit limit (a flag's value); None keeps the cap as it is."""
+        return self if limit is None else dataclasses.replace(self, chosen=limit)
 
     def exceeded(self, where: str | Path, size: int | None = None, problem: str = "is larger than") -> UserError:
         """The error for a file over this cap: names the file, the limit and how to raise it."""
@@ -97,8 +100,7 @@ def parse_size(text: str, setting: str) -> int:
 def human_size(n: int) -> str:
     for unit, scale in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
         if n >= scale:
-            value = n / scale
-            return f"{value:.0f}{unit}" if value == int(value) else f"{value:.1f}{unit}"
+            return f"{n / scale:.1f}".removesuffix(".0") + unit
     return f"{n}B"
 
 
@@ -225,11 +227,13 @@ class JsonStream:
     One value read whole (an item, a member's value) may be at most max_value_chars long:
     this bounds the memory of parsing it.
 
-    A gzip file is first decompressed once without parsing to check its size: a bomb is
-    refused at the cost of decompressing up to the cap, not of parsing it.
+    The size is checked before parsing starts: a plain file's from the file system, a gzip
+    file's by decompressing it once without parsing, so a bomb costs the decompression of
+    up to the cap, never the parsing of it.
     """
 
     _WS = re.compile(r"[ \t\n\r]*")
+    _NUMBER = re.compile(r"[0-9.eE+-]*")  # characters that can continue a number
 
     def __init__(self, path: str | Path, cap: Cap, decompress: bool = False, what: str = "JSON file",
                  hint: str = "", max_value_chars: int = 16 * MiB, chunk_bytes: int = CHUNK_BYTES):
@@ -241,6 +245,8 @@ class JsonStream:
         if decompress and self._sniff_gzip():
             for _ in iter_chunks(path, cap, decompress=True, chunk_bytes=max(chunk_bytes, 4 * MiB)):
                 pass  # size only; parsing starts again from the top
+        else:
+            check_size(path, cap)  # a plain file: its size tells at once
 
     def _sniff_gzip(self) -> bool:
         """True for gzip data; first checks it starts like JSON, so that decompressing a
@@ -319,8 +325,9 @@ class JsonStream:
             except RecursionError:
                 raise _too_deep(self.path, MAX_DEPTH) from None
             else:
-                # A value that ends exactly at the buffer's end may go on (a number cut in two).
-                if end < len(self._buf) or self._eof:
+                # A number may go on past the buffer's end ("2." of "2.5"): only what follows it tells.
+                cut = isinstance(value, (int, float)) and self._NUMBER.match(self._buf, end).end() == len(self._buf)
+                if self._eof or not cut:
                     self._pos = end
                     return value
             if len(self._buf) - self._pos > self.max_value_chars:
