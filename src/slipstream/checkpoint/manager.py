@@ -256,7 +256,7 @@ def verify_checkpoint(path: Path, deep: bool = True) -> list[str]:
     if not (path / COMPLETE_MARKER).is_file():
         return [f"no {COMPLETE_MARKER} marker (the save was interrupted)"]
     try:
-        meta = json.loads(inside(path, "meta.json").read_text(encoding="utf-8"))
+        meta = read_json_inside(path, "meta.json")
     except (OSError, json.JSONDecodeError, UserError) as e:
         return [f"meta.json is unreadable ({e})"]
     if not isinstance(meta, dict) or meta.get("format_version", 1) not in READABLE_VERSIONS:
@@ -264,7 +264,7 @@ def verify_checkpoint(path: Path, deep: bool = True) -> list[str]:
     if meta.get("format_version", 1) < 2:
         return []
     try:
-        manifest = json.loads(inside(path, MANIFEST).read_text(encoding="utf-8"))
+        manifest = read_json_inside(path, MANIFEST)
     except (OSError, json.JSONDecodeError, UserError) as e:
         return [f"{MANIFEST} is unreadable ({e})"]
     if not isinstance(manifest, dict):
@@ -302,7 +302,7 @@ def read_meta(path: Path) -> dict[str, Any]:
     from slipstream.checkpoint.untrusted import inside
 
     try:
-        meta = json.loads(inside(path, "meta.json").read_text(encoding="utf-8"))
+        meta = read_json_inside(path, "meta.json")
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"checkpoint '{path}' has an unreadable meta.json ({e}); it is damaged") from None
     if not isinstance(meta, dict):
@@ -338,9 +338,17 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         raise UserError(f"could not load checkpoint '{path}': {type(e).__name__}: {str(e).splitlines()[0][:300]}. "
                         "The checkpoint is damaged or was saved for a different model shape.") from None
     try:
-        return json.loads(read_text_inside(path, "trainer_state.json"))
+        return read_json_inside(path, "trainer_state.json")
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"checkpoint '{path}' has an unreadable trainer_state.json ({e}); it is damaged") from None
+
+
+def read_json_inside(path: Path, name: str) -> Any:
+    """A JSON file of the checkpoint folder, under safe_read's size and nesting caps."""
+    from slipstream.checkpoint.untrusted import inside
+    from slipstream.safe_read import CHECKPOINT_JSON, load_json_capped
+
+    return load_json_capped(inside(path, name), CHECKPOINT_JSON)
 
 
 def read_text_inside(path: Path, name: str) -> str:
@@ -357,7 +365,7 @@ def load_dcp(folder: Path, payload: dict[str, Any]) -> None:
     from slipstream.checkpoint.untrusted import SafePlanner, SafeReader, read_dcp_metadata
 
     read_dcp_metadata(folder)
-    planner = SafePlanner()
+    planner = SafePlanner(folder)
     try:
         dcp.load(payload, storage_reader=SafeReader(str(folder)), planner=planner)
     except (Exception, CheckpointException):

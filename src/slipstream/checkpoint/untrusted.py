@@ -95,14 +95,17 @@ def restricted_loads(data: bytes) -> Any:
 
 
 def inside(folder: Path, name: str) -> Path:
-    """folder/name, refused (UserError) unless it is a regular file inside folder: no absolute
-    path, no `..`, no symbolic link (a link could point anywhere)."""
+    """folder/name, refused (UserError) unless it stays inside folder: no absolute path, no `..`,
+    no symbolic link (a link could point anywhere), and nothing but a regular file if it exists
+    (reading a pipe or a device would never end)."""
     folder = Path(folder)
     path = folder / name
     if (Path(name).is_absolute() or ".." in Path(name).parts or path.is_symlink()
             or not path.resolve().is_relative_to(folder.resolve())):
         raise UserError(f"checkpoint '{folder}' names '{name}', which is outside the checkpoint folder; refused "
                         "(a checkpoint never makes slipstream read a file outside it)")
+    if path.exists() and not path.is_file():
+        raise UserError(f"checkpoint '{folder}': '{name}' is not a regular file; refused")
     return path
 
 
@@ -206,7 +209,10 @@ class SafePlanner(DefaultLoadPlanner):
     parameter names of a group) are unpickled with weights_only=True: plain containers,
     numbers and strings only."""
 
-    refused: UserError | None = None  # set when a value was refused; DCP wraps what we raise
+    def __init__(self, folder: str | Path):
+        super().__init__()
+        self.folder = Path(folder)
+        self.refused: UserError | None = None  # set when a value was refused; DCP wraps what we raise
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         from torch.distributed.checkpoint._traverse import set_element
@@ -214,10 +220,11 @@ class SafePlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - weights_only raises UnpicklingError; garbage anything
+            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
             self.refused = UserError(
-                f"the checkpoint's value '{read_item.dest_index.fqn}' is refused: it is not plain data "
-                f"({type(e).__name__}: {str(e).splitlines()[0][:200]}); slipstream never runs code from a "
-                "checkpoint; use a checkpoint you trust")
+                f"checkpoint '{self.folder}': the stored value '{read_item.dest_index.fqn}' is refused: it is "
+                f"not plain data ({type(e).__name__}: {first}); slipstream never runs code from a checkpoint; "
+                "use a checkpoint you trust")
             raise self.refused from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)

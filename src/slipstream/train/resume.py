@@ -133,7 +133,7 @@ def _saved_config(path: Path) -> Config | None:
     from slipstream.config.load import config_from_toml_text
 
     try:
-        return config_from_toml_text((path / "config.toml").read_text(encoding="utf-8"))
+        return config_from_toml_text(ckpt.read_text_inside(path, "config.toml"))
     except (OSError, UserError):
         return None  # the checkpoint's own checks (verify, load) name what is wrong with it
 
@@ -163,7 +163,9 @@ def check_same_model(path: Path, cfg: Config, tokenizer_file: str | None = None)
     before, now = saved.data.tokenizer, cfg.data.tokenizer
     if before.startswith("bpe:") and now.startswith("bpe:") and tokenizer_file:
         # The same file may live at another path (a data folder's copy): compare contents.
-        same_tokenizer = _file_sha256(path / "tokenizer.json") == _file_sha256(tokenizer_file)
+        theirs = path / "tokenizer.json"  # a plain file, never a link or pipe: read nothing outside
+        same_tokenizer = (theirs.is_file() and not theirs.is_symlink()
+                          and _file_sha256(theirs) == _file_sha256(tokenizer_file))
     else:
         same_tokenizer = before == now
     if not same_tokenizer:
