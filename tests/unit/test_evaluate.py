@@ -12,7 +12,8 @@ from slipstream.config.schema import ModelConfig
 from slipstream.data.eval_windows import EvalWindows, window_starts
 from slipstream.errors import UserError
 from slipstream.models.transformer import build_model
-from slipstream.train.evaluate import Evaluator, format_eval, lm_sequence_losses
+from slipstream.train.evaluate import Evaluator, format_eval
+from slipstream.train.lm_loss import lm_sequence_losses
 
 
 def _model(vocab):

@@ -147,7 +147,9 @@ def test_generate_is_deterministic_and_never_emits_padding_ids():
     model.final_norm.bias.copy_(b)
     model.lm_head.weight[cfg.vocab_size:] = b
     prompt = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(1))
-    assert (model(prompt)[:, -1].argmax(-1) >= cfg.vocab_size).all()  # unmasked, padding would win
+    logits = model(prompt)
+    assert (logits[..., cfg.vocab_size:] == float("-inf")).all()  # rigged to win, the padding still takes no probability
+    assert (logits[:, -1].argmax(-1) < cfg.vocab_size).all()
 
     greedy = generate(model, prompt, max_new_tokens=20, temperature=0)
     assert torch.equal(greedy, generate(model, prompt, max_new_tokens=20, temperature=0))
@@ -158,3 +160,26 @@ def test_generate_is_deterministic_and_never_emits_padding_ids():
     # Longer than max_seq_len in total: generate crops the context instead of failing.
     long = generate(model, torch.zeros(1, cfg.max_seq_len, dtype=torch.long), max_new_tokens=2, temperature=0)
     assert long.shape == (1, cfg.max_seq_len + 2)
+
+
+def test_padded_vocabulary_rows_are_not_classes():
+    """The loss of a padded model equals the loss of the same weights without padding: the
+    padded rows are storage only (no probability, no gradient), in both loss paths."""
+    from slipstream.train.lm_loss import fused_lm_loss_fn, lm_loss_fn
+
+    padded_cfg = preset_config("tiny", vocab_size=300, vocab_multiple=64)
+    exact_cfg = preset_config("tiny", vocab_size=300, vocab_multiple=1)
+    padded, exact = build_model(padded_cfg, seed=0), build_model(exact_cfg, seed=0)
+    assert padded.lm_head.weight.shape[0] == 320 and exact.lm_head.weight.shape[0] == 300
+    with torch.no_grad():
+        for name, p in exact.named_parameters():
+            p.copy_(dict(padded.named_parameters())[name][: p.shape[0]] if "tok_emb" in name else dict(padded.named_parameters())[name])
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 300, (2, 16), generator=gen), torch.randint(0, 300, (2, 16), generator=gen)
+    reference = lm_loss_fn(exact, (x, y))
+    for loss_fn in (lm_loss_fn, lambda m, b: fused_lm_loss_fn(m, b, chunk_size=8)):
+        padded.zero_grad()
+        loss = loss_fn(padded, (x, y))
+        torch.testing.assert_close(loss, reference, rtol=1e-6, atol=1e-6)
+        loss.backward()
+        assert padded.tok_emb.weight.grad[300:].abs().max() == 0  # padded rows get no gradient

@@ -34,7 +34,7 @@ def test_fused_loss_reaches_the_head_through_a_ddp_wrapper(tmp_path):
     from slipstream.config.schema import ModelConfig
     from slipstream.models.presets import PRESETS
     from slipstream.models.transformer import build_model
-    from slipstream.train.lm import fused_lm_loss_fn, lm_loss_fn
+    from slipstream.train.lm_loss import fused_lm_loss_fn, lm_loss_fn
 
     cfg = ModelConfig(**{**PRESETS["tiny"], "preset": "tiny", "vocab_size": 64})
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)

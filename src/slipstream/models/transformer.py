@@ -150,7 +150,7 @@ class Transformer(nn.Module):
             self.rope_cos = self.rope_sin = None
 
     def forward(self, idx: torch.Tensor, return_hidden: bool = False) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, padded vocab); with return_hidden, the final
+        """Token ids (B, T) -> logits (B, T, padded vocab; padded columns -inf); with return_hidden, the final
         normalized hidden states (B, T, d_model) instead, for a loss that applies the output
         head itself (the fused linear + cross-entropy never materializes all logits)."""
         T = idx.shape[1]
@@ -164,7 +164,18 @@ class Transformer(nn.Module):
         for block in self.blocks:
             x = block(x, rope)
         x = self.final_norm(x)
-        return x if return_hidden else self.lm_head(x)
+        if return_hidden:
+            return x
+        logits = self.lm_head(x)
+        if logits.shape[-1] > self.cfg.vocab_size:
+            # Padded rows are storage for faster matmuls, not tokens: they take no probability
+            # (exp(-inf) = 0, no gradient). In place: linear's backward needs its inputs, not its output.
+            logits[..., self.cfg.vocab_size:] = float("-inf")
+        return logits
+
+    def head_weight(self) -> torch.Tensor:
+        """The output head's rows of real tokens (a view: padded rows excluded)."""
+        return self.lm_head.weight[: self.cfg.vocab_size]
 
     @torch.no_grad()
     def init_weights(self, seed: int, write: Callable[[torch.Tensor, torch.Tensor], Any] | None = None) -> None:

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
-import torch.nn.functional as F
 
 from slipstream.data.eval_windows import EvalWindows
+from slipstream.train.lm_loss import lm_sequence_losses
 
 
 @dataclass
@@ -32,24 +32,6 @@ class EvalResult:
 
     def as_record(self) -> dict[str, Any]:
         return {"val_loss": self.loss, "val_loss_stderr": self.stderr, "val_tokens": self.tokens}
-
-
-def lm_sequence_losses(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, fused_chunk: int | None = None) -> torch.Tensor:
-    """Mean next-token cross-entropy of each sequence: (B,) fp32. With `fused_chunk`, the head
-    is applied one sequence at a time through the fused op, so the logits of a whole batch
-    never exist (as in training with train.fused_loss)."""
-    if fused_chunk is None:
-        logits = model(x).float()
-        losses = F.cross_entropy(logits.view(-1, logits.shape[-1]), y.reshape(-1), reduction="none")
-        return losses.view(y.shape).mean(dim=1)
-    from slipstream.distributed.data_parallel import unwrap
-    from slipstream.ops.fused_ce import fused_linear_cross_entropy
-
-    hidden = model(x, return_hidden=True)
-    head = unwrap(model).lm_head.weight
-    dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) else hidden.dtype
-    return torch.stack([fused_linear_cross_entropy(h.to(dtype), head.to(dtype), t, chunk_size=fused_chunk).float()
-                        for h, t in zip(hidden, y)])
 
 
 class Evaluator:

@@ -17,6 +17,7 @@ import torch
 
 from slipstream.config.schema import Config, ModelConfig
 from slipstream.errors import UserError
+from slipstream.train.lm_loss import fused_lm_loss_fn, lm_loss_fn, lm_sequence_losses
 
 
 def default_data_dir(cfg: Config) -> Path:
@@ -79,29 +80,6 @@ def check_tokenizer_vocab(tokenizer, manifest: dict[str, Any], data_dir: str | P
                         "`slipstream data prepare` again")
 
 
-def lm_loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    from slipstream.models.transformer import lm_loss
-
-    x, y = batch
-    return lm_loss(model(x), y)
-
-
-def fused_lm_loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
-                     chunk_size: int = 4096) -> torch.Tensor:
-    """The same loss as lm_loss_fn, with the output head fused into the cross-entropy."""
-    from slipstream.distributed.data_parallel import unwrap
-    from slipstream.ops.fused_ce import fused_linear_cross_entropy
-
-    x, y = batch
-    hidden = model(x, return_hidden=True)
-    device_type = hidden.device.type
-    # A custom op is outside autocast's reach: cast as autocast would cast a matmul's inputs.
-    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
-    # DDP wraps the model (FSDP2 shards it in place): the head lives on the wrapped module.
-    head = unwrap(model).lm_head.weight
-    return fused_linear_cross_entropy(hidden.to(dtype), head.to(dtype), y, chunk_size=chunk_size)
-
-
 def describe_model(cfg: Config) -> str:
     from slipstream.observe.flops import flops_per_token, param_count
 
@@ -122,7 +100,6 @@ def build_lm_trainer(cfg: Config):
     from slipstream.observe.flops import flops_per_token
     from slipstream.perf.repro import seed_all
     from slipstream.train.rundir import check_run_dir, make_run_dir, on_rank0
-    from slipstream.train.evaluate import lm_sequence_losses
     from slipstream.train.trainer import Trainer
 
     par = init_parallel(cfg)  # under torchrun: join the job first; errors in the layout stop every rank
@@ -130,6 +107,13 @@ def build_lm_trainer(cfg: Config):
     # Rank 0 names the run directory (a default name holds a timestamp) and every rank uses it.
     cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=par.broadcast(str(make_run_dir(cfg)))))
     on_rank0(par, check_run_dir, make_run_dir(cfg))  # fail before preparing data or building the model
+    # Pre-flight: a run that cannot fit in memory stops here, before any data or model work,
+    # when its vocabulary is already known (set, or in the prepared folder's manifest).
+    early_vocab = known_vocab(cfg)
+    planned = None
+    if early_vocab:
+        planned = plan_step_memory(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=early_vocab)),
+                                   par, device)
     if par.env.local_rank != 0:
         par.barrier()  # one process per node prepares (or finds) the cached data; the others wait
     data_dir, manifest = ensure_data(cfg, check=par.env.local_rank == 0)
@@ -147,6 +131,8 @@ def build_lm_trainer(cfg: Config):
     # The run's config.toml records what was actually used: data folder, its tokenizer and vocabulary.
     cfg = dataclasses.replace(cfg, model=resolve_vocab(cfg.model, manifest["vocab_size"], data_dir), train=train_cfg,
                               data=dataclasses.replace(cfg.data, dir=str(data_dir), tokenizer=manifest["tokenizer"]))
+    if not early_vocab:  # the vocabulary came with the data: check before building the model
+        planned = plan_step_memory(cfg, par, device)
     seed_all(cfg.train.seed)
     with torch.device("meta"):
         model = Transformer(cfg.model)
@@ -175,7 +161,6 @@ def build_lm_trainer(cfg: Config):
         files["tokenizer.json"] = tokenizer[4:]
         meta["tokenizer"] = "bpe:tokenizer.json"
     loss_fn = functools.partial(fused_lm_loss_fn, chunk_size=t.fused_loss_chunk) if t.fused_loss else lm_loss_fn
-    planned = plan_step_memory(cfg, par, device)
     sequence_loss_fn = functools.partial(lm_sequence_losses, fused_chunk=t.fused_loss_chunk if t.fused_loss else None)
     return Trainer(model, train_loader, loss_fn, config=cfg, val_data=val_windows, sequence_loss_fn=sequence_loss_fn,
                    tokens_per_batch=t.micro_batch_size * t.seq_len,
@@ -184,32 +169,53 @@ def build_lm_trainer(cfg: Config):
                    init_model=init_model, planned_peak_bytes=planned)
 
 
+def known_vocab(cfg: Config) -> int:
+    """The run's vocabulary before its data is prepared: set in the config, or recorded in the
+    manifest of data.dir (0: known only once the data is prepared; a bad folder is reported there)."""
+    from slipstream.data import load_manifest
+
+    if cfg.model.vocab_size or not cfg.data.dir:
+        return cfg.model.vocab_size
+    try:
+        return int(load_manifest(cfg.data.dir)["vocab_size"])
+    except (UserError, KeyError, TypeError, ValueError):
+        return 0
+
+
 def plan_step_memory(cfg: Config, par, device: torch.device) -> int | None:
-    """The planner's step peak for this run (compared with the measured one in summary.json).
-    On a GPU, a config predicted not to fit gets a warning before any memory is spent."""
+    """The planner's step peak for this run (compared with the measured one in summary.json),
+    checked against this machine's memory before any is spent: a run that cannot fit is refused
+    (a warning instead with train.preflight_memory = false)."""
     import warnings
 
-    from slipstream.plan.memory import GIB, estimate_memory
-    from slipstream.plan.space import PlanModel, strategy_from_config
+    from slipstream.plan.preflight import device_memory_limit, plan_training_memory, training_refusal
+    from slipstream.train.rundir import on_rank0
 
     dims = par.dims
     try:
-        strategy = strategy_from_config(cfg, dims.dp, dims.strategy, dims.dp_shard)
-        estimate = estimate_memory(PlanModel(cfg.model.preset, cfg.model), strategy, cfg.train.seq_len,
-                                   device=device.type, optimizer_state_bytes=2 if cfg.optim.state_dtype == "bf16" else 4)
-    except Exception as e:  # noqa: BLE001 - the prediction is a check; it must never stop a run
+        estimate = plan_training_memory(cfg, dims.dp, dims.strategy, dims.dp_shard, device.type)
+    except Exception as e:  # noqa: BLE001 - the prediction is a check; a planner bug must never stop a run
         if par.is_main:
             warnings.warn(f"slipstream plan could not predict this run's memory ({type(e).__name__}: {e})",
                           stacklevel=2)
         return None
-    if device.type == "cuda" and par.is_main:
-        capacity = torch.cuda.get_device_properties(device).total_memory
-        if estimate.total_bytes > capacity:
-            warnings.warn(f"slipstream plan predicts {estimate.total_bytes / GIB:.1f} GiB per GPU for this config, "
-                          f"more than the GPU's {capacity / GIB:.1f} GiB; `slipstream plan --model <this config's "
-                          f"TOML> --gpus {par.world_size}x<GPU> --seq {cfg.train.seq_len} --global-batch "
-                          f"{cfg.train.micro_batch_size * cfg.train.grad_accum_steps * dims.dp}` lists layouts "
-                          "that fit", stacklevel=2)
+    # The CPU ranks of a node share its memory; GPU ranks have a device each.
+    processes = par.env.local_world_size if device.type == "cpu" else 1
+
+    def refuse_if_too_big() -> None:
+        message = training_refusal(estimate, processes, device_memory_limit(device), device)
+        if message is None:
+            return
+        if device.type == "cuda":
+            message += (f" (`slipstream plan --model <this config's TOML> --gpus {par.world_size}x<GPU> --seq "
+                        f"{cfg.train.seq_len} --global-batch {cfg.train.micro_batch_size * cfg.train.grad_accum_steps * dims.dp}` "
+                        "lists layouts that fit)")
+        if cfg.train.preflight_memory:
+            raise UserError(message)
+        warnings.warn(f"{message.split('; or set train.preflight_memory')[0]}; starting anyway "
+                      "(train.preflight_memory = false)", stacklevel=3)
+
+    on_rank0(par, refuse_if_too_big)  # one decision (rank 0 reads the free memory), on every rank
     return estimate.peak_bytes
 
 
@@ -223,6 +229,7 @@ def load_lm_from_checkpoint(path: str | Path, device: str = "auto"):
     from slipstream.config.load import config_from_toml_text
     from slipstream.data import get_tokenizer
     from slipstream.models.transformer import Transformer, materialize
+    from slipstream.plan.preflight import check_weights_fit
     from slipstream.train.setup import resolve_device
 
     ckpt_dir = ckpt.resolve_checkpoint(path)
@@ -233,6 +240,7 @@ def load_lm_from_checkpoint(path: str | Path, device: str = "auto"):
         raise UserError(f"checkpoint '{ckpt_dir}' has no readable config.toml ({e.strerror}); it is damaged") from None
     spec = ckpt.checkpoint_tokenizer(ckpt_dir, meta, cfg.data.tokenizer)  # only the copy inside the checkpoint
     target = resolve_device(device, what="--device")
+    check_weights_fit(cfg.model, target, f"checkpoint '{ckpt_dir}'")  # its config may be crafted: before building
     with torch.device("meta"):
         model = Transformer(cfg.model)
     model = materialize(model, target, seed=0)
