@@ -357,6 +357,8 @@ def _load_model(ckpt_dir: Path):
         cfg = config_from_toml_text(ckpt.read_text_inside(ckpt_dir, "config.toml"))
     except OSError as e:
         raise UserError(f"checkpoint '{ckpt_dir}' has no readable config.toml ({e.strerror}); it is damaged") from None
+    from slipstream.plan.preflight import check_weights_fit
+    check_weights_fit(cfg.model, "cpu", f"checkpoint '{ckpt_dir}'")  # a crafted config: refuse before building
     with torch.device("meta"):
         model = Transformer(cfg.model)
     model = materialize(model, "cpu", seed=0)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import time
 import zlib
 from concurrent.futures import Future
@@ -26,9 +27,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed.checkpoint as dcp
 
 from slipstream.checkpoint import manager as ckpt
+from slipstream.diskspace import disk_full_error, is_disk_full
 
 MANIFEST = "manifest.json"
 
@@ -50,6 +53,30 @@ def _describe(folder: Path, names: list[str]) -> dict[str, list[int]]:
     return {name: [(folder / name).stat().st_size, file_crc32(folder / name)] for name in names}
 
 
+def _killsave_steps(rank: int) -> set[int]:
+    """Steps whose save this rank is told to die in (SLIPSTREAM_INJECT_FAULT killsave@STEP[@RANK], tests only)."""
+    from slipstream.resilience.runtime import FAULT_ENV, first_attempt, parse_faults
+
+    if not os.environ.get(FAULT_ENV) or not first_attempt():
+        return set()
+    return {step for kind, step, r in parse_faults(os.environ[FAULT_ENV]) if kind == "killsave" and r in (None, rank)}
+
+
+def state_bytes(payload: Any) -> int:
+    """Bytes of the tensors in a save's payload: what the checkpoint needs on disk (a DTensor
+    counts whole, as the ranks' shards add up to it)."""
+    total, stack = 0, [payload]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack += value.values()
+        elif isinstance(value, (list, tuple)):
+            stack += value
+        elif isinstance(value, torch.Tensor):
+            total += value.numel() * value.element_size()
+    return total
+
+
 def _own_shard_files(folder: Path, rank: int) -> list[str]:
     """The files DCP's FileSystemWriter wrote for this rank (rank 0 also writes the metadata)."""
     shards = folder / "model_optim"
@@ -66,6 +93,7 @@ class _Pending:
     final: Path
     future: Future | None          # None: the shards were written synchronously
     commit_args: dict[str, Any]    # rank 0: what the commit writes besides the shards
+    needed_bytes: int = 0          # the tensors' bytes: what a full disk is told it lacked
     started: float = field(default_factory=time.perf_counter)
 
 
@@ -88,6 +116,8 @@ class CheckpointWriter:
         if async_save and self.world > 1 and group is None:
             raise ValueError("an asynchronous CheckpointWriter of a distributed job needs a separate gloo group")
         self._group = group
+        self._manifest_error: BaseException | None = None  # raised by the writer thread's callback
+        self._kill_at = _killsave_steps(self.rank)
 
     def save(self, step: int, model, optimizer, trainer_state: dict[str, Any], config_toml: str,
              meta: dict[str, Any], extra_files: dict[str, str | Path] | None = None) -> float:
@@ -103,6 +133,7 @@ class CheckpointWriter:
             tmp.mkdir()
         ckpt.barrier()
         payload = ckpt.state_payload(model, optimizer)
+        needed = state_bytes(payload)
         per_rank = optimizer is not None and ckpt.is_local_sgd(optimizer)
         commit_args = dict(step=step, has_optimizer=optimizer is not None, trainer_state=trainer_state,
                            config_toml=config_toml, extra_files=extra_files,
@@ -111,40 +142,63 @@ class CheckpointWriter:
             with ckpt.quiet_dcp():
                 if self.async_save:
                     future = dcp.async_save(payload, checkpoint_id=str(tmp / "model_optim"), process_group=self._group)
-                    future.add_done_callback(lambda f: self._write_rank_manifest(tmp, f))
+                    future.add_done_callback(lambda f: self._write_rank_manifest(step, tmp, f))
                 else:
                     dcp.save(payload, checkpoint_id=str(tmp / "model_optim"))
                     future = None
-                    self._write_rank_manifest(tmp)
-        except BaseException:
+                    self._write_rank_manifest(step, tmp)
+        except BaseException as e:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
+            self._raise_if_disk_full(e, step, final, needed)
             raise
-        self.pending = _Pending(step, tmp, final, future, commit_args, started=t0)
+        self.pending = _Pending(step, tmp, final, future, commit_args, started=t0, needed_bytes=needed)
         if not self.async_save:
             self.wait()
         self.last_stall_s = time.perf_counter() - t0
         return self.last_stall_s
 
-    def _write_rank_manifest(self, tmp: Path, future: Future | None = None) -> None:
+    def _write_rank_manifest(self, step: int, tmp: Path, future: Future | None = None) -> None:
         if future is not None and future.exception() is not None:
             return  # the failure surfaces in poll()/wait() on the training thread
-        files = _describe(tmp, _own_shard_files(tmp, self.rank))
-        # Written by the writer thread while rank 0 polls for it: it must appear complete or not at all.
-        part = tmp / f".rank{self.rank}.manifest.json.part"
-        ckpt.write_text(part, json.dumps(files))
-        os.replace(part, tmp / f"rank{self.rank}.manifest.json")
+        if step in self._kill_at:  # test fault: die with this rank's shards on disk, unreported
+            print(f"injected kill -9 in the save of step {step} on rank {self.rank}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        try:
+            files = _describe(tmp, _own_shard_files(tmp, self.rank))
+            # Written by the writer thread while rank 0 polls for it: it must appear complete or not at all.
+            part = tmp / f".rank{self.rank}.manifest.json.part"
+            ckpt.write_text(part, json.dumps(files))
+            os.replace(part, tmp / f"rank{self.rank}.manifest.json")
+        except BaseException as e:
+            if future is None:
+                raise
+            # A future swallows its callbacks' errors: keep it for poll()/wait(), which would
+            # otherwise wait for this manifest until the commit timeout.
+            self._manifest_error = e
+
+    def _raise_if_disk_full(self, error: BaseException, step: int, final: Path, needed: int) -> None:
+        """A save that failed for want of disk space becomes a DiskFullError (a user error: a restart
+        would fail the same way) naming the path, the sizes and the last good checkpoint."""
+        if not is_disk_full(error, self.dir, needed):
+            return
+        kept = ckpt.list_checkpoints(self.dir)
+        after = (f"the partial save was removed and the last good checkpoint '{kept[-1]}' is intact (resume from "
+                 "it with --checkpoint.resume=auto)" if kept else "the partial save was removed; there is no "
+                 "earlier checkpoint")
+        raise disk_full_error(f"checkpoint step {step}", final, needed, after) from None
 
     def _shards_done(self) -> bool:
         pending = self.pending
         if pending.future is not None:
             if not pending.future.done():
                 return False
-            error = pending.future.exception()
+            error = pending.future.exception() or self._manifest_error
             if error is not None:
-                self.pending = None
+                self.pending, self._manifest_error = None, None
                 if self.rank == 0:
                     shutil.rmtree(pending.tmp, ignore_errors=True)
+                self._raise_if_disk_full(error, pending.step, pending.final, pending.needed_bytes)
                 raise CheckpointWriteError(f"saving checkpoint step {pending.step} failed: {type(error).__name__}: "
                                            f"{str(error).splitlines()[0][:300] if str(error) else ''}")
         if self.rank != 0:  # only rank 0 commits (and then renames the folder these files are in)
@@ -181,9 +235,14 @@ class CheckpointWriter:
         pending, self.pending = self.pending, None
         if self.rank == 0:
             args = pending.commit_args
-            ckpt.write_checkpoint_files(pending.tmp, args["step"], args["has_optimizer"], args["trainer_state"],
-                                        args["config_toml"], args["meta"], args["extra_files"],
-                                        manifest=self._merged_manifest(pending.tmp))
+            try:
+                ckpt.write_checkpoint_files(pending.tmp, args["step"], args["has_optimizer"], args["trainer_state"],
+                                            args["config_toml"], args["meta"], args["extra_files"],
+                                            manifest=self._merged_manifest(pending.tmp))
+            except BaseException as e:
+                shutil.rmtree(pending.tmp, ignore_errors=True)
+                self._raise_if_disk_full(e, pending.step, pending.final, pending.needed_bytes)
+                raise
             ckpt.commit(pending.tmp, pending.final, self.dir)
             prune(self.dir, self.keep_last, self.keep_every, protect=pending.final)
         self.last_committed = pending.final

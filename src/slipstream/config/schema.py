@@ -98,6 +98,7 @@ class TrainConfig:
     fused_loss: bool = option(False, "Language models: chunked fused linear + cross-entropy (slipstream::fused_linear_cross_entropy), never materializing all logits.")
     fused_loss_chunk: int = option(4096, "fused_loss: tokens per chunk; peak extra memory is about chunk x vocabulary logits.", min=1)
     threads: int = option(0, "CPU threads for torch (torch.set_num_threads); 0 = torch's default (all cores).", min=0, max=1024)
+    preflight_memory: bool = option(True, "Before preparing data or building the model, refuse a run whose planned step memory (slipstream plan's estimate, per process) exceeds what this machine has: CPU MemAvailable (or the container's limit) shared by the local ranks, or the GPU's memory. false: start anyway (e.g. when the plan over-states an unusual setup).")
 
 
 @dataclass

@@ -51,6 +51,7 @@ import numpy as np
 
 from slipstream.data.sources import STDLIB, SourceStats, fingerprint_inputs, iter_documents
 from slipstream.data.tokenizers import Tokenizer, get_tokenizer
+from slipstream.diskspace import disk_full_error, is_disk_full
 from slipstream.errors import UserError
 from slipstream.safe_read import DATA_MANIFEST, load_json_capped
 
@@ -519,8 +520,15 @@ def prepare_dataset(
     try:
         manifest = _build(inputs, tok, dtype, tmp_dir, text_field, val_fraction, shard_tokens, num_workers, fingerprint, settings, progress)
         _swap_into_place(tmp_dir, out_dir, existing)
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp_dir, ignore_errors=True)
+        # At most one token per input byte (byte-level; subword tokenizers need fewer).
+        needed = fingerprint["bytes"] * dtype.itemsize
+        # numpy's tofile drops the errno ("N requested and M written"): then the free space tells.
+        if is_disk_full(e, out_dir if isinstance(e, OSError) else None, needed):
+            kept = (f"the partial output was removed and the data already in {out_dir!r} is unchanged"
+                    if existing is not None else "the partial output was removed")
+            raise disk_full_error("the token shards", out_dir, needed, kept) from None
         raise
     s = manifest["splits"]
     console.print(

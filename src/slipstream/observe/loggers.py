@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
+from slipstream.diskspace import disk_full_error, is_disk_full
 from slipstream.errors import UserError
 from slipstream.observe.env import to_jsonable
 
@@ -72,15 +73,25 @@ class JsonlLogger:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(self.path, "a", encoding="utf-8")
+        # Unbuffered: every record reaches the OS at once (a killed process loses nothing), and a
+        # failed write leaves no half line waiting in a buffer to be flushed later.
+        self._file = open(self.path, "ab", buffering=0)
 
     def log(self, record: dict[str, Any], step: int | None = None) -> None:
         if step is not None and "step" not in record:
             record = {"step": step, **record}
-        line = json.dumps(to_jsonable(record), allow_nan=False)
-        self._file.write(line + "\n")
-        # Flush to the OS on every record: a killed process then loses nothing.
-        self._file.flush()
+        data = (json.dumps(to_jsonable(record), allow_nan=False) + "\n").encode("utf-8")
+        good_size = self._file.tell()
+        try:
+            written = 0
+            while written < len(data):  # a raw write may be partial
+                written += self._file.write(data[written:])
+        except OSError as e:
+            os.ftruncate(self._file.fileno(), good_size)  # whole records only: a reader never sees half a line
+            if is_disk_full(e):
+                raise disk_full_error("the metrics", self.path, len(data),
+                                      "the records logged before are intact") from None
+            raise
 
     def close(self) -> None:
         if not self._file.closed:

@@ -10,8 +10,10 @@ device sync is added to the step; with it on, the loss and the gradient norm are
 host each step (one small sync; the price of per-step NaN/spike protection).
 
 Fault injection for tests (never set in production): SLIPSTREAM_INJECT_FAULT holds
-comma-separated `kind@step[@rank]` items, kind in nan, spike, crash, stall, sigterm, sigusr1; e.g.
-`nan@5,crash@7@1`. A crash fires only in the first attempt of a restarted job
+comma-separated `kind@step[@rank]` items, kind in nan, spike, crash, stall, sigterm, sigusr1,
+killsave; e.g. `nan@5,crash@7@1`. killsave SIGKILLs the process in the middle of the checkpoint
+save of that step: its shards are on disk, its manifest and COMPLETE are not
+(checkpoint/writer.py). A crash or killsave fires only in the first attempt of a restarted job
 (TORCHELASTIC_RESTART_COUNT and SLIPSTREAM_RESTART_COUNT = 0), so a restarted run can get past it.
 """
 
@@ -36,7 +38,13 @@ from slipstream.resilience.preemption import EXIT_PREEMPTED, PreemptionHandler
 from slipstream.resilience.watchdog import StepWatchdog
 
 FAULT_ENV = "SLIPSTREAM_INJECT_FAULT"
-FAULT_KINDS = ("nan", "spike", "crash", "stall", "sigterm", "sigusr1")
+FAULT_KINDS = ("nan", "spike", "crash", "stall", "sigterm", "sigusr1", "killsave")
+
+
+def first_attempt() -> bool:
+    """Not a restart: faults that end the process fire only here."""
+    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" and \
+        os.environ.get("SLIPSTREAM_RESTART_COUNT", "0") == "0"
 
 
 class Preempted(Exception):
@@ -128,8 +136,7 @@ class Resilience:
                 loss = loss * float("nan")
             elif kind == "spike":
                 loss = loss * 100.0
-            elif kind == "crash" and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0" \
-                    and os.environ.get("SLIPSTREAM_RESTART_COUNT", "0") == "0":
+            elif kind == "crash" and first_attempt():
                 print(f"injected crash at step {step} on rank {self.parallel.rank}", flush=True)
                 os._exit(13)
             elif kind == "stall":
