@@ -253,7 +253,7 @@ def test_huge_data_manifest(tmp_path):
 
 def _hf_folder(tmp_path):
     folder = tmp_path / "hf"
-    folder.mkdir()
+    folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}))
     return folder
 
