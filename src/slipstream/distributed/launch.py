@@ -48,14 +48,20 @@ _SLURM_NOT_IN_JOB = ("`slipstream launch slurm-node` runs inside an sbatch job, 
 
 # ------------------------------------------------------------------ checking user values
 
+# Unicode categories no generated file may carry, and how the error names them.
+_UNSAFE = {"Cc": "control character", "Zl": "line separator", "Zp": "paragraph separator",
+           "Cs": "undecodable byte (not UTF-8)"}
+
+
 def check_text(flag: str, value: str, forbid: str = "", why: str = "") -> str:
     """Refuse what could end a line or a field of a generated file: control characters (C0,
     DEL, C1: a newline would end an #SBATCH line and start a command of its own), Unicode
     line/paragraph separators, and unpaired surrogates (bytes that are not UTF-8). Quoting
     handles everything else; `forbid` names extra characters a non-shell parser reads its own way."""
     for ch in value:
-        if unicodedata.category(ch) in ("Cc", "Cs", "Zl", "Zp"):
-            raise UserError(f"{flag} {value!r}: control character U+{ord(ch):04X} is not allowed; remove it")
+        kind = _UNSAFE.get(unicodedata.category(ch))
+        if kind:
+            raise UserError(f"{flag} {value!r}: {kind} U+{ord(ch):04X} is not allowed; remove it")
         if ch in forbid:
             raise UserError(f"{flag} {value!r}: {ch!r} is not allowed{why}")
     return value
@@ -71,7 +77,7 @@ def check_command(command: list[str] | tuple[str, ...]) -> list[str]:
 def _slipstream_command(args: argparse.Namespace, extra: list[str], subcommands: list[str]) -> list[str]:
     """The command after `--`, checked to be a slipstream subcommand."""
     if extra:
-        raise UserError(f"unknown launch option(s) {' '.join(extra)}; the command to run goes after `--`")
+        raise UserError(f"unknown launch option(s) {' '.join(map(repr, extra))}; the command to run goes after `--`")
     command = list(args.command)
     # argparse keeps the `--` in a REMAINDER on some Python versions and drops it on others.
     if command and command[0] == "--":
