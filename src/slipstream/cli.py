@@ -1,6 +1,7 @@
 """`slipstream` command line: subcommands only; each delegates to a module function.
 
     slipstream train [--config FILE] [--section.key=value ...]
+    slipstream eval --checkpoint PATH [--data.dir DIR --split val --tokens N --json]
     slipstream generate --checkpoint PATH --prompt TEXT [--max-new-tokens N --temperature T --top-k K]
     slipstream data prepare --input PATH... --tokenizer T --out DIR
     slipstream data verify --dir DIR
@@ -204,6 +205,28 @@ def cmd_bench_fused_ce(args, extra) -> int:
     return 0
 
 
+def cmd_eval(args, extra) -> int:
+    import json
+
+    from slipstream.train.evaluate import evaluate_checkpoint
+
+    if extra:
+        raise UserError(f"unexpected arguments: {' '.join(extra)}")
+    for flag, value in (("--tokens", args.tokens), ("--batch-size", args.batch_size), ("--seq-len", args.seq_len)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+    r = evaluate_checkpoint(args.checkpoint, data_dir=args.data_dir, split=args.split, max_tokens=args.tokens,
+                            batch_size=args.batch_size, seq_len=args.seq_len, device=args.device)
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    stderr = f" ± {r['stderr']:.4f}" if r["stderr"] is not None else ""
+    what = "a fixed sample of" if r["sampled"] else "every"
+    print(f"{r['split']} loss {r['loss']:.4f}{stderr} (perplexity {r['perplexity']:.2f}) on {what} "
+          f"{r['seq_len']}-token window of {r['data_dir']}: {r['windows']:,} windows, {r['tokens']:,} tokens")
+    return 0
+
+
 def cmd_profile(args, extra) -> int:
     from slipstream.perf.profiling import profile_run
 
@@ -250,6 +273,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("eval", help="validation loss of a checkpoint on every window of a split (or a fixed sample)")
+    p.add_argument("--checkpoint", required=True, help="checkpoint folder or run directory (its latest checkpoint)")
+    p.add_argument("--data.dir", dest="data_dir", default=None, help="prepared data folder (default: the run's own)")
+    p.add_argument("--split", default="val", help="split of the data folder to score (default: val)")
+    p.add_argument("--tokens", type=int, default=None, help="at most this many tokens: a fixed sample spread over the split (default: all)")
+    p.add_argument("--batch-size", type=int, default=None, help="windows per forward pass (default: the run's micro-batch)")
+    p.add_argument("--seq-len", type=int, default=None, help="tokens per window (default: the run's seq_len)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_eval)
 
     p = with_config(sub.add_parser("profile", help="a short profiled training run: top ops and a chrome trace"))
     p.add_argument("--steps", type=int, default=None, help="profiled steps (default: profile.steps)")

@@ -55,6 +55,16 @@ def test_prepare_train_resume_generate(workspace):
     records = [json.loads(line) for line in (w / "run" / "metrics.jsonl").read_text().splitlines()]
     assert max(r["step"] for r in records) == 12
 
+    # eval: the checkpoint scored on every val window reproduces the run's own final evaluation
+    summary = json.loads((w / "run" / "summary.json").read_text())
+    assert summary["val_tokens"] > 0 and summary["val_loss_stderr"] > 0
+    scored = json.loads(slipstream("eval", "--checkpoint", "run", "--json", cwd=w).stdout)
+    assert scored["tokens"] == summary["val_tokens"] and not scored["sampled"]
+    assert abs(scored["loss"] - summary["val_loss"]) < 1e-5
+    sample = json.loads(slipstream("eval", "--checkpoint", "run", "--tokens", "2000", "--json", cwd=w).stdout)
+    assert sample["sampled"] and sample["tokens"] <= 2000 and abs(sample["loss"] - scored["loss"]) < 3 * sample["stderr"]
+    assert "val loss" in slipstream("eval", "--checkpoint", "run", cwd=w).stdout
+
     # generate from the run directory: the BPE tokenizer travels inside the checkpoint
     (w / "tok.json").rename(w / "tok-moved.json")
     gen = slipstream("generate", "--checkpoint", "run", "--prompt", "def main(", "--max-new-tokens", "20",
