@@ -84,8 +84,9 @@ def run_nanogpt(nanogpt: Path, data_dir: Path, work: Path, seed: int, steps: int
     return out
 
 
-def run_slipstream(data_dir: Path, work: Path, seed: int, steps: int, eval_every: int, extra: list[str]) -> Path:
-    tag = "-".join(e.replace("=", "_").replace(".", "_") for e in extra)
+def run_slipstream(data_dir: Path, work: Path, seed: int, steps: int, eval_every: int, extra: list[str],
+                   tag: str = "") -> Path:
+    tag = tag or "-".join(e.replace("=", "_").replace(".", "_") for e in extra)
     out = work / f"slipstream-{seed}{'-' + tag if tag else ''}"
     if (out / "summary.json").exists():
         return out
@@ -145,7 +146,9 @@ def main() -> None:
     p.add_argument("--work", type=Path, default=ROOT / ".cache" / "nanogpt-compare")
     p.add_argument("--data", type=Path, default=None, help="prepared slipstream data (default: the default job's)")
     p.add_argument("--slipstream-set", nargs="*", default=[], help="extra slipstream overrides, section.key=value")
-    p.add_argument("--only", choices=("both", "slipstream", "nanogpt"), default="both")
+    p.add_argument("--only", choices=("both", "slipstream", "nanogpt"), default="both",
+                   help="train and score one system only (runs are cached in --work; a later run with both reuses them)")
+    p.add_argument("--tag", default="", help="name slipstream's runs apart (e.g. when PYTHONPATH points at another version)")
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "nanogpt-compare-cpu.json")
     args = p.parse_args()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
@@ -161,7 +164,7 @@ def main() -> None:
         t0 = time.perf_counter()
         row = {"seed": seed}
         if args.only in ("both", "slipstream"):
-            run = run_slipstream(data, args.work, seed, args.steps, args.eval_every, args.slipstream_set)
+            run = run_slipstream(data, args.work, seed, args.steps, args.eval_every, args.slipstream_set, args.tag)
             row["slipstream"] = {s: score_slipstream(run, s, windows) for s in steps}
         if args.only in ("both", "nanogpt"):
             out = run_nanogpt(args.nanogpt, data, args.work, seed, args.steps, args.eval_every)
@@ -182,9 +185,9 @@ def main() -> None:
               "shape": SHAPE, "optim": OPTIM, "steps": args.steps, "seeds": args.seeds,
               "windows": windows.n_windows, "tokens": windows.tokens, "slipstream_overrides": args.slipstream_set,
               "rows": rows, "summary": summary, "env": collect_env()}
-    if args.slipstream_set:
+    if args.slipstream_set or args.tag or args.only != "both":
         print(json.dumps(summary, indent=2))
-        return  # an experiment, not the committed comparison
+        return  # an experiment or a part, not the committed comparison
     write_json_atomic(args.out, result)
     print(json.dumps(summary, indent=2))
 
