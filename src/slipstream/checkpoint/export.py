@@ -169,10 +169,10 @@ def _human(n: int | float) -> str:
 
 
 def _read_json(path: Path) -> tuple[Any, str | None]:
-    from slipstream.checkpoint.untrusted import inside
+    from slipstream.checkpoint.manager import read_json_inside
 
     try:
-        return json.loads(inside(path.parent, path.name).read_text(encoding="utf-8")), None
+        return read_json_inside(path.parent, path.name), None
     except (OSError, json.JSONDecodeError, UserError) as e:
         return None, f"{path.name} is unreadable ({e})"
 
