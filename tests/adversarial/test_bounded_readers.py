@@ -421,7 +421,7 @@ def test_json_stream_errors(tmp_path):
         _stream_all(stream(deep()))
     with pytest.raises(UserError, match="one JSON value .* is larger than 10B"):
         _stream_all(stream('["0123456789abcdef"]', max_value_chars=10))
-    with pytest.raises(UserError, match="doc.json is larger than the 1000B limit"):
+    with pytest.raises(UserError, match="doc.json is 1.2KiB, over the 1000B limit"):  # told by its size
         _stream_all(stream("[" + "0," * 600 + "0]", cap=CAP))
     # Whitespace is read, not kept: a gzip of spaces ends at the cap.
     gz = tmp_path / "spaces.json.gz"
