@@ -5,11 +5,11 @@
     slipstream generate --checkpoint PATH --prompt TEXT [--max-new-tokens N --temperature T --top-k K]
     slipstream data prepare --input PATH... --tokenizer T --out DIR
     slipstream data verify --dir DIR
-    slipstream data train-tokenizer --input PATH... --vocab-size N --out FILE
+    slipstream data train-tokenizer --input PATH... --vocab-size N --out FILE [--force]
     slipstream config show [--config FILE] [--section.key=value ...]
     slipstream profile [--config FILE] [--section.key=value ...] [--steps N]
     slipstream doctor [--config FILE] [overrides] [--apply] [--json] | doctor --trace FILE...
-    slipstream probe [--sections compute memory comm storage] [--device D] [--data-dir DIR] [--out FILE]
+    slipstream probe [--sections compute memory comm storage] [--device D] [--data-dir DIR] [--out FILE --force]
     slipstream config reference
     slipstream bench overhead [--config FILE] [--section.key=value ...] [--rounds N] [--out FILE]
     slipstream bench sharding [--nproc N --strategies ddp zero1 zero2 fsdp --steps N]
