@@ -116,6 +116,7 @@ COMMANDS = {
     "export safetensors": (["checkpoint", "export", "{ckpt}", "--format", "safetensors", "--out", "{out}"], ["out"]),
     "export hf": (["checkpoint", "export", "{ckpt}", "--format", "hf", "--out", "{out}"], ["out"]),
     "generate": (["generate", "--checkpoint", "{ckpt}", "--prompt", "def", "--max-new-tokens", "4"], []),
+    "eval": (["eval", "--checkpoint", "{ckpt}", "--data.dir", "{data}", "--tokens", "64"], []),
     "train resume=PATH": (["{train}", "--checkpoint.resume={ckpt}"], ["mine", "runs"]),
     # resume=auto trains in the attacker's run directory: its own files there are outputs,
     # the checkpoint itself is checked separately (_run_and_check)
@@ -133,7 +134,7 @@ def _expand(args: list[str], ckpt: Path, tmp_path: Path, data_dir) -> list[str]:
         elif a == "{train_auto}":
             out += _train_args(data_dir, ckpt.parent.parent)
         else:
-            out.append(a.format(ckpt=ckpt, out=tmp_path / "out"))
+            out.append(a.format(ckpt=ckpt, out=tmp_path / "out", data=data_dir))
     return out
 
 
