@@ -230,11 +230,11 @@ import slipstream.checkpoint.writer as writer
 
 _write_rank_manifest = writer.CheckpointWriter._write_rank_manifest
 
-def _held(self, tmp, future=None):
+def _held(self, step, tmp, future=None):
     if tmp.name == os.environ["HOLD_SAVE"]:
         Path(os.environ["HOLD_MARKER"]).write_text("in flight")
         time.sleep(600)
-    return _write_rank_manifest(self, tmp, future)
+    return _write_rank_manifest(self, step, tmp, future)
 
 writer.CheckpointWriter._write_rank_manifest = _held
 '''
