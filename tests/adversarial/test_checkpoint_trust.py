@@ -228,6 +228,34 @@ def test_metadata_pointing_outside_the_folder_is_refused(genuine, tmp_path):
         read_dcp_metadata(folder)
 
 
+def test_a_linked_shard_folder_never_loads_another_checkpoint(genuine, tmp_path):
+    """model_optim as a symbolic link to another DCP folder (with a manifest listing nothing):
+    its tensors would load as this checkpoint's. Refused on every load path (they share load_dcp)."""
+    from slipstream.checkpoint.untrusted import RefusedFile, read_dcp_metadata
+
+    other = _copy(genuine, tmp_path / "other")
+    ckpt = _copy(genuine, tmp_path / "linked")
+    shutil.rmtree(ckpt / "model_optim")
+    (ckpt / "model_optim").symlink_to(other / "model_optim", target_is_directory=True)
+    with pytest.raises(RefusedFile, match="symbolic link"):
+        read_dcp_metadata(ckpt / "model_optim")
+
+
+def test_undecodable_or_deeply_nested_config_is_damage_not_a_traceback(genuine, tmp_path):
+    from slipstream.checkpoint.export import inspect_checkpoint
+    from slipstream.checkpoint.manager import read_text_inside
+    from slipstream.config.load import config_from_toml_text
+    from slipstream.errors import UserError
+
+    ckpt = _copy(genuine, tmp_path)
+    (ckpt / "config.toml").write_bytes(b"[model]\nn_layer = 2 \xff\xfe\n")
+    with pytest.raises(UserError, match="not UTF-8"):
+        read_text_inside(ckpt, "config.toml")
+    inspect_checkpoint(ckpt)  # reports the damage; never a UnicodeDecodeError
+    with pytest.raises(UserError, match="nested too deeply"):
+        config_from_toml_text("a = " + "[" * 50_000)
+
+
 # --- the tokenizer: only the copy inside the checkpoint ---------------------------------------
 
 SECRET = '{"secret": "the content of a file outside the checkpoint"}'

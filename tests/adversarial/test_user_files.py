@@ -272,3 +272,41 @@ def test_an_output_that_is_the_commands_input_is_refused_even_with_force(tmp_pat
     proc = _main(["tune", "system", "--config", config, "--write-config", config, "--force"], capsys)
     assert_user_error(proc, "the --config it would extend")
     assert_unchanged(before, tree_snapshot(tmp_path))
+
+
+def test_a_run_directory_of_an_older_slipstream_is_still_resumable(tmp_path):
+    """Written before the marker existed (config.toml + checkpoints with meta.json): accepted, so a
+    job requeued after an upgrade resumes; a folder that merely has a config.toml is not."""
+    from slipstream.errors import UserError
+    from slipstream.train.rundir import check_run_dir
+
+    old = tmp_path / "old-run"
+    (old / "checkpoints" / "step_00000004").mkdir(parents=True)
+    (old / "config.toml").write_text("[train]\n")
+    (old / "checkpoints" / "step_00000004" / "meta.json").write_text("{}")
+    check_run_dir(old)
+    (tmp_path / "user").mkdir()
+    (tmp_path / "user" / "config.toml").write_text("mine")
+    with pytest.raises(UserError, match="slipstream-run"):
+        check_run_dir(tmp_path / "user")
+
+
+def test_an_unexpected_failure_on_rank0_is_raised_on_every_rank():
+    """Not only UserErrors: any failure of rank 0 reaches the others (they would wait forever)."""
+    from slipstream.errors import UserError
+    from slipstream.train.rundir import on_rank0
+
+    class Rank:
+        def __init__(self, main):
+            self.is_main = main
+
+        def broadcast(self, value):
+            return Rank.sent if not self.is_main else setattr(Rank, "sent", value) or value
+
+    def boom():
+        raise PermissionError("no")
+
+    with pytest.raises(PermissionError):
+        on_rank0(Rank(True), boom)
+    with pytest.raises(UserError, match="rank 0 failed.*PermissionError"):
+        on_rank0(Rank(False), boom)

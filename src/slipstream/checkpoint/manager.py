@@ -354,8 +354,13 @@ def read_json_inside(path: Path, name: str) -> Any:
 def read_text_inside(path: Path, name: str) -> str:
     """A text file of the checkpoint folder (never one outside it: see untrusted.inside)."""
     from slipstream.checkpoint.untrusted import inside
+    from slipstream.safe_read import CHECKPOINT_JSON, read_bytes_capped
 
-    return inside(path, name).read_text(encoding="utf-8")
+    data = read_bytes_capped(inside(path, name), CHECKPOINT_JSON)  # same cap as the checkpoint's JSON files
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise UserError(f"checkpoint '{path}': '{name}' is not UTF-8 text (byte {e.start}); it is damaged") from None
 
 
 def load_dcp(folder: Path, payload: dict[str, Any]) -> None:

@@ -128,6 +128,10 @@ def read_dcp_metadata(folder: str | Path) -> Metadata:
     and checked: UserError naming the file when it is anything else."""
     folder = Path(folder)
     path = folder / METADATA_FILE
+    # The shard folder and the checkpoint folder holding it must be real folders: a link would
+    # make this checkpoint load another one's tensors (or any DCP folder on the machine).
+    if folder.is_symlink() or folder.parent.is_symlink():
+        raise _refuse(folder, "its folder is a symbolic link")
     if path.is_symlink() or not path.is_file():
         raise _refuse(folder, "it is missing or not a regular file")
     try:
@@ -176,8 +180,8 @@ def _metadata_problem(md: Any, folder: Path) -> str | None:
             return f"it points at '{name}', which is not a shard file of this folder"
         if name not in sizes:
             shard = folder / name
-            if shard.is_symlink() or not shard.is_file():
-                return f"its shard '{name}' is missing or not a regular file"
+            if shard.is_symlink() or not shard.is_file() or shard.resolve().parent != folder.resolve():
+                return f"its shard '{name}' is missing or not a regular file of this folder"
             sizes[name] = shard.stat().st_size
         offset, length = info.offset, info.length
         if not (isinstance(offset, int) and isinstance(length, int) and 0 <= offset and 0 <= length

@@ -236,6 +236,8 @@ def config_from_toml_text(text: str) -> Config:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
         raise UserError(f"stored config is not valid TOML: {e}") from None
+    except RecursionError:  # a crafted file of deeply nested arrays
+        raise UserError("stored config is nested too deeply to be a slipstream config") from None
     return build_config(data)
 
 

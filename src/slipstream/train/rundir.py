@@ -68,9 +68,18 @@ def make_run_dir(cfg: Config) -> Path:
 def _unmarked_content(run_dir: Path) -> list[str]:
     """What makes run_dir someone else's folder: its entries when it has no marker ([] when
     it is marked or empty; a lock file alone is what a run killed at start-up leaves)."""
-    if (run_dir / MARKER).is_file():
+    if (run_dir / MARKER).is_file() or _older_slipstream_run(run_dir):
         return []
     return sorted(name for name in os.listdir(run_dir) if name != LOCK)
+
+
+def _older_slipstream_run(run_dir: Path) -> bool:
+    """A run directory written before the marker existed: its config.toml and at least one
+    checkpoint with slipstream's meta.json. Resuming it (a requeued job after an upgrade)
+    must keep working; the marker is written when the run starts."""
+    checkpoints = run_dir / "checkpoints"
+    return ((run_dir / "config.toml").is_file() and checkpoints.is_dir() and not checkpoints.is_symlink()
+            and any((c / "meta.json").is_file() for c in checkpoints.glob("step_*")))
 
 
 def check_run_dir(run_dir: Path) -> None:
@@ -96,12 +105,17 @@ def on_rank0(parallel, fn: Callable[..., Any], *args: Any) -> Any:
     """fn(*args) on rank 0 only; a UserError there is raised on every rank (one broadcast,
     which also makes the other ranks wait until rank 0 is done). Returns fn's result on rank 0."""
     result, error = None, None
+    failure: BaseException | None = None
     if parallel.is_main:
         try:
             result = fn(*args)
         except UserError as e:
             error = str(e)
-    error = parallel.broadcast(error)
+        except Exception as e:  # noqa: BLE001 - the other ranks must not wait forever; re-raised below
+            error, failure = f"rank 0 failed while preparing the run directory ({type(e).__name__}: {e})", e
+    error = parallel.broadcast(error)  # a collective: every rank learns rank 0's verdict
+    if failure is not None:
+        raise failure
     if error is not None:
         raise UserError(error)
     return result
