@@ -204,7 +204,7 @@ class TrainProgress:
 SUMMARY_FIELDS: list[tuple[str, str]] = [
     ("final_loss", "final loss"),
     ("val_loss", "val loss"),
-    ("val_loss_stderr", "val loss std. error"),
+    ("val_loss_stderr", "val std. error"),
     ("val_tokens", "val tokens"),
     ("steps", "steps"),
     ("tokens", "tokens"),
