@@ -9,7 +9,8 @@ import torch
 
 from slipstream.config import load_config
 from slipstream.errors import UserError
-from slipstream.optimize.precision import apply_fp8, configure_tf32, fp8_support
+from slipstream.optimize.precision import apply_fp8, fp8_support
+from slipstream.runtime import configure_tf32
 from slipstream.train.lm import build_lm_trainer, train_lm
 
 

@@ -1,4 +1,5 @@
-"""Tests for slipstream.perf.repro: seeding, determinism switches, environment capture."""
+"""Tests for slipstream.runtime (seeding, determinism switches) and slipstream.perf.repro
+(environment capture)."""
 
 import json
 import os
@@ -10,6 +11,7 @@ import torch
 
 from slipstream.errors import UserError
 from slipstream.observe import env
+from slipstream import runtime
 from slipstream.perf import repro
 
 
@@ -34,43 +36,43 @@ def _draw():
 
 
 def test_seed_all_repeats_every_rng():
-    repro.seed_all(1234)
+    runtime.seed_all(1234)
     first = _draw()
-    repro.seed_all(1234)
+    runtime.seed_all(1234)
     assert _draw() == first
-    repro.seed_all(4321)
+    runtime.seed_all(4321)
     assert _draw() != first
 
 
 @pytest.mark.parametrize("bad", [-1, 2**32, 1.5, "1", True])
 def test_seed_all_rejects_bad_seeds(bad):
     with pytest.raises(UserError):
-        repro.seed_all(bad)
+        runtime.seed_all(bad)
 
 
 def test_set_deterministic_toggles(restore_determinism):
-    repro.set_deterministic(True, device="cpu")
+    runtime.set_deterministic(True, device="cpu")
     assert torch.are_deterministic_algorithms_enabled()
     assert not torch.is_deterministic_algorithms_warn_only_enabled()
     assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
     assert "CUBLAS_WORKSPACE_CONFIG" not in os.environ  # only needed on CUDA
-    repro.set_deterministic(False, device="cpu")
+    runtime.set_deterministic(False, device="cpu")
     assert not torch.are_deterministic_algorithms_enabled()
     assert not torch.backends.cudnn.deterministic and torch.backends.cudnn.benchmark
 
 
 def test_set_deterministic_cuda_sets_cublas_config_if_unset(restore_determinism, monkeypatch):
-    repro.set_deterministic(True, device="cuda")
+    runtime.set_deterministic(True, device="cuda")
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8"
     # A value the user chose is kept.
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
-    repro.set_deterministic(True, device="cuda")
+    runtime.set_deterministic(True, device="cuda")
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
 def test_set_deterministic_rejects_non_bool(restore_determinism):
     with pytest.raises(UserError):
-        repro.set_deterministic("yes")
+        runtime.set_deterministic("yes")
 
 
 def test_capture_environment_keys_and_json(monkeypatch):

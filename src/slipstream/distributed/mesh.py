@@ -253,7 +253,7 @@ def init_parallel(cfg: Config) -> Parallel:
     check_compatibility(cfg, dims)
     if _CURRENT is not None and _CURRENT.env == env and _CURRENT.dims == dims:
         return _CURRENT
-    from slipstream.train.setup import resolve_device
+    from slipstream.runtime import resolve_device
 
     device = resolve_device(cfg.train.device)
     if env.launched and device.type != "cpu":

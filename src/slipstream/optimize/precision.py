@@ -6,7 +6,8 @@
                multiplied by a scale so small gradients don't underflow; a step whose
                gradients overflow (inf/nan) is skipped and the scale halved. Skipped steps
                are counted on the device and reported at the logging interval.
-    tf32     : CUDA only: fp32 matmuls/convolutions run on TF32 tensor cores.
+    tf32     : CUDA only: fp32 matmuls/convolutions run on TF32 tensor cores
+               (switched by slipstream.runtime.configure_tf32).
     fp8      : CUDA only (compute capability >= 8.9): nn.Linear layers converted by torchao's
                float8 training recipe.
 """
@@ -37,14 +38,6 @@ def make_grad_scaler(device: torch.device, cfg: PrecisionConfig) -> torch.amp.Gr
         return None
     return torch.amp.GradScaler(device.type, init_scale=cfg.fp16_init_scale,
                                 growth_interval=cfg.fp16_growth_interval)
-
-
-def configure_tf32(device: torch.device, enabled: bool) -> None:
-    """TF32 is a CUDA tensor-core mode; on CPU the switch has nothing to change."""
-    if device.type != "cuda":
-        return
-    torch.backends.cuda.matmul.allow_tf32 = enabled
-    torch.backends.cudnn.allow_tf32 = enabled
 
 
 def fp8_support(device: torch.device) -> str | None:

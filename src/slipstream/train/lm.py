@@ -98,7 +98,7 @@ def build_lm_trainer(cfg: Config):
     from slipstream.distributed.mesh import SHARDED, init_parallel
     from slipstream.models.transformer import Transformer, materialize
     from slipstream.observe.flops import flops_per_token
-    from slipstream.perf.repro import seed_all
+    from slipstream.runtime import seed_all
     from slipstream.train.rundir import check_run_dir, make_run_dir, on_rank0
     from slipstream.train.trainer import Trainer
 
@@ -230,7 +230,7 @@ def load_lm_from_checkpoint(path: str | Path, device: str = "auto"):
     from slipstream.data import get_tokenizer
     from slipstream.models.transformer import Transformer, materialize
     from slipstream.plan.preflight import check_weights_fit
-    from slipstream.train.setup import resolve_device
+    from slipstream.runtime import resolve_device
 
     ckpt_dir = ckpt.resolve_checkpoint(path)
     meta = ckpt.read_meta(ckpt_dir)

@@ -1,42 +1,13 @@
-"""Run set-up: the device, process-wide runtime settings, and the optimizer variant."""
+"""Run set-up: the optimizer variant (device and process-wide settings: slipstream.runtime)."""
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
 import torch.nn as nn
 
 from slipstream.config.schema import Config
 from slipstream.errors import UserError
-from slipstream.optimize.precision import configure_tf32
-from slipstream.perf.repro import set_deterministic
-
-
-def resolve_device(spec: str, what: str = "train.device") -> torch.device:
-    """`auto` -> the current accelerator if there is one, else cpu; validates explicit devices.
-    `what` names the setting in error messages."""
-    if spec == "auto":
-        accel = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-        return torch.device(accel) if accel is not None else torch.device("cpu")
-    try:
-        device = torch.device(spec)
-    except RuntimeError:
-        raise UserError(f"{what} = '{spec}' is not a device; use auto, cpu, cuda or cuda:N") from None
-    if device.type != "cpu":
-        accel = torch.accelerator.current_accelerator() if hasattr(torch, "accelerator") else None
-        if accel is None or accel.type != device.type:
-            raise UserError(f"{what} = '{spec}' but this machine has no {device.type} device; use cpu or auto")
-    return device
-
-
-def configure_runtime(cfg: Config, device: torch.device) -> None:
-    """Threads, determinism and TF32: process-wide settings, applied once per run."""
-    configure_tf32(device, cfg.precision.tf32)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    if cfg.train.deterministic:
-        set_deterministic(True, device)
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:

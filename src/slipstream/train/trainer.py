@@ -43,7 +43,8 @@ from slipstream.train.evaluate import format_eval
 from slipstream.train.resume import capture_state, restore_state, resume_target
 from slipstream.train.rundir import make_run_dir, on_rank0, prepare_run_dir, release_run_dir
 from slipstream.train.schedule import build_scheduler
-from slipstream.train.setup import build_optimizer, configure_runtime
+from slipstream.runtime import configure_runtime
+from slipstream.train.setup import build_optimizer
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
 
