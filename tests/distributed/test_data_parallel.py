@@ -31,8 +31,8 @@ import torch
 
 from slipstream.checkpoint import manager as ckpt
 from slipstream.config import load_config
+from slipstream.config.dims import check_compatibility, resolve_parallel_dims
 from slipstream.config.schema import ParallelConfig
-from slipstream.distributed.mesh import check_compatibility, resolve_parallel_dims
 from slipstream.errors import UserError
 from tests.distributed import dp_worker as w
 

@@ -184,11 +184,11 @@ def strategy_from_config(cfg, world: int, dp_strategy: str | None = None, dp_sha
     """The layout a training Config runs on `world` processes (the inverse of strategy_overrides).
 
     The data-parallel strategy and hsdp's shard size are resolved exactly as the trainer
-    resolves them (distributed.mesh.resolve_parallel_dims), unless given. Activation offload
+    resolves them (config.dims.resolve_parallel_dims), unless given. Activation offload
     is not modelled: it is planned as "none", which over-states its memory, never under-states.
     """
     if dp_strategy is None:
-        from slipstream.distributed.mesh import resolve_parallel_dims
+        from slipstream.config.dims import resolve_parallel_dims
 
         dims = resolve_parallel_dims(cfg.parallel, world, world)
         dp_strategy, dp_shard = dims.strategy, dims.dp_shard

@@ -95,7 +95,8 @@ def build_lm_trainer(cfg: Config):
     from slipstream.data import TokenLoader, get_tokenizer, tokenizer_spec_for
     from slipstream.data.eval_windows import EvalWindows
     from slipstream.distributed.data_parallel import materialize_sharded
-    from slipstream.distributed.mesh import SHARDED, init_parallel
+    from slipstream.config.dims import SHARDED
+    from slipstream.distributed.mesh import init_parallel
     from slipstream.models.transformer import Transformer, materialize
     from slipstream.observe.flops import flops_per_token
     from slipstream.runtime import seed_all

@@ -104,7 +104,8 @@ class Trainer:
                  init_model: Callable[[nn.Module], Any] | None = None, planned_peak_bytes: int | None = None,
                  sequence_loss_fn: Callable | None = None):
         from slipstream.distributed.data_parallel import apply_data_parallel
-        from slipstream.distributed.mesh import SHARDED, init_parallel
+        from slipstream.config.dims import SHARDED
+        from slipstream.distributed.mesh import init_parallel
 
         self.cfg = config or Config()
         # Joins the process group under torchrun (idempotent); a single process gets a world-1 context.

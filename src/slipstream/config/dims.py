@@ -1,0 +1,134 @@
+"""Parallel degrees as config-level facts: which strategies shard, which replicate, and the
+validated degrees (`ParallelDims`) a config gives on a world size.
+
+Bottom layer (beside the schema): the planner (plan/) sizes layouts with these, and
+distributed/mesh.py builds the process group and device mesh from them. Nothing here
+touches torch.distributed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from slipstream.config.schema import Config, ParallelConfig
+from slipstream.errors import UserError
+
+SHARDED = ("zero2", "fsdp", "hsdp")   # FSDP2 fully_shard strategies
+REPLICATED = ("ddp", "zero1")         # DistributedDataParallel strategies
+NOT_YET = {"tp": "tensor", "pp": "pipeline", "cp": "context", "ep": "expert"}
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """Validated degrees; their product is the world size."""
+
+    strategy: str
+    dp_replicate: int
+    dp_shard: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different batches one step sees."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def mesh_dims(self) -> tuple[tuple[str, int], ...]:
+        if self.strategy == "hsdp":
+            return (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard))
+        if self.strategy in SHARDED:
+            return (("dp_shard", self.dp_shard),)
+        return (("dp_replicate", self.dp_replicate),)
+
+
+def resolve_parallel_dims(p: ParallelConfig, world_size: int, local_world_size: int = 1) -> ParallelDims:
+    """Turn the config's degrees into a consistent set, or explain which one does not fit."""
+    strategy = p.dp_strategy
+    if strategy == "auto":
+        strategy = "ddp" if world_size > 1 else "none"
+    other = p.tp * p.pp * p.cp
+    if world_size % other:
+        raise UserError(f"parallel.tp x pp x cp = {p.tp} x {p.pp} x {p.cp} = {other} does not divide the world "
+                        f"size {world_size}; choose degrees whose product divides it")
+    dp = world_size // other
+    replicate, shard = p.dp_replicate, p.dp_shard
+    if strategy == "none":
+        if dp > 1:
+            raise UserError(f"parallel.dp_strategy = none, but {world_size} processes were launched; choose "
+                            "ddp, zero1, zero2, fsdp or hsdp (or launch one process)")
+        replicate, shard = _check_fixed("none", replicate, shard, 1, 1)
+    elif strategy in REPLICATED:
+        replicate, shard = _check_fixed(strategy, replicate, shard, dp, 1)
+    elif strategy in ("zero2", "fsdp"):
+        replicate, shard = _check_fixed(strategy, replicate, shard, 1, dp)
+    else:  # hsdp: shard inside a node, replicate across nodes, unless told otherwise
+        if replicate and shard:
+            pass
+        elif shard:
+            replicate = dp // shard if dp % shard == 0 else 0
+        elif replicate:
+            shard = dp // replicate if dp % replicate == 0 else 0
+        else:
+            shard = min(local_world_size, dp)
+            replicate = dp // shard if dp % shard == 0 else 0
+        if replicate * shard != dp:
+            raise UserError(f"hsdp needs parallel.dp_replicate x dp_shard = {dp} (the data-parallel degree: world "
+                            f"{world_size} / (tp x pp x cp)); got dp_replicate = {p.dp_replicate or 'auto'}, "
+                            f"dp_shard = {p.dp_shard or 'auto'}. Set both so their product is {dp}")
+    if dp % p.ep:
+        raise UserError(f"parallel.ep = {p.ep} must divide the data-parallel degree {dp}")
+    dims = ParallelDims(strategy, replicate, shard, p.tp, p.pp, p.cp, p.ep)
+    for name, kind in NOT_YET.items():
+        if getattr(dims, name) > 1:
+            raise UserError(f"parallel.{name} = {getattr(dims, name)}: {kind} parallelism is planned but not "
+                            f"implemented yet; set --parallel.{name}=1 (`slipstream plan` will size it)")
+    return dims
+
+
+def _check_fixed(strategy: str, replicate: int, shard: int, want_replicate: int, want_shard: int) -> tuple[int, int]:
+    for name, given, want in (("dp_replicate", replicate, want_replicate), ("dp_shard", shard, want_shard)):
+        if given not in (0, want):
+            raise UserError(f"parallel.{name} = {given} does not fit dp_strategy = {strategy}, which needs "
+                            f"{name} = {want} here; leave it at 0 (derived) or choose dp_strategy = hsdp")
+    return want_replicate, want_shard
+
+
+def check_compatibility(cfg: Config, dims: ParallelDims) -> None:
+    """Combinations that cannot work, refused before any work starts."""
+    s, p = dims.strategy, cfg.parallel
+    if s == "none":
+        return
+    if cfg.optim.in_backward:
+        raise UserError(f"optim.in_backward steps each parameter before data parallelism has reduced its gradient; "
+                        f"it cannot be combined with dp_strategy = {s}. Use fsdp/zero2 to save gradient memory")
+    if s in SHARDED:
+        if p.comm_hook != "none" or p.local_sgd_period:
+            raise UserError(f"parallel.comm_hook and parallel.local_sgd_period are DDP features; dp_strategy = {s} "
+                            "reduces gradients with FSDP (use parallel.reduce_dtype=bf16 to compress them)")
+        if cfg.optim.offload:
+            raise UserError(f"optim.offload is the single-device/DDP optimizer offload; with dp_strategy = {s} use "
+                            "--parallel.offload=true (FSDP CPU offload)")
+        if cfg.precision.autocast == "fp16":
+            raise UserError(f"fp16 loss scaling is not supported with dp_strategy = {s}; use "
+                            "--precision.autocast=bf16 or --parallel.param_dtype=bf16")
+        if cfg.precision.fp8:
+            raise UserError(f"precision.fp8 is not supported with dp_strategy = {s} yet; use ddp or turn fp8 off")
+        if cfg.optim.state_dtype != "fp32" and p.offload:
+            raise UserError("optim.state_dtype = bf16 with parallel.offload is not supported; choose one")
+    else:
+        if p.param_dtype != "none" or p.reduce_dtype != "none" or p.offload:
+            raise UserError(f"parallel.param_dtype, reduce_dtype and offload are FSDP settings; with dp_strategy = {s} "
+                            "use precision.autocast, parallel.comm_hook and optim.offload instead")
+        if p.static_graph and cfg.train.grad_accum_steps > 1:
+            raise UserError("parallel.static_graph cannot be combined with train.grad_accum_steps > 1 (DDP's static "
+                            "graph does not support no_sync); drop one of them")
+        if p.local_sgd_period and s != "ddp":
+            raise UserError("parallel.local_sgd_period needs dp_strategy = ddp")
+        if p.local_sgd_period and p.comm_hook != "none":
+            raise UserError("local SGD installs its own communication hook; set parallel.comm_hook = none")
+        if s == "zero1" and (cfg.optim.offload or cfg.optim.state_dtype != "fp32"):
+            raise UserError("zero1 shards the plain AdamW state; it cannot be combined with optim.offload or "
+                            "optim.state_dtype = bf16")
