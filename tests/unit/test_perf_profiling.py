@@ -9,7 +9,8 @@ import torch
 from slipstream.config import load_config
 from slipstream.config.schema import ProfileConfig
 from slipstream.errors import UserError
-from slipstream.perf.profiling import StepProfiler, profile_run
+from slipstream.observe.profiling import StepProfiler
+from slipstream.perf.profiling import profile_run
 from slipstream.train.lm import train_lm
 
 # Shorter than tiny_overrides' 12 steps: steps 1-2 are wait + warm-up, 3-5 are profiled
