@@ -393,7 +393,7 @@ class Trainer:
 
         cfg = self.cfg
         if cfg.profile.enabled:  # first: a profile setting this device cannot honour fails before any work
-            from slipstream.perf.profiling import StepProfiler, current_rank
+            from slipstream.observe.profiling import StepProfiler, current_rank
 
             self.profiler = StepProfiler(cfg.profile, self.device, self.run_dir, rank=current_rank())
         from slipstream.resilience.runtime import Resilience
