@@ -105,6 +105,29 @@ def _parse_override_value(text: str, typ: Any, key: str) -> Any:
     return text
 
 
+def split_overrides(extra: list[str]) -> list[str]:
+    """Command-line leftovers as a list of `--section.key=value` overrides for `parse_overrides`.
+
+    `extra` are the arguments a command's parser did not know. Each must be `--section.key=value`
+    or `--section.key value` (two arguments, joined here); the values are not checked yet.
+    Anything else (a positional, `--flag` without a dot, a trailing key without a value) is
+    a UserError naming it.
+    """
+    overrides, i = [], 0
+    while i < len(extra):
+        arg = extra[i]
+        if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
+            raise UserError(f"unexpected argument '{arg}'; config overrides look like --section.key=value")
+        if "=" not in arg:
+            if i + 1 >= len(extra) or extra[i + 1].startswith("--"):
+                raise UserError(f"override '{arg}' has no value; write {arg}=VALUE")
+            arg = f"{arg}={extra[i + 1]}"
+            i += 1
+        overrides.append(arg)
+        i += 1
+    return overrides
+
+
 def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
     """`["--train.max_steps=10", "model.preset=gpt2"]` -> {"train": {"max_steps": 10}, ...}."""
     out: dict[str, dict[str, Any]] = {}
@@ -198,7 +221,10 @@ def build_config(data: dict[str, Any]) -> Config:
 
 
 def check_consistency(cfg: Config) -> None:
-    """Rules that involve several fields."""
+    """Rules that involve several fields and need nothing but the config: checked when the
+    config is loaded (and again by the Trainer, for a Config built in code), before any data is
+    prepared or model built. Rules that need the world size or device are checked before
+    joining the process group (config/dims.py, distributed/mesh.py)."""
     m, t, o = cfg.model, cfg.train, cfg.optim
     if not re.fullmatch(r"[A-Za-z0-9._-]+", cfg.run.name) or cfg.run.name in (".", ".."):
         raise UserError(f"run.name = {cfg.run.name!r}: use only letters, digits, '.', '_' and '-' "
@@ -215,6 +241,14 @@ def check_consistency(cfg: Config) -> None:
                         f"lower train.seq_len or raise model.max_seq_len")
     if o.min_lr > o.lr:
         raise UserError(f"optim.min_lr = {o.min_lr} is larger than optim.lr = {o.lr}")
+    if o.in_backward and o.offload:
+        raise UserError("optim.in_backward and optim.offload cannot be combined; choose one")
+    if o.in_backward and cfg.precision.autocast == "fp16":
+        raise UserError("optim.in_backward cannot be used with fp16 loss scaling (the scaler must see all "
+                        "gradients before any step); use --precision.autocast=bf16")
+    if o.in_backward and cfg.stability.policy in ("skip", "rollback"):
+        raise UserError(f"stability.policy = {cfg.stability.policy} must see the gradients before the update, "
+                        "but optim.in_backward updates during backward; use policy stop or none")
     if cfg.checkpoint.resume not in ("none", "auto") and not cfg.checkpoint.resume:
         raise UserError("checkpoint.resume must be none, auto or a checkpoint path")
 
