@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from slipstream.cli.plan import add_tune_arguments, cmd_tune_system
 from slipstream.config.load import load_config
-from slipstream.plan.tune import add_tune_arguments, format_report, main_tune_system
+from slipstream.plan.tune import format_report
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -18,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def _tune(argv: list[str]) -> int:
     """`slipstream tune system ARGV` in this process (each trial still is a real subprocess)."""
     args, extra = add_tune_arguments(argparse.ArgumentParser()).parse_known_args(argv)
-    return main_tune_system(args, extra)
+    return cmd_tune_system(args, extra)
 
 
 @pytest.mark.timeout(180)

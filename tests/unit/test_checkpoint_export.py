@@ -173,22 +173,24 @@ def test_hf_refuses_shapes_without_hf_equivalent(run_dir, tmp_path):
     assert not (tmp_path / "o").exists()
 
 
-def test_advise_hook(monkeypatch):
+def test_checkpoint_subcommand_hook(monkeypatch):
     import argparse
     import sys
     import types
 
-    from slipstream.checkpoint import export
+    from slipstream.cli import checkpoint
 
-    mod = types.ModuleType("fake_advise")
+    mod = types.ModuleType("fake_verify")
 
     def register(add_subcommand):
-        add_subcommand("advise", "test").set_defaults(func=lambda args, extra: 7)
+        add_subcommand("fake-verify", "test").set_defaults(func=lambda args, extra: 7)
 
     mod.register = register
-    monkeypatch.setitem(sys.modules, "fake_advise", mod)
-    monkeypatch.setitem(export.CHECKPOINT_COMMANDS, "advise", "fake_advise:register")
+    monkeypatch.setitem(sys.modules, "fake_verify", mod)
+    monkeypatch.setitem(checkpoint.CHECKPOINT_COMMANDS, "fake-verify", "fake_verify:register")
     parser = argparse.ArgumentParser()
-    export.add_checkpoint_parser(parser.add_subparsers())
-    args = parser.parse_args(["checkpoint", "advise"])
+    checkpoint.add_commands(parser.add_subparsers())
+    args = parser.parse_args(["checkpoint", "fake-verify"])
     assert args.func(args, []) == 7
+    args = parser.parse_args(["checkpoint", "advise", "--save-cost", "30s", "--mtbf", "24h"])
+    assert args.func is checkpoint.cmd_advise

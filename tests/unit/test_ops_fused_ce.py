@@ -12,8 +12,8 @@ import torch
 
 from slipstream.errors import UserError
 from slipstream.ops import fused_ce
-from slipstream.ops.bench_fused_ce import peak_memory_bytes
 from slipstream.ops.fused_ce import fused_linear_cross_entropy, linear_cross_entropy_reference
+from slipstream.perf.fused_ce_bench import peak_memory_bytes
 
 SRC_DIR = Path(__file__).resolve().parents[2] / "src"
 

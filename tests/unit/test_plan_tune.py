@@ -12,9 +12,10 @@ import pytest
 
 from slipstream.config.load import load_config
 from slipstream.errors import UserError
+from slipstream.cli.plan import add_tune_arguments, cmd_tune_system
 from slipstream.plan.timing import DEFAULT_EFFICIENCY
-from slipstream.plan.tune import (MIN_TRIAL_S, add_tune_arguments, failure_reason, format_report, gpu_short_name,
-                                  main_tune_system, read_trial, subprocess_trials, tune_system, write_winner_config)
+from slipstream.plan.tune import (MIN_TRIAL_S, failure_reason, format_report, gpu_short_name, read_trial,
+                                  subprocess_trials, tune_system, write_winner_config)
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "tiny.toml")
@@ -177,7 +178,7 @@ def test_bad_input_is_a_user_error(kwargs, message):
 def test_cli_entry_point_rejects_a_bad_budget():
     args = add_tune_arguments(argparse.ArgumentParser()).parse_args(["--config", CONFIG, "--budget", "soon"])
     with pytest.raises(UserError, match="--budget"):
-        main_tune_system(args, OVERRIDES)
+        cmd_tune_system(args, OVERRIDES)
 
 
 def test_failure_reason_finds_the_cause_under_torchrun():

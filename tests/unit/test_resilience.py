@@ -21,12 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from slipstream.cli.checkpoint import add_advise_arguments, cmd_advise
 from slipstream.errors import UserError
 from slipstream.resilience.advice import (
-    add_advise_arguments,
     advise,
     expected_loss_per_day,
-    main_advise,
     optimal_interval,
     parse_duration,
     young_interval,
@@ -379,19 +378,19 @@ def _cli(argv: list[str]) -> argparse.Namespace:
     return parser.parse_known_args(argv)
 
 
-def test_main_advise_prints_report(capsys):
+def test_cmd_advise_prints_report(capsys):
     args, extra = _cli(["--save-cost", "60s", "--mtbf", "24h", "--restart", "5m", "--step-time", "1.2s"])
-    assert main_advise(args, extra) == 0
+    assert cmd_advise(args, extra) == 0
     out = capsys.readouterr().out
     assert "save every" in out and "53m 00s" in out and "2,650 steps" in out
     assert "Young: 53m 40s" in out and "h/day" in out
 
     args, extra = _cli(["--save-cost", "60", "--mtbf", "24h", "--nodes", "24"])
-    assert main_advise(args, extra) == 0
+    assert cmd_advise(args, extra) == 0
     assert "job MTBF 1h 00m (24 nodes)" in capsys.readouterr().out
 
     args, extra = _cli(["--save-cost", "2h", "--mtbf", "1h"])  # saves slower than failures
-    assert main_advise(args, extra) == 0
+    assert cmd_advise(args, extra) == 0
     out = capsys.readouterr().out
     assert "the whole day" in out and "warning" in out
 
@@ -402,7 +401,7 @@ def test_main_advise_prints_report(capsys):
     (["--save-cost", "30s", "--mtbf", "24h", "--nodes", "0"], "--nodes"),
     (["--save-cost", "30s", "--mtbf", "24h", "--bogus"], "unexpected"),
 ])
-def test_main_advise_user_errors(argv, match):
+def test_cmd_advise_user_errors(argv, match):
     args, extra = _cli(argv)
     with pytest.raises(UserError, match=match):
-        main_advise(args, extra)
+        cmd_advise(args, extra)

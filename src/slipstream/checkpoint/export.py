@@ -48,42 +48,21 @@ export
     temporary name next to `--out` and renamed into place. An existing `--out` is refused
     unless `--force`, and even then replaced only when it holds nothing but files an export
     writes (never deletes unrelated files).
-
-Adding another `slipstream checkpoint ...` subcommand (e.g. `advise`) from another module:
-add one entry to CHECKPOINT_COMMANDS below, naming a function that is called with
-`add_checkpoint_subcommand` when the CLI parser is built:
-
-    CHECKPOINT_COMMANDS["advise"] = "slipstream.checkpoint.advise:register"
-
-    # slipstream/checkpoint/advise.py
-    def register(add_subcommand):
-        p = add_subcommand("advise", "suggest ... for this checkpoint")   # an ArgumentParser
-        p.add_argument("dir", help="checkpoint folder or run directory")
-        p.set_defaults(func=cmd_advise)                                    # cmd_advise(args, extra) -> int
-
-`add_checkpoint_subcommand(name, help)` may also be called directly once
-`add_checkpoint_parser` has run (it raises RuntimeError before).
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import importlib
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from slipstream.errors import UserError
-
-# name -> "module:function"; function(add_checkpoint_subcommand) registers that subcommand.
-CHECKPOINT_COMMANDS: dict[str, str] = {"advise": "slipstream.resilience.advice:register"}
 
 FORMATS = ("torch", "safetensors", "hf")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -92,70 +71,6 @@ _WEIGHT_FILES = {"torch": "model.pt", "safetensors": "model.safetensors", "hf": 
 _EXPORT_FILES = {"model.pt", "model.safetensors", "config.json", "generation_config.json", "config.toml",
                  "export.json", "tokenizer.json", "tokenizer_config.json"}
 _GROUP_ORDER = ("model", "optim")
-
-_checkpoint_subparsers: Any = None
-
-
-# --- CLI wiring ------------------------------------------------------------------------------
-
-def add_checkpoint_parser(sub) -> None:
-    """Register `slipstream checkpoint ...` on the top-level subparsers."""
-    global _checkpoint_subparsers
-    parser = sub.add_parser("checkpoint", help="inspect a checkpoint, export its weights (torch, safetensors, HF)")
-    _checkpoint_subparsers = parser.add_subparsers(dest="checkpoint_cmd", required=True)
-
-    p = add_checkpoint_subcommand("inspect", "what a checkpoint holds: step, layout, model, sizes, integrity")
-    p.add_argument("dir", help="checkpoint folder, run directory or its checkpoints/ folder")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.set_defaults(func=cmd_inspect)
-
-    p = add_checkpoint_subcommand("export", "consolidate the model weights into one torch / safetensors / HF folder")
-    p.add_argument("dir", help="checkpoint folder, run directory or its checkpoints/ folder")
-    p.add_argument("--format", required=True, help="torch | safetensors | hf")
-    p.add_argument("--out", required=True, help="output folder (created; see --force)")
-    p.add_argument("--dtype", default=None, help="cast floating-point weights: fp32 | bf16 | fp16 (default: as saved)")
-    p.add_argument("--force", action="store_true", help="replace an existing output folder from an earlier export")
-    p.set_defaults(func=cmd_export)
-
-    for name, target in CHECKPOINT_COMMANDS.items():
-        module, _, function = target.partition(":")
-        register: Callable = getattr(importlib.import_module(module), function)
-        register(add_checkpoint_subcommand)
-
-
-def add_checkpoint_subcommand(name: str, help: str) -> argparse.ArgumentParser:  # noqa: A002 (argparse's name)
-    """A new `slipstream checkpoint NAME` parser; set `func=handler(args, extra) -> int` on it."""
-    if _checkpoint_subparsers is None:
-        raise RuntimeError("add_checkpoint_parser() has not run yet; register through CHECKPOINT_COMMANDS")
-    return _checkpoint_subparsers.add_parser(name, help=help, description=help)
-
-
-def _no_extra(extra: list[str]) -> None:
-    if extra:
-        raise UserError(f"unexpected arguments: {' '.join(extra)}")
-
-
-def cmd_inspect(args, extra) -> int:
-    _no_extra(extra)
-    report = inspect_checkpoint(args.dir)
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(format_report(report))
-    problems = report["integrity"]["problems"]
-    if problems:  # the report goes to stdout; the verdict also goes where errors go
-        print(f"error: checkpoint '{report['path']}' did not pass its integrity check: {problems[0]}",
-              file=sys.stderr)
-        return 1
-    return 0
-
-
-def cmd_export(args, extra) -> int:
-    _no_extra(extra)
-    out = export_checkpoint(args.dir, args.format, args.out, dtype=args.dtype, force=args.force)
-    files = ", ".join(sorted(p.name for p in out.iterdir()))
-    print(f"wrote {out} ({args.format}, {args.dtype or 'as saved'}): {files}")
-    return 0
 
 
 # --- inspect ------------------------------------------------------------------------------------

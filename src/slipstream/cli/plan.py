@@ -1,9 +1,12 @@
-"""`slipstream plan`, `slipstream cost` and `slipstream bench planner`: the planner's commands.
+"""`slipstream plan`, `slipstream cost` and `slipstream tune system`: the planner's commands.
 
     slipstream plan --model llama-70b --gpus 8xH100 --nodes 8 --seq 8192 --global-batch 512 [--top 10]
                     [--write-config best.toml] [--json]
     slipstream cost --model llama-70b --tokens 300e9 --gpus 8xH100 --nodes 8 [--price 3.5]
-    slipstream bench planner [--out benchmarks/planner-accuracy-cpu.json]
+    slipstream tune system --config F [--budget 10m] [--top K] [--nproc N] [--steps S]
+                           [--json] [--write-config OUT] [--section.key=value ...]
+
+(`slipstream bench planner` is in cli/bench.py.)
 """
 
 from __future__ import annotations
@@ -14,8 +17,9 @@ import json
 from slipstream.errors import UserError
 from slipstream.outputs import refuse_existing, refuse_same_file
 from slipstream.plan.memory import GIB
-from slipstream.plan.search import Candidate, PlanResult, explain_infeasible, plan
-from slipstream.plan.space import AC_MODES, DP_STRATEGIES, PP_SCHEDULES, PRECISIONS, Workload, strategy_overrides
+from slipstream.plan.render import cluster_record, format_plan, plan_record, write_best_config
+from slipstream.plan.search import Candidate, explain_infeasible, plan
+from slipstream.plan.space import AC_MODES, DP_STRATEGIES, PP_SCHEDULES, PRECISIONS, Workload
 from slipstream.plan.timing import DEFAULT_EFFICIENCY
 
 # cost: tokens per optimizer step when --global-batch is not given (a common LLM setting;
@@ -43,7 +47,8 @@ def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
-def add_plan_parsers(sub, bench) -> None:
+def add_commands(sub) -> None:
+    """Register `plan`, `cost` and `tune system` on the top-level subparsers."""
     p = sub.add_parser("plan", help="predict memory and speed of every layout on a cluster; rank the ones that fit")
     _add_cluster_arguments(p)
     p.add_argument("--seq", type=int, required=True, help="tokens per sequence")
@@ -59,7 +64,7 @@ def add_plan_parsers(sub, bench) -> None:
     p.add_argument("--micro-batch", type=int, nargs="+", help="only these micro-batch sizes")
     p.add_argument("--write-config", default="", help="write the best runnable layout as a TOML for `slipstream train`")
     p.add_argument("--force", action="store_true", help="overwrite an existing --write-config file")
-    p.set_defaults(func=main_plan)
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("cost", help="wall time, GPU-hours and money of a training run, with failure and preemption losses")
     _add_cluster_arguments(p)
@@ -74,16 +79,15 @@ def add_plan_parsers(sub, bench) -> None:
     p.add_argument("--restart-time", default="5m", help="time from a failure to training again")
     p.add_argument("--mtbf-gpu-hours", type=float, default=None, help="GPU-hours between job-killing failures per GPU")
     p.add_argument("--spot-preemptions-per-day", type=float, default=None, help="per GPU")
-    p.set_defaults(func=main_cost)
+    p.set_defaults(func=cmd_cost)
 
-    p = bench.add_parser("planner", help="planner accuracy: planned vs measured memory on this CPU, vs published runs")
-    p.add_argument("--device", default="cpu", help="cpu: the fake-process-group grid; cuda: GPT-2 steps on this GPU")
-    p.add_argument("--out", default="", help="JSON file (default benchmarks/planner-accuracy-<cpu|gpu>.json)")
-    p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
-    p.set_defaults(func=main_bench_planner)
+    tune = sub.add_parser("tune", help="measure layouts on this machine").add_subparsers(dest="tune_cmd", required=True)
+    p = tune.add_parser("system", help="short real trials of the planner's top-K layouts; keep the fastest that fits")
+    add_tune_arguments(p)
+    p.set_defaults(func=cmd_tune_system)
 
 
-def _setup(args, seq_len: int | None):
+def _setup(args: argparse.Namespace, seq_len: int | None):
     from slipstream.plan.hardware import make_cluster
     from slipstream.plan.model import resolve_model
 
@@ -109,7 +113,7 @@ def _setup(args, seq_len: int | None):
     return resolve_model(args.model, vocab=args.vocab, seq_len=seq_len), cluster
 
 
-def _space(args) -> dict:
+def _space(args: argparse.Namespace) -> dict:
     space = {"precision": args.precision}
     for key in ("tp", "pp", "cp", "micro_batch"):
         bad = [v for v in getattr(args, key, None) or () if v < 1]
@@ -124,7 +128,7 @@ def _space(args) -> dict:
     return space
 
 
-def main_plan(args, extra) -> int:
+def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     if extra:
         raise UserError(f"unexpected arguments: {' '.join(extra)}")
     if args.top < 1 or args.rejected < 0:
@@ -136,9 +140,9 @@ def main_plan(args, extra) -> int:
     result = plan(model, cluster, work, efficiency=args.efficiency, runnable_only=args.runnable_only, **_space(args))
     if not result.ranked:
         raise UserError(explain_infeasible(result))
-    written = _write_best_config(result, args.write_config) if args.write_config else None
+    written = write_best_config(result, args.write_config) if args.write_config else None
     if args.json:
-        print(json.dumps({**_plan_record(result, args.top, args.rejected, written), "efficiency": args.efficiency},
+        print(json.dumps({**plan_record(result, args.top, args.rejected, written), "efficiency": args.efficiency},
                          indent=2))
     else:
         print(format_plan(result, args.top, args.rejected))
@@ -147,96 +151,7 @@ def main_plan(args, extra) -> int:
     return 0
 
 
-def _plan_record(result: PlanResult, top: int, rejected: int, written: str | None) -> dict:
-    return {"model": result.model.name, "cluster": _cluster_record(result.cluster),
-            "workload": {"seq_len": result.workload.seq_len, "global_batch": result.workload.global_batch},
-            "evaluated": result.evaluated, "feasible": len(result.ranked),
-            "ranked": [c.to_record() for c in result.ranked[:top]],
-            "rejected": [c.to_record() for c in result.rejected[:rejected]], "wrote": written}
-
-
-def _cluster_record(cluster) -> dict:
-    return {"gpu": cluster.gpu.name, "gpus_per_node": cluster.gpus_per_node, "nodes": cluster.nodes,
-            "intra": cluster.intra.name, "inter": cluster.inter.name, "memory_gib": cluster.memory_bytes / GIB,
-            "sources": list(cluster.sources)}
-
-
-def _gib(n: float) -> str:
-    return f"{n / GIB:.1f}"
-
-
-def format_plan(result: PlanResult, top: int, rejected: int) -> str:
-    c, w = result.cluster, result.workload
-    lines = [f"{result.model.name} on {c.world} x {c.gpu.name} ({c.nodes} node(s) x {c.gpus_per_node}, "
-             f"{c.intra.name} / {c.inter.name}, {_gib(c.memory_bytes)} GiB usable per GPU)",
-             f"seq {w.seq_len}, global batch {w.global_batch} sequences = {w.seq_len * w.global_batch:,} tokens per step; "
-             f"{result.evaluated} layouts evaluated, {len(result.ranked)} fit", ""]
-    shown = result.ranked[:top]
-    width = max([20] + [len(cand.strategy.label()) for cand in shown])
-    header = f"{'#':>3}  {'layout':<{width}} {'tokens/s':>11} {'MFU':>6} {'step s':>8} {'GiB/GPU':>8}  {'params':>6} {'grads':>6} {'optim':>6} {'acts':>6} {'temp':>6}  runnable"
-    lines.append(header)
-    for i, cand in enumerate(shown, 1):
-        b = cand.memory.breakdown
-        runnable = "yes" if not cand.not_runnable else "no: " + ", ".join(cand.not_runnable)
-        lines.append(f"{i:>3}  {cand.strategy.label():<{width}} {cand.time.tokens_per_s:>11,.0f} {cand.time.mfu:>6.1%} "
-                     f"{cand.time.step_s:>8.3f} {_gib(cand.memory.total_bytes):>8}  {_gib(b['parameters']):>6} "
-                     f"{_gib(b['gradients']):>6} {_gib(b['optimizer_state']):>6} {_gib(b['activations']):>6} "
-                     f"{_gib(b['temporaries'] + cand.memory.fragmentation_bytes):>6}  {runnable}")
-    best = result.ranked[0]
-    parts = ", ".join(f"{k} {v:.3f}s" for k, v in best.time.breakdown.items())
-    lines += ["", f"best: {best.strategy.label()}: step {best.time.step_s:.3f}s = {parts}"]
-    if best.not_runnable:
-        runnable = result.best(runnable_only=True)
-        if runnable:
-            lines.append(f"  (slipstream cannot run {', '.join(best.not_runnable)} yet; best runnable: "
-                         f"{runnable.strategy.label()} at {runnable.time.tokens_per_s:,.0f} tokens/s)")
-        else:
-            lines.append(f"  (slipstream cannot run {', '.join(best.not_runnable)} yet, and no runnable layout fits: "
-                         f"data parallelism alone needs a global batch divisible by the {c.world} GPUs "
-                         f"and model states small enough to shard)")
-    if rejected and result.rejected:
-        lines += ["", "rejected (fastest first):"]
-        for cand in result.rejected[:rejected]:
-            lines.append(f"  {cand.strategy.label():<44} {cand.why_not}")
-    if c.sources:
-        lines += ["", "inputs:"] + [f"  {s}" for s in c.sources]
-    return "\n".join(lines)
-
-
-def _write_best_config(result: PlanResult, path: str) -> str:
-    """Write the fastest runnable layout as a TOML for `slipstream train` / `launch` (atomically)."""
-    import tomli_w
-
-    from slipstream.observe.env import write_text_atomic
-
-    best = result.best(runnable_only=True)
-    if best is None:
-        raise UserError("no runnable layout fits, so there is no config to write; drop --write-config or "
-                        "add GPUs (the fitting layouts need parallelisms slipstream cannot run yet)")
-    if result.model.traced is not None:
-        raise UserError("--write-config needs a slipstream model (a preset or a TOML config), not a traced module")
-    # Every model field, so the run trains exactly the planned shape whatever the preset says.
-    values: dict[str, dict] = {"model": dict(vars(result.model.cfg))}
-    for dotted, value in strategy_overrides(best.strategy, result.workload.seq_len).items():
-        section, key = dotted.split(".")
-        values.setdefault(section, {})[key] = value
-    c = result.cluster
-    if c.nodes > 1:
-        launch = f"slipstream launch slurm --nodes {c.nodes} --gpus-per-node {c.gpus_per_node} -- train --config {path}"
-    elif c.world > 1:
-        launch = f"slipstream launch local --nproc {c.gpus_per_node} -- train --config {path}"
-    else:
-        launch = f"slipstream train --config {path}"
-    header = (f"# Written by `slipstream plan`: {best.strategy.label()} for {result.model.name} on "
-              f"{result.cluster.world} x {result.cluster.gpu.name}.\n"
-              f"# Predicted: {best.time.tokens_per_s:,.0f} tokens/s, MFU {best.time.mfu:.1%}, "
-              f"{best.memory.total_bytes / GIB:.1f} GiB per GPU.\n# Run: {launch}\n"
-              f"# Add a [data] section for your corpus and tokenizer (vocabulary {result.model.cfg.vocab_size}).\n")
-    write_text_atomic(path, header + tomli_w.dumps(values))
-    return f"wrote {path} ({best.strategy.label()}); run it with: {launch}"
-
-
-def main_cost(args, extra) -> int:
+def cmd_cost(args: argparse.Namespace, extra: list[str]) -> int:
     from slipstream.plan.cost import DEFAULT_MTBF_GPU_HOURS, DEFAULT_SPOT_PREEMPTIONS_PER_DAY, cost_record, estimate_cost, \
         format_cost, prices_for
     from slipstream.resilience.advice import parse_duration
@@ -262,7 +177,7 @@ def main_cost(args, extra) -> int:
                                                   else args.spot_preemptions_per_day))
     if args.json:
         print(json.dumps({"layout": best.to_record(), "seq_len": seq, "global_batch": batch,
-                          "cluster": _cluster_record(cluster), "cost": cost_record(est)}, indent=2))
+                          "cluster": cluster_record(cluster), "cost": cost_record(est)}, indent=2))
         return 0
     flag = f" (not runnable in slipstream yet: {', '.join(best.not_runnable)})" if best.not_runnable else ""
     print(f"{model.name}, {args.tokens:.3g} tokens on {cluster.world} x {cluster.gpu.name}: fastest layout that fits "
@@ -272,60 +187,38 @@ def main_cost(args, extra) -> int:
     return 0
 
 
-def main_bench_planner(args, extra) -> int:
-    from slipstream.observe.env import collect_env, write_json_atomic
-    from slipstream.plan.accuracy import TARGET_ERROR, run_accuracy
-    from slipstream.plan.report import fit_efficiency, published_report
-
-    if extra:
-        raise UserError(f"unexpected arguments: {' '.join(extra)}")
-    refuse_existing(args.out, args.force)  # an explicit --out; the default benchmarks/ file is refreshed
-    if args.device != "cpu":
-        return _bench_planner_on_device(args)
-    rows = run_accuracy()
-    worst = max(abs(r["error"]) for r in rows)
-    fitted = fit_efficiency()
-    published = published_report(DEFAULT_EFFICIENCY)
-    for r in rows:
-        print(f"  {r['case']:<72} measured {r['measured_bytes'] / 2**20:8.2f} MiB  planned "
-              f"{r['planned_bytes'] / 2**20:8.2f} MiB  {r['error']:+6.1%}")
-    print(f"memory: {len(rows)} cases, worst error {worst:.1%} (target {TARGET_ERROR:.0%})")
-    for r in published:
-        print(f"  {r['run']:<48} {r['metric']:<24} reported {r['reported']:>10.3f} planned {r['planned']:>10.3f} "
-              f"{r['error']:+6.1%}")
-    print(f"published: efficiency in use {DEFAULT_EFFICIENCY}, best fit {fitted}")
-    result = {"benchmark": "planner-accuracy", "target_error": TARGET_ERROR, "memory_cases": rows,
-              "memory_worst_error": worst, "published": published, "efficiency": DEFAULT_EFFICIENCY,
-              "efficiency_fitted": fitted, "env": collect_env()}
-    out = args.out or "benchmarks/planner-accuracy-cpu.json"
-    write_json_atomic(out, result)
-    print(f"wrote {out}")
-    return 0 if worst <= TARGET_ERROR else 1
+def add_tune_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Arguments of `slipstream tune system`; config overrides come as extra `--section.key=value`."""
+    parser.add_argument("--config", help="TOML training config whose layout to tune")
+    parser.add_argument("--budget", default="10m", help="wall time for all trials, e.g. 90s, 10m, 1h (split evenly)")
+    parser.add_argument("--top", type=int, default=3, help="the planner's K best layouts to try (plus the current one)")
+    parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs or CPU ranks) on this machine")
+    parser.add_argument("--steps", type=int, default=20, help="training steps per trial (the first two are not timed)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--write-config", default=None, metavar="OUT", help="write the winner as a TOML config")
+    parser.add_argument("--force", action="store_true", help="overwrite an existing --write-config file")
+    return parser
 
 
-def _bench_planner_on_device(args) -> int:
-    """GPT-2 steps on the GPU: allocator peak and step time vs the plan for this GPU."""
-    import torch
+def cmd_tune_system(args: argparse.Namespace, extra: list[str]) -> int:
+    from slipstream.config.load import split_overrides
+    from slipstream.plan.tune import format_report, tune_system, write_winner_config
+    from slipstream.resilience.advice import parse_duration
 
-    from slipstream.observe.env import collect_env, write_json_atomic
-    from slipstream.plan.accuracy import run_device_accuracy
-    from slipstream.plan.tune import gpu_short_name
-
-    if not args.device.startswith("cuda") or not torch.cuda.is_available():
-        raise UserError(f"bench planner --device {args.device}: needs a CUDA GPU here (or --device cpu)")
-    short = gpu_short_name(torch.cuda.get_device_name(torch.device(args.device)))
-    if short is None:
-        raise UserError(f"{torch.cuda.get_device_name()} is not in the planner's GPU table")
-    rows = run_device_accuracy(args.device, f"1x{short}")
-    for r in rows:
-        if "error" in r:
-            print(f"  {r['case']:<64} memory {r['measured_bytes'] / GIB:6.2f} GiB planned {r['planned_bytes'] / GIB:6.2f} "
-                  f"({r['error']:+6.1%})  step {r['measured_step_s'] * 1e3:7.1f} ms planned "
-                  f"{r['planned_step_s'] * 1e3:7.1f} ({r['step_error']:+6.1%})")
-        else:
-            print(f"  {r['case']:<64} {r['measured']} (planned {r['planned_total_bytes'] / GIB:.1f} GiB)")
-    out = args.out or f"benchmarks/planner-accuracy-{short.lower()}.json"
-    write_json_atomic(out, {"benchmark": "planner-accuracy-gpu", "gpu": short, "cases": rows,
-                            "efficiency": DEFAULT_EFFICIENCY, "env": collect_env()})
-    print(f"wrote {out}")
-    return 0
+    budget = parse_duration(args.budget, "--budget")
+    # Before the trials (minutes): the winner's file must not replace one the user has, least of
+    # all the config it extends.
+    refuse_existing(args.write_config, args.force, "--write-config")
+    if args.write_config:
+        refuse_same_file(args.write_config, [args.config], "--write-config", "the --config it would extend")
+    result = tune_system(args.config, split_overrides(extra), budget, top=args.top, nproc=args.nproc, steps=args.steps)
+    if args.write_config and result["winner"] is not None:
+        result["written_config"] = str(write_winner_config(result, args.write_config))
+    if args.json:
+        print(json.dumps(result, indent=2, default=str))
+    else:
+        print(format_report(result))
+        if "written_config" in result:
+            path = result["written_config"]
+            print(f"wrote {path}; train it with `slipstream train --config {path}`")
+    return 0 if result["winner"] is not None else 1

@@ -1,6 +1,6 @@
 """Measure the fused linear + cross-entropy against the unfused reference: time and peak memory.
 
-    PYTHONPATH=src python -m slipstream.ops.bench_fused_ce --rows 4096 --d 256 --vocab 32768
+    python -m slipstream bench fused-ce --rows 4096 --d 256 --vocab 32768   (or `slipstream bench fused-ce`)
 
 How peak memory is measured (both paths measured the same way, nothing assumed):
 - CUDA: torch.cuda.max_memory_allocated() during forward + backward, minus what was allocated

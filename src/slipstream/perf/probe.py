@@ -562,32 +562,3 @@ def run_probe(
     finally:
         if created_group:
             dist.destroy_process_group()
-
-
-def add_probe_arguments(parser) -> None:
-    """The `slipstream probe` command-line options, for an argparse (sub)parser."""
-    parser.add_argument("--sections", nargs="+", default=list(DEFAULT_SECTIONS), choices=list(SECTIONS))
-    parser.add_argument("--device", default="auto", help="auto (the accelerator if any, else cpu), cpu, cuda[:N]")
-    parser.add_argument("--data-dir", default="", help="storage: a prepared token-shard folder to read")
-    parser.add_argument("--out", default="", help="JSON result file")
-    parser.add_argument("--force", action="store_true", help="overwrite an existing --out file")
-    parser.add_argument("--sizes", type=int, nargs="+", default=None, help="matmul sizes (square n)")
-    parser.add_argument("--comm-sizes", type=int, nargs="+", default=None, help="collective message sizes, bytes")
-
-
-def main_probe(args, extra: list[str] | None = None) -> int:
-    """CLI handler: `args` from add_probe_arguments (missing --sizes/--comm-sizes mean defaults)."""
-    from slipstream.outputs import refuse_existing
-
-    if extra:
-        raise UserError(f"unexpected arguments: {' '.join(extra)}")
-    refuse_existing(args.out, getattr(args, "force", False))  # before minutes of measuring
-    run_probe(
-        args.sections,
-        device=args.device,
-        data_dir=args.data_dir or None,
-        out=args.out or None,
-        sizes=getattr(args, "sizes", None),
-        comm_sizes=getattr(args, "comm_sizes", None),
-    )
-    return 0

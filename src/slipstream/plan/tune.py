@@ -20,7 +20,6 @@ it never stops the tuner.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import dataclasses
 import json
@@ -258,7 +257,7 @@ def tune_system(config_path: str, overrides: list[str], budget_s: float, top: in
     tmp = tempfile.mkdtemp(prefix="slipstream-tune-")
     try:
         if run_trial is None:
-            from slipstream.train.lm import ensure_data
+            from slipstream.data.ensure import ensure_data
 
             # Prepare (or find) the data once, not inside a timed trial; quietly, so --json stays one object.
             quiet = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, progress=False))
@@ -366,40 +365,3 @@ def write_winner_config(result: dict, out: str | Path) -> Path:
     write_text_atomic(out, text)
     return out
 
-
-def add_tune_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Arguments of `slipstream tune system`; config overrides come as extra `--section.key=value`."""
-    parser.add_argument("--config", help="TOML training config whose layout to tune")
-    parser.add_argument("--budget", default="10m", help="wall time for all trials, e.g. 90s, 10m, 1h (split evenly)")
-    parser.add_argument("--top", type=int, default=3, help="the planner's K best layouts to try (plus the current one)")
-    parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs or CPU ranks) on this machine")
-    parser.add_argument("--steps", type=int, default=20, help="training steps per trial (the first two are not timed)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    parser.add_argument("--write-config", default=None, metavar="OUT", help="write the winner as a TOML config")
-    parser.add_argument("--force", action="store_true", help="overwrite an existing --write-config file")
-    return parser
-
-
-def main_tune_system(args: argparse.Namespace, extra: list[str]) -> int:
-    from slipstream.cli import _split_overrides
-    from slipstream.resilience.advice import parse_duration
-
-    from slipstream.outputs import refuse_existing, refuse_same_file
-
-    budget = parse_duration(args.budget, "--budget")
-    # Before the trials (minutes): the winner's file must not replace one the user has, least of
-    # all the config it extends.
-    refuse_existing(args.write_config, args.force, "--write-config")
-    if args.write_config:
-        refuse_same_file(args.write_config, [args.config], "--write-config", "the --config it would extend")
-    result = tune_system(args.config, _split_overrides(extra), budget, top=args.top, nproc=args.nproc, steps=args.steps)
-    if args.write_config and result["winner"] is not None:
-        result["written_config"] = str(write_winner_config(result, args.write_config))
-    if args.json:
-        print(json.dumps(result, indent=2, default=str))
-    else:
-        print(format_report(result))
-        if "written_config" in result:
-            path = result["written_config"]
-            print(f"wrote {path}; train it with `slipstream train --config {path}`")
-    return 0 if result["winner"] is not None else 1

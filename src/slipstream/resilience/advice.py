@@ -17,7 +17,6 @@ few percent in the usual regime (C of seconds to minutes, M of hours to days).
 
 from __future__ import annotations
 
-import argparse
 import math
 import re
 from dataclasses import dataclass
@@ -116,46 +115,3 @@ def format_duration(seconds: float) -> str:
         return f"{s // 3600}h {s % 3600 // 60:02d}m"
     return f"{s // 86400}d {s % 86400 // 3600}h"
 
-
-def add_advise_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Arguments of `slipstream checkpoint advise`; durations are strings parsed by parse_duration."""
-    parser.add_argument("--save-cost", required=True, help="time one checkpoint save blocks training (e.g. 30s)")
-    parser.add_argument("--mtbf", required=True, help="mean time between failures, e.g. 24h (of the job; of one node with --nodes)")
-    parser.add_argument("--nodes", type=int, default=1, help="nodes in the job; the job fails nodes x as often")
-    parser.add_argument("--restart", default="0", help="time to restart and reload after a failure (e.g. 5m)")
-    parser.add_argument("--step-time", default=None, help="seconds per training step, to give the interval in steps")
-    return parser
-
-
-def main_advise(args: argparse.Namespace, extra: list[str]) -> int:
-    """Print the recommended checkpoint interval and what it costs per day."""
-    if extra:
-        raise UserError(f"unexpected arguments: {' '.join(extra)}")
-    if args.nodes < 1:
-        raise UserError(f"--nodes must be >= 1 (got {args.nodes})")
-    save = parse_duration(args.save_cost, "--save-cost")
-    mtbf = parse_duration(args.mtbf, "--mtbf") / args.nodes
-    restart = parse_duration(args.restart, "--restart")
-    step = None if args.step_time is None else parse_duration(args.step_time, "--step-time")
-    a = advise(save, mtbf, restart, step)
-    steps = "" if a.interval_steps is None else f" = every {a.interval_steps:,} steps at {step:g}s/step"
-    print(f"checkpoint advice: save cost {format_duration(save)}, job MTBF {format_duration(mtbf)}"
-          f"{f' ({args.nodes} nodes)' if args.nodes > 1 else ''}, restart {format_duration(restart)}")
-    print(f"  save every     {format_duration(a.interval_s)}{steps}  (Daly; Young: {format_duration(a.young_interval_s)})")
-    print(f"  saving costs   {a.overhead_pct:.2f}% of the time")
-    if a.lost_hours_per_day >= 24:
-        print("  expected loss  the whole day: failures come faster than the job can save and redo work")
-    else:
-        print(f"  expected loss  {a.lost_hours_per_day:.2f} h/day ({100 * a.lost_hours_per_day / 24:.1f}%), "
-              f"of which rework and restarts {a.rework_hours_per_day:.2f} h")
-    if save >= mtbf:
-        print("  warning: a save takes as long as the time between failures; make saves faster "
-              "(asynchronous or sharded checkpoints) before tuning the interval")
-    return 0
-
-
-def register(add_subcommand) -> None:
-    """`slipstream checkpoint advise` (registered through checkpoint.export.CHECKPOINT_COMMANDS)."""
-    parser = add_subcommand("advise", "the checkpoint interval that loses the least time, from save cost and MTBF")
-    add_advise_arguments(parser)
-    parser.set_defaults(func=main_advise)

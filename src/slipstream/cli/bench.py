@@ -1,0 +1,190 @@
+"""`slipstream bench ...`: benchmarks whose JSON results go to benchmarks/ (or --out).
+
+    slipstream bench overhead [--config FILE] [--section.key=value ...] [--rounds N] [--out FILE]
+    slipstream bench sharding [--nproc N --strategies ddp zero1 zero2 fsdp --steps N]
+    slipstream bench checkpoint [--repeats N] [--model.* overrides]
+    slipstream bench fused-ce [--rows N --d D --vocab V --dtype ... --chunk-size ...]
+    slipstream bench ladder [memory|speed|both] [--device D --size S --repeats N --steps N --batch B]
+    slipstream bench planner [--device cpu|cuda] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from slipstream.cli._common import add_force, load, no_extra, with_config
+from slipstream.errors import UserError
+from slipstream.outputs import refuse_existing
+
+
+def cmd_bench_overhead(args: argparse.Namespace, extra: list[str]) -> int:
+    from slipstream.perf.overhead import run_overhead_bench
+
+    if args.rounds < 1 or args.steps < 1:
+        raise UserError(f"--rounds and --steps must be >= 1 (got {args.rounds} and {args.steps})")
+    refuse_existing(args.out, args.force)  # an explicit --out; the default benchmarks/ file is refreshed
+    run_overhead_bench(load(args, extra), rounds=args.rounds, steps_per_round=args.steps, out=args.out)
+    return 0
+
+
+def cmd_bench_ladder(args: argparse.Namespace, extra: list[str]) -> int:
+    from slipstream.perf.ladder import ladder_outputs, run_ladder
+
+    no_extra(extra)
+    ladders = ["memory", "speed"] if args.ladder == "both" else [args.ladder]
+    if args.out_dir:  # an explicit --out-dir; the default benchmarks/ files are refreshed
+        for which in ladders:
+            for path in ladder_outputs(which, args.device, args.size, args.out_dir):
+                refuse_existing(path, args.force, "--out-dir", what="ladder result")
+    for which in ladders:
+        run_ladder(which, device=args.device, size=args.size, repeats=args.repeats, steps=args.steps,
+                   batch=args.batch, out_dir=args.out_dir or "benchmarks", data_dir=args.data_dir,
+                   augment_ms=args.augment_ms)
+    return 0
+
+
+def cmd_bench_sharding(args: argparse.Namespace, extra: list[str]) -> int:
+    from slipstream.perf.sharding import run_sharding_bench
+
+    no_extra(extra)
+    refuse_existing(args.out, args.force)
+    run_sharding_bench(nproc=args.nproc, strategies=tuple(args.strategies), data_dir=args.data_dir,
+                       steps=args.steps, out=args.out)
+    return 0
+
+
+def cmd_bench_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
+    from slipstream.config.load import split_overrides
+    from slipstream.perf.checkpoint_bench import run_checkpoint_bench
+
+    refuse_existing(args.out, args.force)
+    run_checkpoint_bench(repeats=args.repeats, overrides=split_overrides(extra), out=args.out)
+    return 0
+
+
+def cmd_bench_fused_ce(args: argparse.Namespace, extra: list[str]) -> int:
+    from slipstream.perf.fused_ce_bench import run_fused_ce_bench
+
+    no_extra(extra)
+    if min(args.rows, args.d, args.vocab, args.repeats, *args.chunk_size) < 1:
+        raise UserError("--rows, --d, --vocab, --repeats and --chunk-size must be >= 1")
+    refuse_existing(args.out, args.force)
+    run_fused_ce_bench(args.rows, args.d, args.vocab, tuple(args.dtype), args.device, args.repeats,
+                       tuple(args.chunk_size), args.backend, args.out)
+    return 0
+
+
+def cmd_bench_planner(args: argparse.Namespace, extra: list[str]) -> int:
+    from slipstream.observe.env import collect_env, write_json_atomic
+    from slipstream.plan.accuracy import TARGET_ERROR, run_accuracy
+    from slipstream.plan.report import fit_efficiency, published_report
+    from slipstream.plan.timing import DEFAULT_EFFICIENCY
+
+    no_extra(extra)
+    refuse_existing(args.out, args.force)  # an explicit --out; the default benchmarks/ file is refreshed
+    if args.device != "cpu":
+        return _bench_planner_on_device(args.device, args.out)
+    rows = run_accuracy()
+    worst = max(abs(r["error"]) for r in rows)
+    fitted = fit_efficiency()
+    published = published_report(DEFAULT_EFFICIENCY)
+    for r in rows:
+        print(f"  {r['case']:<72} measured {r['measured_bytes'] / 2**20:8.2f} MiB  planned "
+              f"{r['planned_bytes'] / 2**20:8.2f} MiB  {r['error']:+6.1%}")
+    print(f"memory: {len(rows)} cases, worst error {worst:.1%} (target {TARGET_ERROR:.0%})")
+    for r in published:
+        print(f"  {r['run']:<48} {r['metric']:<24} reported {r['reported']:>10.3f} planned {r['planned']:>10.3f} "
+              f"{r['error']:+6.1%}")
+    print(f"published: efficiency in use {DEFAULT_EFFICIENCY}, best fit {fitted}")
+    result = {"benchmark": "planner-accuracy", "target_error": TARGET_ERROR, "memory_cases": rows,
+              "memory_worst_error": worst, "published": published, "efficiency": DEFAULT_EFFICIENCY,
+              "efficiency_fitted": fitted, "env": collect_env()}
+    out = args.out or "benchmarks/planner-accuracy-cpu.json"
+    write_json_atomic(out, result)
+    print(f"wrote {out}")
+    return 0 if worst <= TARGET_ERROR else 1
+
+
+def _bench_planner_on_device(device: str, out: str) -> int:
+    """GPT-2 steps on the GPU: allocator peak and step time vs the plan for this GPU."""
+    import torch
+
+    from slipstream.observe.env import collect_env, write_json_atomic
+    from slipstream.plan.accuracy import run_device_accuracy
+    from slipstream.plan.memory import GIB
+    from slipstream.plan.timing import DEFAULT_EFFICIENCY
+    from slipstream.plan.tune import gpu_short_name
+
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        raise UserError(f"bench planner --device {device}: needs a CUDA GPU here (or --device cpu)")
+    short = gpu_short_name(torch.cuda.get_device_name(torch.device(device)))
+    if short is None:
+        raise UserError(f"{torch.cuda.get_device_name()} is not in the planner's GPU table")
+    rows = run_device_accuracy(device, f"1x{short}")
+    for r in rows:
+        if "error" in r:
+            print(f"  {r['case']:<64} memory {r['measured_bytes'] / GIB:6.2f} GiB planned {r['planned_bytes'] / GIB:6.2f} "
+                  f"({r['error']:+6.1%})  step {r['measured_step_s'] * 1e3:7.1f} ms planned "
+                  f"{r['planned_step_s'] * 1e3:7.1f} ({r['step_error']:+6.1%})")
+        else:
+            print(f"  {r['case']:<64} {r['measured']} (planned {r['planned_total_bytes'] / GIB:.1f} GiB)")
+    out = out or f"benchmarks/planner-accuracy-{short.lower()}.json"
+    write_json_atomic(out, {"benchmark": "planner-accuracy-gpu", "gpu": short, "cases": rows,
+                            "efficiency": DEFAULT_EFFICIENCY, "env": collect_env()})
+    print(f"wrote {out}")
+    return 0
+
+
+def add_commands(sub) -> None:
+    """Register `bench overhead|ladder|sharding|checkpoint|fused-ce|planner` on the top-level subparsers."""
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_cmd", required=True)
+    p = with_config(bench.add_parser("overhead", help="Trainer vs a hand-written loop, alternated"))
+    p.add_argument("--rounds", type=int, default=5, help="alternations of (trainer, hand loop)")
+    p.add_argument("--steps", type=int, default=20, help="timed steps per round and contender")
+    p.add_argument("--out", default="", help="JSON result file (default benchmarks/overhead-<machine>.json)")
+    add_force(p)
+    p.set_defaults(func=cmd_bench_overhead)
+    p = bench.add_parser("ladder", help="the books' memory and speed optimization ladders, measured rung by rung")
+    p.add_argument("ladder", nargs="?", default="both", choices=["memory", "speed", "both"])
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--size", default="tiny", choices=["tiny", "small", "book"],
+                   help="model scale: book = the books' settings (GPU), small/tiny for CPU")
+    p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per rung")
+    p.add_argument("--steps", type=int, default=6, help="training steps per rung and repeat (step 1 is warm-up)")
+    p.add_argument("--batch", type=int, default=32, help="global batch in sequences (the books used 32)")
+    p.add_argument("--out-dir", default="", help="where the JSON and PNG go (default benchmarks)")
+    add_force(p)
+    p.add_argument("--data-dir", default="", help="prepared data folder (default: the stdlib corpus, prepared once)")
+    p.add_argument("--augment-ms", type=float, default=5.0,
+                   help="speed ladder: CPU cost of the augmentation per sequence (makes the baseline data-bound)")
+    p.set_defaults(func=cmd_bench_ladder)
+    p = bench.add_parser("sharding", help="memory per rank of ddp vs zero1 vs zero2 vs fsdp (torchrun, CPU)")
+    p.add_argument("--nproc", type=int, default=2, help="processes (ranks)")
+    p.add_argument("--strategies", nargs="+", default=["ddp", "zero1", "zero2", "fsdp"])
+    p.add_argument("--steps", type=int, default=3, help="training steps per strategy (step 2 is measured)")
+    p.add_argument("--data-dir", default="", help="prepared data folder (default: the stdlib corpus, prepared once)")
+    p.add_argument("--out", default="", help="JSON file (default benchmarks/sharding-cpu.json)")
+    add_force(p)
+    p.set_defaults(func=cmd_bench_sharding)
+    p = bench.add_parser("checkpoint", help="checkpoint save: training stall of synchronous vs asynchronous saves")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--out", default="", help="JSON file (default benchmarks/checkpoint-cpu.json)")
+    add_force(p)
+    p.set_defaults(func=cmd_bench_checkpoint)
+    p = bench.add_parser("fused-ce", help="fused linear + cross-entropy vs the unfused path: time and peak memory")
+    p.add_argument("--rows", type=int, default=4096, help="tokens (batch x sequence)")
+    p.add_argument("--d", type=int, default=256, help="hidden size")
+    p.add_argument("--vocab", type=int, default=32768)
+    p.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--chunk-size", type=int, nargs="+", default=[1024])
+    p.add_argument("--backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--out", default="", help="JSON file (default benchmarks/fused-ce-<device>.json)")
+    add_force(p)
+    p.set_defaults(func=cmd_bench_fused_ce)
+    p = bench.add_parser("planner", help="planner accuracy: planned vs measured memory on this CPU, vs published runs")
+    p.add_argument("--device", default="cpu", help="cpu: the fake-process-group grid; cuda: GPT-2 steps on this GPU")
+    p.add_argument("--out", default="", help="JSON file (default benchmarks/planner-accuracy-<cpu|gpu>.json)")
+    p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
+    p.set_defaults(func=cmd_bench_planner)
