@@ -150,8 +150,8 @@ def ladder_outputs(which: str, device: str, size: str, out_dir: str) -> tuple[Pa
 def run_ladder(which: str, device: str = "cpu", size: str = "tiny", repeats: int = 3, steps: int = 6,
                batch: int = 32, out_dir: str = "benchmarks", data_dir: str = "",
                augment_ms: float = 5.0) -> dict[str, Any]:
+    from slipstream.data.ensure import ensure_data
     from slipstream.observe.env import collect_env, write_json_atomic
-    from slipstream.train.lm import ensure_data
 
     if which not in SIZES:
         raise UserError(f"unknown ladder '{which}'; choose memory or speed")

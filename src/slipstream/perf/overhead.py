@@ -79,8 +79,8 @@ def trainer_loop(cfg: Config) -> float:
 
 
 def run_overhead_bench(cfg: Config, rounds: int = 5, steps_per_round: int = 20, out: str = "") -> dict[str, Any]:
+    from slipstream.data.ensure import ensure_data
     from slipstream.observe.env import collect_env, write_json_atomic
-    from slipstream.train.lm import ensure_data
 
     ensure_data(cfg)  # prepare outside the timed region
     trainer_times, hand_times = [], []

@@ -60,8 +60,8 @@ def _rank_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
 def run_sharding_bench(nproc: int = 2, strategies: tuple[str, ...] = STRATEGIES, data_dir: str = "",
                        steps: int = 3, out: str = "") -> dict[str, Any]:
     from slipstream.config.load import load_config
+    from slipstream.data.ensure import ensure_data
     from slipstream.observe.env import collect_env, write_json_atomic
-    from slipstream.train.lm import ensure_data
 
     if nproc < 2:
         raise UserError(f"--nproc must be >= 2 to shard anything, got {nproc}")

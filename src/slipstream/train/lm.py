@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import hashlib
 import math
-import re
 from pathlib import Path
 from typing import Any
 
@@ -18,45 +16,6 @@ import torch
 from slipstream.config.schema import Config, ModelConfig
 from slipstream.errors import UserError
 from slipstream.train.lm_loss import fused_lm_loss_fn, lm_loss_fn, lm_sequence_losses
-
-
-def default_data_dir(cfg: Config) -> Path:
-    """data/<tokenizer>-<inputs>-<hash>: one cached folder per (inputs, tokenizer) pair."""
-    key = repr((sorted(cfg.data.inputs), cfg.data.tokenizer, cfg.data.text_field, cfg.data.val_fraction))
-    digest = hashlib.sha256(key.encode()).hexdigest()[:8]
-    slug = re.sub(r"[^A-Za-z0-9]+", "-", f"{cfg.data.tokenizer.split('/')[-1]}-{'-'.join(Path(i).name for i in cfg.data.inputs)}")
-    return Path("data") / f"{slug.strip('-')[:60]}-{digest}"
-
-
-def ensure_data(cfg: Config, check: bool = True) -> tuple[Path, dict[str, Any]]:
-    """The prepared token shards of this run.
-
-    data.dir set: use that prepared folder as it is (from `slipstream data prepare`).
-    data.dir empty: prepare data.inputs on first use into a cache folder; later runs reuse it.
-    Either way the shards are checked as data.verify says (check=False: another process on
-    this node already did).
-    """
-    from slipstream.data import prepare_dataset, verify_manifest
-    from slipstream.data.prepare import AUTO_FULL_BYTES, data_bytes, load_manifest, wants_checksums
-
-    d = cfg.data
-    if d.dir:
-        manifest = load_manifest(d.dir)
-        checksums = check and wants_checksums(d.verify, manifest)
-        if check:
-            verify_manifest(d.dir, checksums=checksums)
-        data_dir = Path(d.dir)
-    else:
-        data_dir = default_data_dir(cfg)
-        manifest = prepare_dataset(d.inputs, d.tokenizer, str(data_dir), text_field=d.text_field,
-                                   val_fraction=d.val_fraction, num_workers=d.prepare_workers or None,
-                                   progress=cfg.logging.progress, verify=d.verify if check else "size")
-        checksums = check and wants_checksums(d.verify, manifest)
-    if check and d.verify == "auto" and not checksums:
-        print(f"note: {data_dir} holds {data_bytes(manifest) / 2**30:.1f} GiB of shards, more than data.verify=auto "
-              f"hashes at start ({AUTO_FULL_BYTES / 2**30:.0f} GiB); sizes checked only. `slipstream data verify "
-              f"--dir {data_dir}` or data.verify=full checks their sha256s")
-    return data_dir, manifest
 
 
 def resolve_vocab(model_cfg: ModelConfig, data_vocab: int, data_dir: str | Path = "the data") -> ModelConfig:
@@ -93,6 +52,7 @@ def describe_model(cfg: Config) -> str:
 def build_lm_trainer(cfg: Config):
     """Everything `slipstream train` needs, assembled in the one documented order."""
     from slipstream.data import TokenLoader, get_tokenizer, tokenizer_spec_for
+    from slipstream.data.ensure import ensure_data
     from slipstream.data.eval_windows import EvalWindows
     from slipstream.distributed.data_parallel import materialize_sharded
     from slipstream.config.dims import SHARDED
