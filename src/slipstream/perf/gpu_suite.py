@@ -1,0 +1,579 @@
+"""`slipstream bench gpu`: every CUDA-only check and benchmark, in one command on one GPU.
+
+Much of slipstream has a CUDA code path that a CPU machine never runs: the Triton
+cross-entropy kernels, TF32 and fp8, pinned-memory prefetch, the allocator-stat memory
+phases and the allocator snapshot, the book-size ladders, the planner's GPU accuracy, the
+probe's GPU sections and the GPT-2 124M step at the best switches. `ITEMS` lists them, each
+with a time budget; `run_gpu_suite` runs them one by one, each in its own subprocess with
+its budget as a hard timeout (a CUDA error, a hang or an out-of-memory in one item cannot
+poison the next), and writes
+
+    <out>/<each item's own JSON>    (gpu-<item>.json, or the ladders' usual file names)
+    <out>/gpu-suite.json            (machine, versions, git sha; per item: status, rc, wall
+                                     time, command, the files it wrote, the tail of its output)
+
+A failing item is reported and the suite goes on; the exit code is non-zero at the end if
+any item failed. The budgets sum to at most LIMIT_S (7 minutes of items, leaving a minute of
+the 8 for start-up and the summary), measured against one H200; the wall time of every item
+is recorded so a first run on a new GPU shows which budget to change.
+
+`--dry-run` works on a CPU machine and checks the wiring only: every slipstream command and
+its options parse with the real argument parser (and config overrides load), every module
+command parses with its own parser, every pytest target collects at least one test, the
+budgets fit the limit and the output folder is writable. It prints the plan and writes
+nothing.
+
+    python -m slipstream.perf.gpu_suite [--dry-run] [--only ITEM ...] [--out-dir benchmarks]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import io
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+from slipstream.errors import UserError
+
+LIMIT_S = 420  # the items' budgets together; the suite as a whole stays under 8 minutes
+TAIL_LINES = 60  # output lines kept per item in the summary
+KILL_GRACE_S = 5.0
+SUMMARY_NAME = "gpu-suite.json"
+
+PACKAGE_DIR = Path(__file__).resolve().parents[1]  # .../src/slipstream
+SRC_DIR = PACKAGE_DIR.parent
+REPO_DIR = SRC_DIR.parent  # a source checkout: configs/ and tests/ live here
+
+
+@dataclass(frozen=True)
+class Item:
+    """One check or benchmark of the suite.
+
+    kind: "slipstream" (args after `python -m slipstream`), "module" (`python -m <module>
+    args`; the module has a build_parser()) or "pytest" (args after `python -m pytest`).
+    args may hold {out} (the output folder), {work} (a scratch folder of this item) and
+    {repo} (the source checkout). outputs: files the item writes under {out}, same
+    placeholders. collect: how the suite itself turns the item's scratch results into
+    gpu-<name>.json: "pytest" (the junit XML) or "train" (the run's summary.json and
+    metrics.jsonl); None when the command writes its own JSON.
+    """
+
+    name: str
+    budget_s: int
+    kind: str
+    args: tuple[str, ...]
+    what: str
+    outputs: tuple[str, ...] = ()
+    module: str = ""
+    collect: str | None = None
+    config_overrides: bool = False  # a slipstream command taking --config plus --section.key=value
+
+    def expanded(self, out: Path, work: Path) -> list[str]:
+        return [_expand(a, out, work) for a in self.args]
+
+    def output_paths(self, out: Path, work: Path) -> list[Path]:
+        own = [Path(_expand(o, out, work)) for o in self.outputs]
+        return own + ([out / f"gpu-{self.name}.json"] if self.collect else [])
+
+
+def _expand(text: str, out: Path, work: Path) -> str:
+    return text.replace("{out}", str(out)).replace("{work}", str(work)).replace("{repo}", str(REPO_DIR))
+
+
+# Shared by the two short training runs: nothing but the steps (no eval, checkpoint or TensorBoard).
+_QUIET_RUN = ("--run.dir={work}/run", "--train.device=cuda", "--train.grad_accum_steps=1", "--train.eval_tokens=0",
+              "--checkpoint.save_final=false", "--checkpoint.interval=0", "--logging.progress=false",
+              "--logging.tensorboard=false", "--optim.warmup_steps=2")
+
+ITEMS: tuple[Item, ...] = (
+    Item("cuda-tests", 35, "pytest", ("{repo}/tests/gpu/test_gpu_cuda_paths.py",),
+         "CUDA equivalence tests: TF32 and fp8 training vs fp32/bf16, pinned-memory prefetch batches and resume, "
+         "allocator-stat memory phases, the allocator snapshot file", collect="pytest"),
+    Item("fused-ce-tests", 40, "pytest", ("{repo}/tests/unit/test_ops_fused_ce.py", "{repo}/tests/gpu/test_gpu_fused_ce.py"),
+         "fused linear + cross-entropy unit tests, plus the Triton kernels on CUDA tensors vs the reference "
+         "(fp32, bf16, fp16; ragged shapes, ignored rows, torch.compile)", collect="pytest"),
+    Item("probe", 25, "slipstream",
+         ("probe", "--sections", "compute", "memory", "--device", "cuda", "--sizes", "4096", "8192",
+          "--out", "{out}/gpu-probe.json", "--force"),
+         "matmul TFLOP/s for fp32, tf32, bf16, fp16, fp8 vs the datasheet; device copy and host<->device "
+         "bandwidth, pinned vs pageable", outputs=("{out}/gpu-probe.json",)),
+    Item("fused-ce-bench", 25, "slipstream",
+         ("bench", "fused-ce", "--device", "cuda", "--backend", "triton", "--rows", "16384", "--d", "768",
+          "--vocab", "50304", "--dtype", "bfloat16", "float32", "--chunk-size", "4096", "--repeats", "5",
+          "--out", "{out}/gpu-fused-ce.json", "--force"),
+         "Triton fused linear + cross-entropy vs the unfused head + loss at GPT-2's head shape: time and allocator "
+         "peak", outputs=("{out}/gpu-fused-ce.json",)),
+    Item("precision", 40, "module", ("--device", "cuda", "--steps", "8", "--out", "{out}/gpu-precision.json"),
+         "the precision switches on GPT-2 124M: fp32, tf32, bf16, bf16 + fp8 (torchao): loss per step vs fp32 "
+         "(equivalence) and tokens/s (speed)", outputs=("{out}/gpu-precision.json",),
+         module="slipstream.perf.precision_bench"),
+    Item("memory", 25, "slipstream",
+         ("train", "--config", "{repo}/configs/gpt2-124m.toml", *_QUIET_RUN, "--train.max_steps=3",
+          "--train.micro_batch_size=8", "--train.fused_loss=true", "--metrics.memory_breakdown=true",
+          "--metrics.memory_snapshot=true", "--logging.log_interval=1"),
+         "GPT-2 124M, 3 steps: the step's memory by phase and category from the CUDA allocator's statistics, the "
+         "planner's error against it, and the allocator snapshot of steps 2-3", collect="train",
+         config_overrides=True),
+    Item("gpt2-step", 55, "slipstream",
+         ("train", "--config", "{repo}/configs/gpt2-124m.toml", *_QUIET_RUN, "--train.max_steps=30",
+          "--train.micro_batch_size=32", "--precision.autocast=bf16", "--precision.tf32=true",
+          "--compile.scope=blocks", "--train.fused_loss=true", "--optim.implementation=fused",
+          "--data.pin_memory=true", "--data.prefetch=2", "--metrics.memory_breakdown=false",
+          "--logging.log_interval=10"),
+         "GPT-2 124M training step at the best single-GPU switches (bf16, TF32, regional compile, fused loss, "
+         "fused AdamW, pinned prefetch; 32 x 1024 tokens): tokens/s and MFU after warm-up", collect="train",
+         config_overrides=True),
+    Item("planner", 55, "slipstream", ("bench", "planner", "--device", "cuda", "--out", "{out}/gpu-planner.json", "--force"),
+         "the planner's predicted peak memory and step time vs the CUDA allocator and the clock on GPT-2 and "
+         "GPT-2 medium steps (17 cases)", outputs=("{out}/gpu-planner.json",)),
+    Item("ladder-memory", 65, "slipstream",
+         ("bench", "ladder", "memory", "--size", "book", "--device", "cuda", "--repeats", "1", "--steps", "3",
+          "--batch", "8", "--out-dir", "{out}", "--force"),
+         "the memory ladder at the book's size (gpt2-large, seq 1024; global batch 8 to fit the budget): "
+         "allocator peak per rung", outputs=("{out}/ladder-memory-cuda-book.json", "{out}/ladder-memory-cuda-book.png")),
+    Item("ladder-speed", 55, "slipstream",
+         ("bench", "ladder", "speed", "--size", "book", "--device", "cuda", "--repeats", "1", "--steps", "6",
+          "--batch", "32", "--out-dir", "{out}", "--force"),
+         "the speed ladder at the book's size (gpt-mini, seq 512, batch 32): tokens/s per rung, pinned + "
+         "non-blocking and TF32 included", outputs=("{out}/ladder-speed-cuda-book.json", "{out}/ladder-speed-cuda-book.png")),
+)
+
+
+def cuda_available() -> bool:
+    """One CUDA device at least (the suite's precondition); a function so tests can replace it."""
+    import torch
+
+    return torch.cuda.is_available() and torch.cuda.device_count() > 0
+
+
+def command_line(item: Item, out: Path, work: Path, python: str = sys.executable) -> list[str]:
+    """The argv the suite runs for `item`."""
+    args = item.expanded(out, work)
+    if item.kind == "slipstream":
+        return [python, "-m", "slipstream", *args]
+    if item.kind == "module":
+        return [python, "-m", item.module, *args]
+    if item.kind == "pytest":
+        return [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml", str(work / "junit.xml"), *args]
+    raise ValueError(f"item {item.name}: unknown kind {item.kind!r}")
+
+
+def _select(items: tuple[Item, ...] | list[Item], only: list[str] | None) -> list[Item]:
+    if not only:
+        return list(items)
+    names = [i.name for i in items]
+    unknown = [n for n in only if n not in names]
+    if unknown:
+        raise UserError(f"unknown GPU suite item(s) {', '.join(unknown)}; choose from {', '.join(names)}")
+    return [i for i in items if i.name in only]
+
+
+def _child_env() -> dict[str, str]:
+    """The children import this very slipstream (a source checkout needs no install) and stream their output."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC_DIR), os.environ.get("PYTHONPATH")]))
+    return env
+
+
+# ------------------------------------------------------------------------------ dry run
+
+
+def _check_slipstream_args(item: Item, argv: list[str]) -> list[str]:
+    """Parse `argv` with slipstream's own parser: the subcommand and every option must exist."""
+    from slipstream.cli import build_parser
+
+    problems: list[str] = []
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            args, extra = build_parser().parse_known_args(argv)
+    except SystemExit:
+        return [f"slipstream {' '.join(argv[:2])}: arguments do not parse: {err.getvalue().strip().splitlines()[-1:]}"]
+    if not callable(getattr(args, "func", None)):
+        problems.append(f"slipstream {argv[0]}: no command handler")
+    overrides = [a for a in extra if a.startswith("--") and "." in a.split("=", 1)[0] and "=" in a]
+    unknown = [a for a in extra if a not in overrides]
+    if unknown:
+        problems.append(f"unknown option(s) {' '.join(unknown)}")
+    if overrides and not item.config_overrides:
+        problems.append(f"config overrides given to a command that takes none: {' '.join(overrides)}")
+    if item.config_overrides:
+        from slipstream.config import load_config
+
+        try:
+            load_config(getattr(args, "config", None), overrides)
+        except UserError as e:
+            problems.append(f"config does not load: {e}")
+    return problems
+
+
+def _check_module_args(item: Item, argv: list[str]) -> list[str]:
+    import importlib
+
+    try:
+        module = importlib.import_module(item.module)
+    except ImportError as e:
+        return [f"module {item.module} does not import: {e}"]
+    build = getattr(module, "build_parser", None)
+    if not callable(build):
+        return [f"module {item.module} has no build_parser() to check its options with"]
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            build().parse_args(argv)
+    except SystemExit:
+        return [f"{item.module}: arguments do not parse: {err.getvalue().strip().splitlines()[-1:]}"]
+    return []
+
+
+def _pytest_collect(argv: list[str], python: str) -> tuple[list[str] | None, str]:
+    """Node ids that `pytest --collect-only` finds for argv, or None and why it failed."""
+    cmd = [python, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", *argv]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO_DIR, env=_child_env())
+    except subprocess.TimeoutExpired:
+        return None, "pytest --collect-only took over 120 s"
+    if proc.returncode != 0:
+        lines = (proc.stdout + proc.stderr).strip().splitlines()
+        return None, f"pytest --collect-only failed (rc {proc.returncode}): {' | '.join(lines[-3:])}"
+    return [line for line in proc.stdout.splitlines() if "::" in line], ""
+
+
+def _pytest_targets(argv: list[str]) -> list[str]:
+    return [a for a in argv if not a.startswith("-")]
+
+
+def _check_pytest_args(item: Item, argv: list[str], python: str, collected: list[str] | None = None) -> list[str]:
+    """Every target must exist and hold at least one test (`collected`: node ids already
+    collected for several items at once; None collects this item's targets now)."""
+    if collected is None:
+        collected, why = _pytest_collect(argv, python)
+        if collected is None:
+            return [why]
+    problems = []
+    for target in _pytest_targets(argv):
+        rel = os.path.relpath(target.split("::")[0], REPO_DIR)
+        if not any(line.startswith(rel) for line in collected):
+            problems.append(f"{rel}: no tests collected")
+    return problems
+
+
+def _check_writable(paths: list[Path]) -> list[str]:
+    """Each output can be written: an existing writable file, or a creatable one (nothing is created)."""
+    problems = []
+    for path in paths:
+        if path.exists():
+            if not path.is_file() or not os.access(path, os.W_OK):
+                problems.append(f"{path}: exists and is not a writable file")
+            continue
+        parent = path.parent
+        while not parent.exists() and parent != parent.parent:
+            parent = parent.parent
+        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+            problems.append(f"{path}: cannot be created ({parent} is not a writable folder)")
+    return problems
+
+
+def check_item(item: Item, out: Path, python: str = sys.executable, collected: list[str] | None = None) -> list[str]:
+    """The problems that would stop `item` from starting (empty: its wiring is sound).
+    collected: pytest node ids collected beforehand for all pytest items (one pytest start)."""
+    work = Path(tempfile.gettempdir()) / f"slipstream-gpu-{item.name}"  # only substituted, never created
+    problems: list[str] = []
+    if item.budget_s <= 0:
+        problems.append(f"budget {item.budget_s} s must be positive")
+    argv = item.expanded(out, work)
+    try:
+        if item.kind == "slipstream":
+            problems += _check_slipstream_args(item, argv)
+        elif item.kind == "module":
+            problems += _check_module_args(item, argv)
+        elif item.kind == "pytest":
+            problems += _check_pytest_args(item, argv, python, collected)
+        else:
+            problems.append(f"unknown kind {item.kind!r}")
+    except Exception as e:  # a broken item is reported, the others are still checked
+        problems.append(f"check raised {type(e).__name__}: {e}")
+    problems += _check_writable(item.output_paths(out, work))
+    return problems
+
+
+def dry_run_plan(items: list[Item], out: Path, python: str = sys.executable,
+            show: Callable[[str], None] = print) -> dict[str, Any]:
+    rows, total = [], sum(i.budget_s for i in items)
+    show(f"GPU suite plan: {len(items)} item(s), budgets {total} s of {LIMIT_S} s, results into {out}/")
+    work = Path(tempfile.gettempdir()) / "slipstream-gpu-work"  # only substituted, never created
+    # One pytest start collects every pytest item's targets; if that fails, each item collects its own.
+    targets = [t for i in items if i.kind == "pytest" for t in _pytest_targets(i.expanded(out, work))]
+    collected = _pytest_collect(targets, python)[0] if targets else None
+    for item in items:
+        cmd = command_line(item, out, Path("{work}"), python)
+        problems = check_item(item, out, python, collected)
+        rows.append({"name": item.name, "budget_s": item.budget_s, "what": item.what, "command": cmd,
+                     "outputs": [str(p) for p in item.output_paths(out, Path("{work}"))],
+                     "status": "ok" if not problems else "failed", "problems": problems})
+        mark = "ok  " if not problems else "FAIL"
+        show(f"  {mark} {item.name:<15} {item.budget_s:>4} s  {shlex.join(cmd[1:])}")
+        for p in problems:
+            show(f"         problem: {p}")
+    over = total > LIMIT_S
+    if over:
+        show(f"  FAIL budgets sum to {total} s, over the limit of {LIMIT_S} s")
+    failed = [r["name"] for r in rows if r["status"] != "ok"]
+    show("dry run: all items wired" if not failed and not over else
+         f"dry run: {len(failed)} item(s) failed{' and the budgets are over the limit' if over else ''}")
+    return {"dry_run": True, "limit_s": LIMIT_S, "budget_total_s": total, "budget_ok": not over,
+            "out_dir": str(out), "items": rows, "failed": failed, "ok": not failed and not over}
+
+
+# ------------------------------------------------------------------------------ real run
+
+
+@dataclass
+class _Outcome:
+    rc: int | None
+    wall_s: float
+    timed_out: bool
+    tail: list[str] = field(default_factory=list)
+
+
+def _run_child(cmd: list[str], timeout_s: float, cwd: Path, echo: Callable[[str], None]) -> _Outcome:
+    """Run one item in its own session: on timeout the whole process group goes (DataLoader
+    workers, compile workers, torchrun children), so nothing it started outlives it."""
+    t0 = time.perf_counter()
+    tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
+    try:
+        proc = subprocess.Popen(cmd, cwd=cwd, env=_child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, text=True, errors="replace", bufsize=1,
+                                start_new_session=True)
+    except OSError as e:
+        return _Outcome(None, time.perf_counter() - t0, False, [f"could not start: {e}"])
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail.append(line.rstrip("\n"))
+            echo(line.rstrip("\n"))
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    timed_out = False
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _signal_group(proc, signal.SIGTERM)
+        try:
+            proc.wait(timeout=KILL_GRACE_S)
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+    wall = time.perf_counter() - t0
+    _signal_group(proc, signal.SIGKILL)  # leftovers of a finished item (its own group only)
+    reader.join(timeout=KILL_GRACE_S)
+    return _Outcome(proc.returncode, wall, timed_out, list(tail))
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, sig)
+
+
+def _collect_pytest(work: Path) -> dict[str, Any]:
+    """Counts and the failing / skipped tests from the junit XML pytest wrote (our own file)."""
+    import xml.etree.ElementTree as ET
+
+    path = work / "junit.xml"
+    if not path.is_file():
+        return {"error": "pytest wrote no junit XML"}
+    root = ET.parse(path).getroot()
+    cases = root.iter("testcase")
+    result: dict[str, Any] = {"passed": 0, "failed": [], "skipped": [], "tests": 0}
+    for case in cases:
+        node = f"{case.get('classname', '')}::{case.get('name', '')}"
+        result["tests"] += 1
+        bad = case.find("failure")
+        if bad is None:
+            bad = case.find("error")
+        skipped = case.find("skipped")
+        if bad is not None:
+            result["failed"].append({"test": node, "message": (bad.get("message") or "")[:500]})
+        elif skipped is not None:
+            result["skipped"].append({"test": node, "reason": (skipped.get("message") or "")[:300]})
+        else:
+            result["passed"] += 1
+    return result
+
+
+def _collect_train(work: Path) -> dict[str, Any]:
+    """The short run's summary, its steady-state intervals (after the first logged one: warm-up
+    and compilation) and the memory snapshot files it wrote."""
+    run = work / "run"
+    summary_path = run / "summary.json"
+    if not summary_path.is_file():
+        return {"error": f"the run wrote no {summary_path.name}"}
+    summary = json.loads(summary_path.read_text(encoding="utf-8"))
+    records = []
+    metrics = run / "metrics.jsonl"
+    if metrics.is_file():
+        for line in metrics.read_text(encoding="utf-8").splitlines():
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict) and "loss" in record:
+                    records.append(record)
+    steady = records[1:] if len(records) > 1 else records
+    result: dict[str, Any] = {"summary": summary, "intervals": records}
+    for key in ("tokens_per_s", "mfu", "step_time_s"):
+        values = sorted(r[key] for r in steady if isinstance(r.get(key), (int, float)))
+        result[f"steady_{key}"] = values[len(values) // 2] if values else None
+    snapshots = sorted(run.glob("memory_snapshot*.pickle"))
+    result["memory_snapshots"] = [{"file": p.name, "bytes": p.stat().st_size} for p in snapshots]
+    return result
+
+
+def _write_collected(item: Item, out: Path, work: Path) -> Path | None:
+    from slipstream.observe.env import collect_env, write_json_atomic
+
+    if item.collect is None:
+        return None
+    result = _collect_pytest(work) if item.collect == "pytest" else _collect_train(work)
+    path = out / f"gpu-{item.name}.json"
+    write_json_atomic(path, {"bench": f"gpu-{item.name}", "what": item.what, "result": result, "env": collect_env()})
+    return path
+
+
+def _run_items(items: list[Item], out: Path, python: str, timeout_scale: float,
+               echo: Callable[[str], None], show: Callable[[str], None]) -> dict[str, Any]:
+    from slipstream.observe.env import collect_env, write_json_atomic
+
+    summary: dict[str, Any] = {"bench": "gpu-suite", "limit_s": LIMIT_S, "budget_total_s": sum(i.budget_s for i in items),
+                               "timeout_scale": timeout_scale, "python": python, "items": [], "failed": [],
+                               "env": collect_env()}
+    summary_path = out / SUMMARY_NAME
+    t_suite = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="slipstream-gpu-suite-") as tmp:
+        for n, item in enumerate(items, 1):
+            work = Path(tmp) / item.name
+            work.mkdir()
+            cmd = command_line(item, out, work, python)
+            show(f"[{n}/{len(items)}] {item.name} (budget {item.budget_s} s): {shlex.join(cmd[1:])}")
+            started = time.time()
+            outcome = _run_child(cmd, item.budget_s * timeout_scale, REPO_DIR, echo)
+            status = "timeout" if outcome.timed_out else ("passed" if outcome.rc == 0 else "failed")
+            row: dict[str, Any] = {"name": item.name, "what": item.what, "command": cmd, "budget_s": item.budget_s,
+                                   "status": status, "rc": outcome.rc, "wall_s": round(outcome.wall_s, 2)}
+            try:
+                collected = _write_collected(item, out, work)
+            except Exception as e:  # an unreadable result fails this item only
+                collected = None
+                row["collect_error"] = f"{type(e).__name__}: {e}"
+                row["status"] = "failed"
+            # Only files written by this run count: a stale result of an earlier run is not this item's.
+            written, missing = [], []
+            for path in item.output_paths(out, work):
+                fresh = path.is_file() and (path == collected or path.stat().st_mtime >= started - 1)
+                (written if fresh else missing).append(str(path))
+            row["outputs"], row["missing_outputs"] = written, missing
+            if row["status"] == "passed" and missing:
+                row["status"] = "failed"  # it exited 0 but did not write its result
+            row["tail"] = outcome.tail
+            summary["items"].append(row)
+            if row["status"] != "passed":
+                summary["failed"].append(item.name)
+            show(f"  -> {row['status']} (rc {outcome.rc}) in {outcome.wall_s:.1f} s"
+                 + (f"; missing {', '.join(missing)}" if missing else ""))
+            summary["wall_s"] = round(time.perf_counter() - t_suite, 2)
+            write_json_atomic(summary_path, summary)  # after every item: a killed suite keeps what it measured
+    passed = sum(1 for r in summary["items"] if r["status"] == "passed")
+    show(f"GPU suite: {passed} of {len(items)} passed in {summary['wall_s']:.0f} s"
+         + (f"; failed: {', '.join(summary['failed'])}" if summary["failed"] else "") + f"; wrote {summary_path}")
+    return summary
+
+
+def run_gpu_suite(out_dir: Path, dry_run: bool = False, only: list[str] | None = None,
+                  python: str = sys.executable, timeout_scale: float = 1.0, items: list[Item] | None = None,
+                  echo_output: bool = True, show: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run (or, with dry_run, check) the GPU suite; returns the summary (see the module doc).
+
+    only: item names to run (default all). python: the interpreter the items run under.
+    timeout_scale: multiplies every budget's timeout (budgets themselves stay as planned).
+    items: the item list (default ITEMS; tests pass their own).
+    """
+    out_dir = Path(out_dir)
+    selected = _select(tuple(items) if items is not None else ITEMS, only)
+    if timeout_scale <= 0:
+        raise UserError(f"--timeout-scale must be > 0, got {timeout_scale}")
+    if dry_run:
+        return dry_run_plan(selected, out_dir, python, show)
+    if not cuda_available():
+        raise UserError("slipstream bench gpu needs a CUDA device and none is visible here; "
+                        "use --dry-run to check the suite's wiring on this machine")
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--out-dir {out_dir} exists and is not a folder")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    echo = (lambda line: print(f"    | {line}", flush=True)) if echo_output else (lambda line: None)
+    return _run_items(selected, out_dir.resolve(), python, timeout_scale, echo, show)
+
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def add_gpu_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--dry-run", action="store_true",
+                   help="check the wiring without a GPU: commands parse, tests collect, budgets fit; writes nothing")
+    p.add_argument("--only", nargs="+", default=None, metavar="ITEM",
+                   help=f"run only these items ({', '.join(i.name for i in ITEMS)})")
+    p.add_argument("--out-dir", default="benchmarks", help="where the JSON results go (default benchmarks)")
+    p.add_argument("--timeout-scale", type=float, default=1.0,
+                   help="multiply every item's timeout (e.g. 2 on a slower GPU); the budgets stay as planned")
+    p.add_argument("--quiet", action="store_true", help="do not echo the items' output, only their results")
+    return p
+
+
+def add_gpu_command(bench_subparsers) -> argparse.ArgumentParser:
+    """`slipstream bench gpu`, added to the `bench` group's subparsers."""
+    p = bench_subparsers.add_parser("gpu", help="every CUDA-only check and benchmark on one GPU, under 8 minutes")
+    add_gpu_arguments(p)
+    p.set_defaults(func=cmd_bench_gpu)
+    return p
+
+
+def cmd_bench_gpu(args: argparse.Namespace, extra: list[str] | None = None) -> int:
+    """CLI handler: typed values out of `args`, then run_gpu_suite; 1 when any item failed."""
+    if extra:
+        raise UserError(f"unexpected arguments: {' '.join(extra)}")
+    summary = run_gpu_suite(Path(args.out_dir), dry_run=args.dry_run, only=args.only,
+                            timeout_scale=args.timeout_scale, echo_output=not args.quiet)
+    if args.dry_run:
+        return 0 if summary["ok"] else 1
+    return 1 if summary["failed"] else 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return add_gpu_arguments(argparse.ArgumentParser(prog="python -m slipstream.perf.gpu_suite",
+                                                     description=__doc__.split("\n\n")[0]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return cmd_bench_gpu(args)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
