@@ -14,7 +14,6 @@ import pickle
 import shutil
 import zlib
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -170,23 +169,21 @@ def test_crafted_value_blob_is_refused_on_resume(command, genuine, tmp_path, dat
 
 
 def test_rollback_reloads_through_the_same_guard(genuine, tmp_path):
-    """stability.policy=rollback reloads with restore_state(keep_data_position=True): the
+    """stability.policy=rollback reloads through Trainer.resume -> load_checkpoint_state: the
     same load, so a crafted checkpoint is refused there too (in-process, no trainer needed)."""
     from slipstream.checkpoint import manager as ckpt_lib
     from slipstream.config.load import config_from_toml_text
     from slipstream.models.transformer import Transformer
-    from slipstream.train.resume import LAYOUT_DEFAULTS, restore_state
+    from slipstream.train.resume import LAYOUT_DEFAULTS, load_checkpoint_state
 
     marker = tmp_path / "pwned"
     ckpt = _hostile_metadata(genuine, tmp_path, marker)
     cfg = config_from_toml_text((ckpt / "config.toml").read_text())
     model = Transformer(cfg.model)
     layout = {**LAYOUT_DEFAULTS, **ckpt_lib.read_meta(ckpt).get("optimizer_layout", {})}
-    trainer = SimpleNamespace(model=model, optimizer=torch.optim.AdamW(model.parameters()), cfg=cfg,
-                              _optimizer_layout=lambda: layout, checkpoint_meta={"tokenizer": "byte"},
-                              checkpoint_files={})
     with pytest.raises(UserError, match=r"\.metadata' is refused"):
-        restore_state(trainer, ckpt, keep_data_position=True)
+        load_checkpoint_state(ckpt, model, torch.optim.AdamW(model.parameters()), cfg, layout,
+                              {"tokenizer": "byte"}, {})
     assert not marker.exists()
 
 

@@ -1,4 +1,4 @@
-"""Data-parallel wrapping: the last step of `apply`, after fp8, activation checkpointing and compile.
+"""Data-parallel wrapping: the last wrapping step of the parallelize chain (distributed/parallelize.py).
 
     none   the model as it is
     ddp    DistributedDataParallel: replicated parameters, gradients all-reduced in buckets
@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from slipstream.config.schema import Config
-from slipstream.distributed.mesh import REPLICATED, SHARDED, Parallel
+from slipstream.distributed.mesh import Parallel
 
 DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -36,29 +36,25 @@ def _dp_group(par: Parallel):
     return par.mesh.get_group("dp_replicate")
 
 
-def apply_data_parallel(model: nn.Module, cfg: Config, par: Parallel) -> nn.Module:
-    strategy = par.dims.strategy
-    if cfg.parallel.sync_batchnorm and par.world_size > 1 and _has_batchnorm(model):
-        if par.device.type == "cpu":
-            # torch's SyncBatchNorm (and DDP with it) needs accelerator tensors.
-            if par.is_main:
-                print("note: parallel.sync_batchnorm needs GPUs; on CPU each rank normalizes with its own batch statistics")
-        else:
-            # Per-rank batch statistics would differ from the global batch's: compute them across
-            # ranks (every rank is a data-parallel rank for now, so the group is the whole world).
-            model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if strategy in REPLICATED:
-        return _apply_ddp(model, cfg, par)
-    if strategy in SHARDED:
-        return _apply_fsdp(model, cfg, par)
-    return model
+def apply_sync_batchnorm(model: nn.Module, par: Parallel) -> nn.Module:
+    """BatchNorm with statistics over the whole global batch (parallel.sync_batchnorm)."""
+    if par.world_size == 1 or not _has_batchnorm(model):
+        return model
+    if par.device.type == "cpu":
+        # torch's SyncBatchNorm (and DDP with it) needs accelerator tensors.
+        if par.is_main:
+            print("note: parallel.sync_batchnorm needs GPUs; on CPU each rank normalizes with its own batch statistics")
+        return model
+    # Per-rank batch statistics would differ from the global batch's: compute them across
+    # ranks (every rank is a data-parallel rank for now, so the group is the whole world).
+    return nn.SyncBatchNorm.convert_sync_batchnorm(model)
 
 
 def _has_batchnorm(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
-def _apply_ddp(model: nn.Module, cfg: Config, par: Parallel) -> nn.Module:
+def apply_ddp(model: nn.Module, cfg: Config, par: Parallel) -> nn.Module:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from slipstream.distributed.comm_hooks import register_comm_hook
@@ -71,7 +67,7 @@ def _apply_ddp(model: nn.Module, cfg: Config, par: Parallel) -> nn.Module:
     return ddp
 
 
-def _apply_fsdp(model: nn.Module, cfg: Config, par: Parallel) -> nn.Module:
+def apply_fsdp(model: nn.Module, cfg: Config, par: Parallel) -> nn.Module:
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     p = cfg.parallel

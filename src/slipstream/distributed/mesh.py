@@ -126,6 +126,13 @@ class Parallel:
 _CURRENT: Parallel | None = None
 
 
+def check_device_rules(cfg: Config, device: torch.device) -> None:
+    """Settings that only some devices honour (the config-only rules ran when it was loaded)."""
+    if cfg.metrics.memory_snapshot and device.type != "cuda":
+        raise UserError("metrics.memory_snapshot records the CUDA caching allocator; this run is on "
+                        f"{device.type}. Use --metrics.memory_breakdown (works on CPU) instead")
+
+
 def init_parallel(cfg: Config) -> Parallel:
     """Join the job (once per process) and return its Parallel context."""
     global _CURRENT
@@ -133,6 +140,7 @@ def init_parallel(cfg: Config) -> Parallel:
     dims = resolve_parallel_dims(cfg.parallel, env.world_size, env.local_world_size)
     check_compatibility(cfg, dims)
     if _CURRENT is not None and _CURRENT.env == env and _CURRENT.dims == dims:
+        check_device_rules(cfg, _CURRENT.device)
         return _CURRENT
     from slipstream.runtime import resolve_device
 
@@ -141,6 +149,7 @@ def init_parallel(cfg: Config) -> Parallel:
         # One accelerator per local rank.
         device = torch.device(device.type, env.local_rank % torch.accelerator.device_count())
         torch.accelerator.set_device_index(device.index)
+    check_device_rules(cfg, device)  # before joining the process group: a bad combination costs no wait
     if env.launched and device.type == "cpu" and not cfg.train.threads:
         # torchrun gives each worker OMP_NUM_THREADS=1; share the cores among the local ranks instead.
         torch.set_num_threads(max(1, usable_cores() // env.local_world_size))

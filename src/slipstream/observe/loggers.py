@@ -188,21 +188,50 @@ class MultiLogger:
             raise first_error
 
 
-def make_run_loggers(cfg, run_dir: Path, parallel, step: int, resumed: bool):
-    """The job's loggers (rank 0: metrics.jsonl, TensorBoard, W&B; other ranks: none), and this
-    rank's own logs/rank<R>.jsonl when logging.rank_logs asks for it (to find slow or diverging ranks)."""
-    import dataclasses
+class RunLoggers:
+    """The training run's loggers: rank 0 writes metrics.jsonl, TensorBoard and W&B (other ranks
+    nothing); with logging.rank_logs every rank also writes its own logs/rank<R>.jsonl (to find
+    slow or diverging ranks). Keeps the last logged loss and the MFU of every interval."""
 
-    rank_logger = None
-    if cfg.logging.rank_logs and parallel.world_size > 1:
-        (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-        rank_logger = JsonlLogger(run_dir / "logs" / f"rank{parallel.rank}.jsonl")
-    if not parallel.is_main:
-        return MultiLogger([]), rank_logger
-    loggers = [JsonlLogger(run_dir / "metrics.jsonl")]
-    if cfg.logging.tensorboard:
-        loggers.append(TensorBoardLogger(run_dir / "tensorboard", purge_step=step + 1 if resumed else None))
-    if cfg.logging.wandb:
-        loggers.append(WandbLogger(project=cfg.logging.wandb_project, run_name=run_dir.name,
-                                   config=dataclasses.asdict(cfg), mode=cfg.logging.wandb_mode, dir=str(run_dir)))
-    return MultiLogger(loggers), rank_logger
+    def __init__(self, cfg, run_dir: Path, parallel, step: int, resumed: bool) -> None:
+        import dataclasses
+
+        self.rank_logger = None
+        if cfg.logging.rank_logs and parallel.world_size > 1:
+            (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+            self.rank_logger = JsonlLogger(run_dir / "logs" / f"rank{parallel.rank}.jsonl")
+        loggers = []
+        if parallel.is_main:
+            loggers.append(JsonlLogger(run_dir / "metrics.jsonl"))
+            if cfg.logging.tensorboard:
+                loggers.append(TensorBoardLogger(run_dir / "tensorboard", purge_step=step + 1 if resumed else None))
+            if cfg.logging.wandb:
+                loggers.append(WandbLogger(project=cfg.logging.wandb_project, run_name=run_dir.name,
+                                           config=dataclasses.asdict(cfg), mode=cfg.logging.wandb_mode,
+                                           dir=str(run_dir)))
+        self.job = MultiLogger(loggers)
+        self.last_loss: float | None = None
+        self._mfu: list[float] = []
+
+    def log(self, record: dict[str, Any]) -> None:
+        """An event of the job (eval result, checkpoint stall, guard event): rank 0's loggers."""
+        self.job.log(record, record["step"])
+
+    def log_interval(self, record: dict[str, Any], rank_view: dict[str, Any], progress) -> None:
+        """An interval's record; the rank log gets it with this rank's own values (rank_view)."""
+        self.job.log(record, record["step"])
+        if self.rank_logger is not None:
+            self.rank_logger.log({**record, **rank_view}, record["step"])
+        progress.set_metrics(record)
+        self.last_loss = record["loss"]
+        if record.get("mfu") is not None:
+            self._mfu.append(record["mfu"])
+
+    @property
+    def mean_mfu(self) -> float | None:
+        return sum(self._mfu) / len(self._mfu) if self._mfu else None
+
+    def close(self) -> None:
+        self.job.close()
+        if self.rank_logger is not None:
+            self.rank_logger.close()

@@ -200,14 +200,13 @@ def act_on(trainer, verdict: StepVerdict, loggers, progress) -> None:
     if verdict.action == "rollback":
         trainer.writer.wait()
         trainer.parallel.barrier()  # rank 0 has committed what the others wrote
-        local = trainer.writer.last_committed or trainer._resume_target()
+        local = trainer.writer.last_committed or trainer.resume_target()
         target = Path(name) if (name := trainer.parallel.broadcast(str(local) if local else None)) else None
         if target is None:
             raise UserError(f"step {trainer.step}: stability.policy = rollback needs a checkpoint to go back to; "
                             "set --checkpoint.interval (or use policy skip)")
         bad_step = trainer.step
-        trainer._resume(Path(target), keep_data_position=True)
-        trainer._reset_interval()
+        trainer.resume(Path(target), keep_data_position=True)  # also starts a new logging interval
         progress.print_line(f"rolled back from step {bad_step} to {target.name}; the batches since are skipped")
     if verdict.preempt:
         trainer.writer.wait()

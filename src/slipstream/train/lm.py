@@ -55,13 +55,12 @@ def build_lm_trainer(cfg: Config):
     from slipstream.data.ensure import ensure_data
     from slipstream.data.eval_windows import EvalWindows
     from slipstream.distributed.data_parallel import materialize_sharded
-    from slipstream.config.dims import SHARDED
     from slipstream.distributed.mesh import init_parallel
     from slipstream.models.transformer import Transformer, materialize
     from slipstream.observe.flops import flops_per_token
     from slipstream.runtime import seed_all
     from slipstream.train.rundir import check_run_dir, make_run_dir, on_rank0
-    from slipstream.train.trainer import Trainer
+    from slipstream.train.trainer import JobInfo, Trainer
 
     par = init_parallel(cfg)  # under torchrun: join the job first; errors in the layout stop every rank
     device = par.device
@@ -95,16 +94,12 @@ def build_lm_trainer(cfg: Config):
     if not early_vocab:  # the vocabulary came with the data: check before building the model
         planned = plan_step_memory(cfg, par, device)
     seed_all(cfg.train.seed)
-    with torch.device("meta"):
+    with torch.device("meta"):  # no memory yet: the parallelize chain materializes it
         model = Transformer(cfg.model)
-    init_model = None
-    if par.dims.strategy in SHARDED:
-        # Sharded strategies materialize after fully_shard: a rank never holds the whole model,
-        # yet gets exactly the shards of the weights a single process would draw from the seed.
-        init_model = functools.partial(materialize_sharded, materialize=materialize, cfg=cfg, device=device,
-                                       seed=cfg.train.seed)
-    else:
-        model = materialize(model, device, cfg.train.seed)
+    # Draws exactly the weights a single process would from the seed; a sharded rank writes
+    # only its own shards of them (called after fully_shard).
+    init_model = functools.partial(materialize_sharded, materialize=materialize, cfg=cfg, device=device,
+                                   seed=cfg.train.seed)
 
     t = cfg.train
     d = cfg.data
@@ -123,11 +118,12 @@ def build_lm_trainer(cfg: Config):
         meta["tokenizer"] = "bpe:tokenizer.json"
     loss_fn = functools.partial(fused_lm_loss_fn, chunk_size=t.fused_loss_chunk) if t.fused_loss else lm_loss_fn
     sequence_loss_fn = functools.partial(lm_sequence_losses, fused_chunk=t.fused_loss_chunk if t.fused_loss else None)
+    job = JobInfo(checkpoint_meta=meta, checkpoint_files=files, model_summary=describe_model(cfg),
+                  planned_peak_bytes=planned)
     return Trainer(model, train_loader, loss_fn, config=cfg, val_data=val_windows, sequence_loss_fn=sequence_loss_fn,
                    tokens_per_batch=t.micro_batch_size * t.seq_len,
-                   flops_per_token=flops_per_token(cfg.model, t.seq_len), device=device,
-                   checkpoint_meta=meta, checkpoint_files=files, model_summary=describe_model(cfg), parallel=par,
-                   init_model=init_model, planned_peak_bytes=planned)
+                   flops_per_token=flops_per_token(cfg.model, t.seq_len), device=device, parallel=par,
+                   init_model=init_model, job=job)
 
 
 def known_vocab(cfg: Config) -> int:

@@ -9,7 +9,6 @@ from typing import Any
 from slipstream.checkpoint import manager as ckpt
 from slipstream.config.schema import Config
 from slipstream.errors import UserError
-from slipstream.train.schedule import scheduler_state
 
 # What a checkpoint's optimizer_layout meant before a key existed (older checkpoints).
 LAYOUT_DEFAULTS = {"in_backward": False, "offload": False, "dp_strategy": "none", "world_size": 1}
@@ -46,64 +45,19 @@ def resume_target(resume: str, run_dir: Path, verify: bool = True) -> Path | Non
     return target
 
 
-def capture_state(trainer) -> dict[str, Any]:
-    """Everything besides model and optimizer that a resumed run needs (JSON)."""
-    par = trainer.parallel
-    return {
-        "step": trainer.step,
-        "tokens_seen": trainer.tokens_seen,
-        "scheduler": scheduler_state(trainer.scheduler),
-        "train_loader": trainer.train_loader.state_dict(),
-        # Each rank's own generators (dropout masks differ per rank only through them).
-        "rng": ckpt.capture_rng_state(),
-        "rng_per_rank": par.gather(ckpt.capture_rng_state()) if par.world_size > 1 else None,
-        # A checkpoint may fall inside a logging interval: keep its partial sums so the
-        # resumed run logs exactly what the uninterrupted one does.
-        "interval": {"loss_sum": par.mean(trainer._interval_loss).item(), "steps": trainer._interval_steps,
-                     "items": trainer._interval_items, "data_wait_s": trainer._interval_wait,
-                     "dropped": trainer._interval_dropped},
-        "grad_scaler": trainer.scaler.state_dict() if trainer.scaler is not None else None,
-        "skipped_steps": int(trainer.skipped_steps.item()),
-        "resilience": trainer.resilience.state_dict() if trainer.resilience is not None else None,
-    }
-
-
-def restore_state(trainer, path: Path, keep_data_position: bool = False) -> None:
-    """Load a checkpoint into a trainer. keep_data_position: a rollback, which goes back in
-    weights and steps but keeps reading after the batches that caused it."""
-    from slipstream.distributed.comm_hooks import restore_step
-
-    if "tokenizer" in trainer.checkpoint_meta:  # a language-model job: its model is built from cfg.model
-        check_same_model(path, trainer.cfg, trainer.checkpoint_files.get("tokenizer.json"))
-    check_layout(path, trainer._optimizer_layout())
-    state = ckpt.load_checkpoint(path, trainer.model, trainer.optimizer, verify=trainer.cfg.checkpoint.verify)
-    if state["step"] >= trainer.cfg.train.max_steps:
+def load_checkpoint_state(path: Path, model, optimizer, cfg: Config, layout: dict[str, Any],
+                          checkpoint_meta: dict[str, Any], checkpoint_files: dict[str, str]) -> dict[str, Any]:
+    """Check that checkpoint `path` continues this run, load its weights and optimizer state into
+    `model` / `optimizer` (resharding as needed) and return its trainer state (Trainer.load_state_dict).
+    layout: this run's Trainer.optimizer_layout(); checkpoint_meta / files: its JobInfo's."""
+    if "tokenizer" in checkpoint_meta:  # a language-model job: its model is built from cfg.model
+        check_same_model(path, cfg, checkpoint_files.get("tokenizer.json"))
+    check_layout(path, layout)
+    state = ckpt.load_checkpoint(path, model, optimizer, verify=cfg.checkpoint.verify)
+    if state["step"] >= cfg.train.max_steps:
         raise UserError(f"checkpoint '{path}' is at step {state['step']}, which is not below "
-                        f"train.max_steps = {trainer.cfg.train.max_steps}; raise --train.max_steps to train further")
-    trainer.scheduler.load_state_dict(state["scheduler"])
-    if not keep_data_position:
-        trainer.train_loader.load_state_dict(state["train_loader"])
-        per_rank = state.get("rng_per_rank")
-        same_ranks = per_rank and len(per_rank) == trainer.parallel.world_size
-        # Resharded: no rank's generators carry over one to one; every rank takes rank 0's.
-        ckpt.restore_rng_state(per_rank[trainer.parallel.rank] if same_ranks else state["rng"])
-        if trainer.resilience is not None:  # a rollback keeps the live guard: its event count must grow
-            trainer.resilience.load_state_dict(state.get("resilience"))
-    trainer.step = state["step"]
-    trainer.tokens_seen = state["tokens_seen"]
-    restore_step(trainer.model, trainer.optimizer, trainer.step)
-    interval = state.get("interval")
-    if interval and not keep_data_position:
-        trainer._interval_loss.fill_(interval["loss_sum"])
-        trainer._interval_steps, trainer._interval_items = interval["steps"], interval["items"]
-        trainer._interval_wait = interval["data_wait_s"]
-        trainer._interval_dropped = interval.get("dropped", 0)
-    if trainer.scaler is not None and state.get("grad_scaler"):
-        trainer.scaler.load_state_dict(state["grad_scaler"])
-    trainer.skipped_steps.fill_(state.get("skipped_steps", 0))
-    changes = config_changes(path, trainer.cfg)
-    if changes and trainer.parallel.is_main and not keep_data_position:
-        print("note: resuming with settings that differ from the checkpoint's: " + "; ".join(changes))
+                        f"train.max_steps = {cfg.train.max_steps}; raise --train.max_steps to train further")
+    return state
 
 
 # Strategies whose checkpoints hold one named, shardable state (DCP reshards it on load).

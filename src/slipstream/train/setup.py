@@ -45,11 +45,6 @@ def build_optimizer(model: nn.Module, cfg: Config, parallel=None):
         if cfg.train.grad_accum_steps > 1:
             print("note: optim.in_backward with train.grad_accum_steps > 1 steps only in the last micro-batch's "
                   "backward; the earlier micro-batches' gradients still coexist, so the peak saving is lost")
-        if o.offload:
-            raise UserError("optim.in_backward and optim.offload cannot be combined; choose one")
-        if cfg.precision.autocast == "fp16":
-            raise UserError("optim.in_backward cannot be used with fp16 loss scaling (the scaler must see all "
-                            "gradients before any step); use --precision.autocast=bf16")
         return OptimizerInBackward(named_param_groups(model, groups), grad_clip=o.grad_clip, **hyper)
     if o.offload:
         return CPUOffloadOptimizer(groups, **hyper)

@@ -1,7 +1,8 @@
 """The training loop: one process on CPU or one accelerator, or one rank of a data-parallel job.
 
-    batch -> forward/backward x grad_accum -> clip -> optimizer -> schedule
-          -> metrics (synced only every log_interval) -> eval -> checkpoint
+    parallelize(model) once (distributed/parallelize.py), then per step:
+    batch -> forward/backward x grad_accum -> clip -> guards -> optimizer -> schedule
+          -> interval meter (synced only every log_interval) -> eval -> checkpoint
 
 `Trainer` trains any `nn.Module`: the language-model job (`train/lm.py`) uses it, and so
 can a user with their own model, loss and dataset:
@@ -21,29 +22,36 @@ checkpoint barriers) happen at the same points on every rank, and only rank 0 lo
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from slipstream.config.load import config_to_toml
+from slipstream.checkpoint import manager as ckpt
+from slipstream.checkpoint.writer import CheckpointWriter
+from slipstream.config.load import check_consistency, config_to_toml
 from slipstream.config.schema import Config
 from slipstream.distributed.data_parallel import full_value, gradients_live_in_buckets, no_sync
-from slipstream.checkpoint.writer import CheckpointWriter
 from slipstream.errors import UserError
-from slipstream.observe.memprofile import format_memory_report, measure_step_memory, record_memory_history
-from slipstream.optimize.apply import apply_optimizations
+from slipstream.observe.console import TrainProgress
+from slipstream.observe.flops import mfu
+from slipstream.observe.loggers import RunLoggers
+from slipstream.observe.memory import peak_memory_bytes, reset_peak_memory
 from slipstream.optimize.optimizers import torch_optimizers
 from slipstream.optimize.precision import autocast_context, make_grad_scaler
-from slipstream.train.evaluate import format_eval
-from slipstream.train.resume import capture_state, restore_state, resume_target
-from slipstream.train.rundir import make_run_dir, on_rank0, prepare_run_dir, release_run_dir
-from slipstream.train.schedule import build_scheduler
 from slipstream.runtime import configure_runtime
+from slipstream.train.evaluate import format_eval
+from slipstream.train.memory_probe import MemoryProbe
+from slipstream.train.meter import IntervalMeter
+from slipstream.train.resume import config_changes, load_checkpoint_state, resume_target
+from slipstream.train.rundir import make_run_dir, on_rank0, prepare_run_dir, release_run_dir
+from slipstream.train.schedule import build_scheduler, scheduler_state
 from slipstream.train.setup import build_optimizer
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -85,59 +93,54 @@ def _batch_size(batch: Any) -> int:
 
 # --- the trainer -------------------------------------------------------------------------------
 
+@dataclass
+class JobInfo:
+    """What the job built around the Trainer tells it about itself (the LM job fills it in)."""
+
+    checkpoint_meta: dict[str, Any] = field(default_factory=dict)  # extra meta.json entries (the tokenizer)
+    checkpoint_files: dict[str, str] = field(default_factory=dict)  # copied into every checkpoint: name -> path
+    model_summary: str = ""                                          # printed when fit() starts
+    planned_peak_bytes: int | None = None                            # slipstream plan's step peak, if any
+
+
 class Trainer:
     """Trains `model` on `train_data` with `loss_fn(model, batch) -> mean loss`.
 
     init_model: for a model built on the meta device, a function that materializes and
-    initializes it; called after data-parallel wrapping (FSDP: on each rank's shards only).
+    initializes it (the parallelize chain calls it; FSDP: after sharding, on each rank's shards).
 
     val_data: a Dataset or stateful loader (its first train.eval_steps batches are evaluated),
     or `EvalWindows` (fixed windows scored per sequence by `sequence_loss_fn(model, x, y) -> (B,)`).
     tokens_per_batch: tokens in one micro-batch (LMs: batch x seq); None counts samples.
     flops_per_token: training FLOPs per token (or per sample) for MFU; None -> mfu null.
+    job: what the job adds to checkpoints and the start-up print (JobInfo).
     """
 
     def __init__(self, model: nn.Module, train_data: Any, loss_fn: LossFn, config: Config | None = None,
                  val_data: Any = None, tokens_per_batch: int | None = None, flops_per_token: float | None = None,
-                 collate_fn=None, device: torch.device | None = None, checkpoint_meta: dict | None = None,
-                 checkpoint_files: dict[str, str] | None = None, model_summary: str = "", parallel=None,
-                 init_model: Callable[[nn.Module], Any] | None = None, planned_peak_bytes: int | None = None,
-                 sequence_loss_fn: Callable | None = None):
-        from slipstream.distributed.data_parallel import apply_data_parallel
-        from slipstream.config.dims import SHARDED
+                 collate_fn=None, device: torch.device | None = None, parallel=None,
+                 init_model: Callable[[nn.Module], Any] | None = None, sequence_loss_fn: Callable | None = None,
+                 job: JobInfo | None = None):
+        from slipstream.data.eval_windows import EvalWindows
         from slipstream.distributed.mesh import init_parallel
+        from slipstream.distributed.parallelize import parallelize
 
         self.cfg = config or Config()
+        check_consistency(self.cfg)  # config-only rules (a user-built Config may not have been loaded)
         # Joins the process group under torchrun (idempotent); a single process gets a world-1 context.
         self.parallel = parallel or init_parallel(self.cfg)
         self.device = device or self.parallel.device
         configure_runtime(self.cfg, self.device)
-        on_meta = any(p.is_meta for p in model.parameters())
-        if on_meta and init_model is None:
-            raise UserError("the model is on the meta device; pass init_model= (a function that materializes "
-                            "and initializes it) or build it on a real device")
-        sharded = self.parallel.dims.strategy in SHARDED
-        if on_meta and not sharded:  # DDP needs real parameters to wrap: materialize first
-            init_model(model)
-        # The one fixed order: single-device techniques (fp8 -> AC -> compile), then data parallelism.
-        model = apply_optimizations(model if on_meta and sharded else model.to(self.device), self.cfg, self.device)
-        self.model = apply_data_parallel(model, self.cfg, self.parallel)
-        if on_meta and sharded:  # after sharding: each rank allocates only its own shards of the parameters
-            init_model(self.model)
+        self.job = job or JobInfo()
+        self.model = parallelize(model, self.parallel, self.cfg, init_model)
         self.loss_fn = loss_fn
         self.train_loader = _as_loader(train_data, self.cfg, self.device, shuffle=True, collate_fn=collate_fn,
                                        parallel=self.parallel)
-        from slipstream.data.eval_windows import EvalWindows
-
         # Fixed evaluation windows pass through as they are; anything else becomes a stateful loader.
         self.val_loader = val_data if isinstance(val_data, EvalWindows) else _as_loader(
             val_data, self.cfg, self.device, shuffle=False, collate_fn=collate_fn, parallel=self.parallel)
         self.tokens_per_batch = tokens_per_batch
         self.flops_per_token = flops_per_token
-        self.checkpoint_meta = checkpoint_meta or {}
-        self.checkpoint_files = checkpoint_files or {}
-        self.model_summary = model_summary
-        self.planned_peak_bytes = planned_peak_bytes  # slipstream plan's prediction of the step peak, if any
         self.optimizer = build_optimizer(self.model, self.cfg, self.parallel)
         self._grads_in_buckets = gradients_live_in_buckets(self.model, self.cfg)
         self.scheduler = build_scheduler(self.optimizer, self.cfg.optim, self.cfg.train.max_steps)
@@ -147,94 +150,237 @@ class Trainer:
         self._autocast = autocast_context(self.device, self.cfg.precision.autocast)
         self.scaler = make_grad_scaler(self.device, self.cfg.precision)
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)  # fp16 overflow skips
+        self.meter = IntervalMeter(self.device, self.parallel)
         self.evaluator = None
         if self.val_loader is not None and self.cfg.train.eval_steps:
             from slipstream.train.evaluate import Evaluator
 
             self.evaluator = Evaluator(self.val_loader, loss_fn, self.parallel, self._autocast,
                                        max_batches=self.cfg.train.eval_steps, sequence_loss_fn=sequence_loss_fn)
-        self.profiler = None  # a StepProfiler while fit() runs with profile.enabled
         c = self.cfg.checkpoint
         async_save = c.async_save and (self.parallel.world_size == 1 or self.parallel.side_group is not None)
         self.writer = CheckpointWriter(self.run_dir / "checkpoints", c.keep_last, c.keep_every, async_save,
                                        commit_timeout_s=self.cfg.parallel.timeout_s, group=self.parallel.side_group)
-        self.resilience = None  # a Resilience while fit() runs: preemption, watchdog, guards
-        self._run_lock = None  # the run directory's lock while fit() runs (train/rundir.py)
+        # Owned while fit() runs: the step profiler, resilience (preemption, watchdog, guards),
+        # the memory probe and the run directory's lock (train/rundir.py).
+        self.profiler = None
+        self.resilience = None
+        self.memory = None
+        self._run_lock = None
         self._verdict = None
-        if self.cfg.optim.in_backward and self.cfg.stability.policy in ("skip", "rollback"):
-            raise UserError(f"stability.policy = {self.cfg.stability.policy} must see the gradients before the update, "
-                            "but optim.in_backward updates during backward; use policy stop or none")
-        self._reset_interval()
-        if self.cfg.metrics.memory_snapshot and self.device.type != "cuda":
-            raise UserError("metrics.memory_snapshot records the CUDA caching allocator; this run is on "
-                            f"{self.device.type}. Use --metrics.memory_breakdown (works on CPU) instead")
 
     # --- state ---
 
-    def _reset_interval(self) -> None:
-        """Accumulators of the current logging interval. The loss stays a device tensor so
-        the loop never waits on the device between logs."""
-        self._interval_loss = torch.zeros((), device=self.device)
-        self._interval_steps, self._interval_items, self._interval_wait = 0, 0, 0.0
-        self._interval_dropped = 0  # steps whose update a stability guard dropped
+    def state_dict(self) -> dict[str, Any]:
+        """Everything besides model and optimizer that a resumed run needs (JSON). A collective
+        under torchrun (the interval loss mean, every rank's generator states)."""
+        par = self.parallel
+        return {
+            "step": self.step,
+            "tokens_seen": self.tokens_seen,
+            "scheduler": scheduler_state(self.scheduler),
+            "train_loader": self.train_loader.state_dict(),
+            # Each rank's own generators (dropout masks differ per rank only through them).
+            "rng": ckpt.capture_rng_state(),
+            "rng_per_rank": par.gather(ckpt.capture_rng_state()) if par.world_size > 1 else None,
+            # A checkpoint may fall inside a logging interval: keep its partial sums so the
+            # resumed run logs exactly what the uninterrupted one does.
+            "interval": self.meter.state_dict(),
+            "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "skipped_steps": int(self.skipped_steps.item()),  # host sync (only at a save)
+            "resilience": self.resilience.state_dict() if self.resilience is not None else None,
+        }
 
-    def trainer_state(self) -> dict[str, Any]:
-        return capture_state(self)
+    def load_state_dict(self, state: dict[str, Any], keep_data_position: bool = False) -> None:
+        """keep_data_position: a rollback, which goes back in weights and steps but keeps reading
+        after the batches that caused it (and keeps the live guard: its event count must grow)."""
+        self.scheduler.load_state_dict(state["scheduler"])
+        if keep_data_position:
+            self.meter.reset()
+        else:
+            self.train_loader.load_state_dict(state["train_loader"])
+            per_rank = state.get("rng_per_rank")
+            same_ranks = per_rank and len(per_rank) == self.parallel.world_size
+            # Resharded: no rank's generators carry over one to one; every rank takes rank 0's.
+            ckpt.restore_rng_state(per_rank[self.parallel.rank] if same_ranks else state["rng"])
+            if self.resilience is not None:
+                self.resilience.load_state_dict(state.get("resilience"))
+            self.meter.load_state_dict(state.get("interval"))
+        self.step = state["step"]
+        self.tokens_seen = state["tokens_seen"]
+        if self.scaler is not None and state.get("grad_scaler"):
+            self.scaler.load_state_dict(state["grad_scaler"])
+        self.skipped_steps.fill_(state.get("skipped_steps", 0))
 
-    def _optimizer_layout(self) -> dict[str, bool]:
+    def optimizer_layout(self) -> dict[str, Any]:
         """How the optimizer state is laid out in a checkpoint: resuming needs the same layout."""
         return {"in_backward": self.cfg.optim.in_backward, "offload": self.cfg.optim.offload,
                 "dp_strategy": self.parallel.dims.strategy, "world_size": self.parallel.world_size}
 
     def save_checkpoint(self) -> float:
         """Save (async by default: committed later by writer.poll/wait); returns the stall in seconds."""
-        meta = {**self.checkpoint_meta, "optimizer_layout": self._optimizer_layout()}
-        stall = self.writer.save(self.step, self.model, self.optimizer, self.trainer_state(),
-                                 config_to_toml(self.cfg), meta, self.checkpoint_files)
+        meta = {**self.job.checkpoint_meta, "optimizer_layout": self.optimizer_layout()}
+        stall = self.writer.save(self.step, self.model, self.optimizer, self.state_dict(),
+                                 config_to_toml(self.cfg), meta, self.job.checkpoint_files)
         if self.resilience is not None:
             self.resilience.saved()
         return stall
 
-    def _resume_target(self) -> Path | None:
+    def resume_target(self) -> Path | None:
         """checkpoint.resume's target; with auto, the newest intact checkpoint (rank 0 checks the
         files against their manifests, so every rank resumes from the same one)."""
         target = resume_target(self.cfg.checkpoint.resume, self.run_dir,
                                verify=self.cfg.checkpoint.verify and self.parallel.is_main)
+        # A broadcast from rank 0: every rank resumes from the same checkpoint.
         return Path(name) if (name := self.parallel.broadcast(str(target) if target else None)) else None
 
-    def _resume(self, path: Path, keep_data_position: bool = False) -> None:
-        restore_state(self, path, keep_data_position)
+    def resume(self, path: Path, keep_data_position: bool = False) -> None:
+        """Load a checkpoint into this trainer (model, optimizer and state_dict)."""
+        from slipstream.distributed.comm_hooks import restore_step
 
-    def _snapshot_path(self) -> Path:
-        suffix = f"_rank{self.parallel.rank}" if self.parallel.world_size > 1 else ""
-        return self.run_dir / f"memory_snapshot{suffix}.pickle"
+        state = load_checkpoint_state(path, self.model, self.optimizer, self.cfg, self.optimizer_layout(),
+                                      self.job.checkpoint_meta, self.job.checkpoint_files)
+        self.load_state_dict(state, keep_data_position)
+        restore_step(self.model, self.optimizer, self.step)
+        changes = config_changes(path, self.cfg)
+        if changes and self.parallel.is_main and not keep_data_position:
+            print("note: resuming with settings that differ from the checkpoint's: " + "; ".join(changes))
 
-    def _job_summary(self, summary: dict[str, Any]) -> dict[str, Any]:
-        """Distributed runs: the job's shape, and every rank's memory (a collective)."""
-        report = self.memory_report
-        mine = {"rank": self.parallel.rank, "device": str(self.device), "mem_peak_bytes": summary["mem_peak_bytes"],
-                "step_peak_bytes": report.peak_bytes if report is not None else None,
-                "step_peak_categories": report.categories if report is not None else None,
-                # All gradients exist at the end of backward: the clearest view of what a strategy shards.
-                "backward_end_categories": report.phase_categories["backward"]["end"] if report is not None else None}
-        per_device = summary["tokens_per_s"] / self.parallel.world_size if summary["tokens_per_s"] else None
-        return {"world_size": self.parallel.world_size, "dp_strategy": self.parallel.dims.strategy,
-                "tokens_per_s_per_device": per_device, "ranks": self.parallel.gather(mine)}
+    def evaluate(self):
+        """The validation loss with its standard error (an EvalResult), or None without val data."""
+        return self.evaluator(self.model, self.device) if self.evaluator is not None else None
 
     # --- the loop ---
 
-    def _prepare_run_dir(self, resume_from: Path | None) -> None:
+    def fit(self) -> dict[str, Any]:
+        """Train to train.max_steps (resuming if configured); returns the run summary."""
+        try:
+            return self._fit()
+        finally:  # also on errors: the next run in this folder (even in this process) may start
+            if self.memory is not None:
+                self.memory.close()
+            release_run_dir(self._run_lock)
+            self._run_lock = None
+
+    def _fit(self) -> dict[str, Any]:
+        cfg = self.cfg
+        resume_from = self._start()
+        loggers = RunLoggers(cfg, self.run_dir, self.parallel, self.step, resumed=resume_from is not None)
+        self.memory = MemoryProbe(cfg, self.device, self.step, self._snapshot_path(), self.job.planned_peak_bytes,
+                                  is_main=self.parallel.is_main)
+        start_step, wall_start = self.step, time.perf_counter()
+        last_eval = None
+        self.model.train()
+        it = iter(self.train_loader)
+        self.meter.start()
+        # The profiler stops (and writes what it recorded) when the loop ends, also on errors.
+        profiling = self.profiler if self.profiler is not None else contextlib.nullcontext()
+        with TrainProgress(cfg.train.max_steps, start_step=self.step, enabled=cfg.logging.progress,
+                           silent=not self.parallel.is_main) as progress, \
+                profiling, self.resilience, self._commit_pending_on_error():
+            while self.step < cfg.train.max_steps:
+                self.memory.before_step(self.step)
+                run_step = self._measured_train_step if self.memory.measures(self.step + 1) else self.train_step
+                loss, grad_norm, wait, items = run_step(it)
+                verdict = self._verdict
+                self.step += 1
+                self.tokens_seen += items
+                # A guarded step's loss is reported as an event, not averaged into the log.
+                self.meter.add(loss, items, wait, counted=verdict is None or verdict.action == "ok")
+                progress.advance(self.step)
+                self.memory.after_step(self.step, progress)
+                last = self.step == cfg.train.max_steps
+                if self.step % cfg.logging.log_interval == 0 or last:
+                    self._log_interval(grad_norm, loggers, progress)
+                with self.meter.side_work():  # eval, checkpoint and trace writing are not step time
+                    if (cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0) or last:
+                        last_eval = self._evaluate_and_log(loggers, progress) or last_eval
+                    with self.resilience.paused():  # a long eval or save is not a hang
+                        self._checkpoint_if_due(verdict, last, loggers, progress)
+                    if self.profiler is not None and not last:
+                        # Ends this iteration's ProfilerStep range; after the last step, leaving
+                        # the `profiling` context stops the profiler instead.
+                        self.profiler.step()
+        return self.summarize(loggers, start_step, wall_start, last_eval, resume_from)
+
+    def _start(self) -> Path | None:
+        """Before the first step: profiler, resilience, resume, run directory, start-up print."""
+        cfg, main = self.cfg, self.parallel.is_main
+        if cfg.profile.enabled:  # first: a profile setting this device cannot honour fails before any work
+            from slipstream.observe.profiling import StepProfiler, current_rank
+
+            self.profiler = StepProfiler(cfg.profile, self.device, self.run_dir, rank=current_rank())
+        from slipstream.resilience.runtime import Resilience
+
+        self.resilience = Resilience(cfg, self.parallel, self.run_dir, scaler_active=self.scaler is not None)
+        resume_from = self.resume_target()
+        if resume_from is not None:
+            self.resume(resume_from)
         # Rank 0 checks, marks and locks the shared folder before any rank writes into it; its
         # verdict reaches every rank (the broadcast is also the barrier). fit() releases the lock.
-        self._run_lock = on_rank0(self.parallel, prepare_run_dir, self.run_dir, config_to_toml(self.cfg),
+        self._run_lock = on_rank0(self.parallel, prepare_run_dir, self.run_dir, config_to_toml(cfg),
                                   self.step if resume_from is not None else None, resume_from)
+        reset_peak_memory(self.device)
+        if resume_from is not None and main:
+            print(f"resumed from {resume_from} at step {self.step}")
+        if self.job.model_summary and main:
+            print(self.job.model_summary)
+        if self.parallel.dims.strategy != "none" and main:
+            from slipstream.distributed.mesh import describe
 
-    def _make_loggers(self, resumed: bool):
-        from slipstream.observe.loggers import make_run_loggers
+            print(describe(self.parallel))
+        return resume_from
 
-        return make_run_loggers(self.cfg, self.run_dir, self.parallel, self.step, resumed)
+    def _log_interval(self, grad_norm: torch.Tensor, loggers: RunLoggers, progress) -> None:
+        """Log the interval that ends at this step: the loop's one host sync."""
+        reading = self.meter.read()  # all-reduce of the loss + host sync
+        norm = grad_norm.item()  # host sync (the device is already idle after the one above)
+        per_device = reading.tokens_per_s / self.parallel.world_size
+        clip = self.cfg.optim.grad_clip
+        record = {
+            "step": self.step, "loss": reading.mean_loss, "lr": self.optimizer.param_groups[0]["lr"],
+            "grad_norm": norm, "step_time_s": reading.step_time_s,
+            "grad_norm_clipped": min(norm, clip) if clip > 0 else norm,  # the norm clip_grad_norm_ leaves behind
+            "data_wait_s": reading.data_wait_s, "tokens_per_s": reading.tokens_per_s,
+            "mfu": mfu(per_device, self.flops_per_token, self.peak_flops) if self.flops_per_token else None,
+            "mem_peak_bytes": peak_memory_bytes(self.device), "tokens": self.tokens_seen,
+        }
+        if self.parallel.world_size > 1:
+            record["tokens_per_s_per_device"] = per_device
+        record.update(self.memory.take_record())
+        if self.scaler is not None:
+            record["loss_scale"] = self.scaler.get_scale()
+            record["skipped_steps"] = int(self.skipped_steps.item())  # host sync, at the log only
+        loggers.log_interval(record, {"rank": self.parallel.rank, "local_loss": reading.local_loss,
+                                      "tokens_per_s": per_device}, progress)
+        if not math.isfinite(reading.mean_loss) and self.resilience.guard is None:
+            loggers.close()
+            raise UserError(f"loss became {reading.mean_loss} at step {self.step}; lower optim.lr, "
+                            "raise optim.warmup_steps or check the data")
 
-    def _peak_flops(self) -> float | None:
+    def _evaluate_and_log(self, loggers: RunLoggers, progress):
+        with self._label("eval"):
+            result = self.evaluate()
+        if result is not None:
+            loggers.log({"step": self.step, **result.as_record()})
+            progress.print_line(f"step {self.step}: val_loss {format_eval(result)}")
+        return result
+
+    def _checkpoint_if_due(self, verdict, last: bool, loggers: RunLoggers, progress) -> None:
+        c = self.cfg.checkpoint
+        due = (c.interval and self.step % c.interval == 0) or (last and c.save_final) or (verdict and verdict.save_due)
+        rolling_back = verdict is not None and verdict.action == "rollback"  # this step's state is the bad one
+        if due and not rolling_back:
+            loggers.log({"step": self.step, "checkpoint_stall_s": self.save_checkpoint()})
+        self.writer.poll()  # commits a finished asynchronous save
+        if verdict is not None:
+            from slipstream.resilience.runtime import act_on
+
+            act_on(self, verdict, loggers, progress)
+
+    @functools.cached_property
+    def peak_flops(self) -> float | None:
+        """The device's peak FLOP/s in the precision the matmuls run in (for MFU)."""
         from slipstream.observe.peaks import device_peak_flops
 
         if self.flops_per_token is None:
@@ -244,6 +390,74 @@ class Trainer:
         dtype_key = sorted(low)[0] if low else ("tf32" if self.device.type == "cuda" else "fp32")
         peak, _source = device_peak_flops(self.device, dtype_key, self.cfg.metrics.peak_tflops or None)
         return peak
+
+    def summarize(self, loggers: RunLoggers, start_step: int, wall_start: float, last_eval,
+                  resume_from: Path | None) -> dict[str, Any]:
+        """After the loop: commit the last checkpoint, close everything, write summary.json."""
+        loop_time = self.meter.loop_time_s
+        last_ckpt = self.writer.wait() or self.writer.last_committed or resume_from
+        self.parallel.barrier()  # every rank's part of the last checkpoint is committed
+        loggers.close()
+        main = self.parallel.is_main
+        if self.profiler is not None and main:
+            self._print_profiler_outputs()
+        for loader in (self.train_loader, self.val_loader):
+            if hasattr(loader, "close"):
+                loader.close()  # stop prefetch threads / worker processes now
+        summary = {
+            "final_loss": loggers.last_loss, "val_loss": last_eval.loss if last_eval else None,
+            "val_loss_stderr": last_eval.stderr if last_eval else None,
+            "val_tokens": last_eval.tokens if last_eval else None, "steps": self.step,
+            "steps_this_run": self.step - start_step, "tokens": self.tokens_seen,
+        }
+        if self.scaler is not None:
+            summary["skipped_steps"] = int(self.skipped_steps.item())  # host sync, once
+        summary.update({
+            "tokens_per_s": self.meter.tokens_per_s, "mfu": loggers.mean_mfu,
+            "mem_peak_bytes": peak_memory_bytes(self.device),
+            "wall_time_s": time.perf_counter() - wall_start, "loop_time_s": loop_time,
+            "run_dir": str(self.run_dir), "checkpoint": str(last_ckpt) if last_ckpt else None,
+            "device": str(self.device),
+        })
+        if self.profiler is not None:
+            summary["trace_files"] = [str(p) for p in self.profiler.trace_files]
+        if (memory := self.memory.summary()) is not None:
+            summary["memory"] = memory
+        if self.parallel.world_size > 1:
+            summary.update(self._job_summary(summary))  # a collective: every rank's memory
+        if not main:
+            return summary
+        from slipstream.observe.console import print_summary
+        from slipstream.observe.env import write_json_atomic
+
+        write_json_atomic(self.run_dir / "summary.json", summary)
+        print_summary({k: v for k, v in summary.items() if k not in ("memory", "ranks")})
+        self.memory.print_report()
+        return summary
+
+    def _print_profiler_outputs(self) -> None:
+        for path in self.profiler.trace_files:
+            print(f"profiler trace: {path} (open it at https://ui.perfetto.dev)")
+        if self.profiler.trace_files and self.profiler.memory_timeline_file is not None:
+            print(f"memory timeline: {self.profiler.memory_timeline_file}")
+        if not self.profiler.trace_files:
+            print(f"note: the run ended before profile.start_step = {self.cfg.profile.start_step}; no trace was written")
+
+    def _snapshot_path(self) -> Path:
+        suffix = f"_rank{self.parallel.rank}" if self.parallel.world_size > 1 else ""
+        return self.run_dir / f"memory_snapshot{suffix}.pickle"
+
+    def _job_summary(self, summary: dict[str, Any]) -> dict[str, Any]:
+        """Distributed runs: the job's shape, and every rank's memory (a collective)."""
+        report = self.memory.report
+        mine = {"rank": self.parallel.rank, "device": str(self.device), "mem_peak_bytes": summary["mem_peak_bytes"],
+                "step_peak_bytes": report.peak_bytes if report is not None else None,
+                "step_peak_categories": report.categories if report is not None else None,
+                # All gradients exist at the end of backward: the clearest view of what a strategy shards.
+                "backward_end_categories": report.phase_categories["backward"]["end"] if report is not None else None}
+        per_device = summary["tokens_per_s"] / self.parallel.world_size if summary["tokens_per_s"] else None
+        return {"world_size": self.parallel.world_size, "dp_strategy": self.parallel.dims.strategy,
+                "tokens_per_s_per_device": per_device, "ranks": self.parallel.gather(mine)}  # gather: a collective
 
     def _next_batch(self, it: Iterator) -> Any:
         try:
@@ -266,7 +480,7 @@ class Trainer:
         return loss, grad_norm, data_wait, items
 
     def _measured_train_step(self, it: Iterator) -> tuple[torch.Tensor, torch.Tensor, float, int]:
-        """train_step under the memory tracker (same math); fills self.memory_report."""
+        """train_step under the memory tracker (same math); the probe keeps the report."""
         out: dict[str, Any] = {}
 
         def forward_backward() -> None:
@@ -276,8 +490,7 @@ class Trainer:
             with self._label("optimizer"):
                 out["grad_norm"] = self.optimizer_step(out["loss"])
 
-        self.memory_report = measure_step_memory(self.model, torch_optimizers(self.optimizer), forward_backward,
-                                                 optimizer_step, self.device)
+        self.memory.measure(self.model, torch_optimizers(self.optimizer), forward_backward, optimizer_step)
         return out["loss"], out["grad_norm"], out["wait"], out["items"]
 
     def accumulate_gradients(self, it: Iterator) -> tuple[torch.Tensor, float, int]:
@@ -360,12 +573,9 @@ class Trainer:
                 self.writer.wait(timeout_s=30.0 if self.parallel.world_size > 1 else None)
             raise
 
-    def _act_on(self, verdict, loggers, progress) -> None:
-        from slipstream.resilience.runtime import act_on
-
-        act_on(self, verdict, loggers, progress)
 
     def _decide(self, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> str:
+        """The guards' verdict on this step (left in self._verdict for the loop)."""
         if self.resilience is None:
             self._verdict = None
             return "ok"
@@ -373,235 +583,3 @@ class Trainer:
         position = self.train_loader.state_dict() if self.resilience.guard is not None else None
         self._verdict = self.resilience.after_step(self.step + 1, loss, grad_norm, position)
         return self._verdict.action
-
-    def evaluate(self):
-        """The validation loss with its standard error (an EvalResult), or None without val data."""
-        return self.evaluator(self.model, self.device) if self.evaluator is not None else None
-
-    def fit(self) -> dict[str, Any]:
-        """Train to train.max_steps (resuming if configured); returns the run summary."""
-        try:
-            return self._fit()
-        finally:  # also on errors: the next run in this folder (even in this process) may start
-            release_run_dir(self._run_lock)
-            self._run_lock = None
-
-    def _fit(self) -> dict[str, Any]:
-        from slipstream.observe.console import TrainProgress, print_summary
-        from slipstream.observe.flops import mfu
-        from slipstream.observe.memory import peak_memory_bytes, reset_peak_memory
-
-        cfg = self.cfg
-        if cfg.profile.enabled:  # first: a profile setting this device cannot honour fails before any work
-            from slipstream.observe.profiling import StepProfiler, current_rank
-
-            self.profiler = StepProfiler(cfg.profile, self.device, self.run_dir, rank=current_rank())
-        from slipstream.resilience.runtime import Resilience
-
-        self.resilience = Resilience(cfg, self.parallel, self.run_dir, scaler_active=self.scaler is not None)
-        resume_from = self._resume_target()
-        if resume_from is not None:
-            self._resume(resume_from)
-        self._prepare_run_dir(resume_from)
-        loggers, rank_logger = self._make_loggers(resumed=resume_from is not None)
-        peak = self._peak_flops()
-        reset_peak_memory(self.device)
-        main = self.parallel.is_main
-        if resume_from is not None and main:
-            print(f"resumed from {resume_from} at step {self.step}")
-        if self.model_summary and main:
-            print(self.model_summary)
-        if self.parallel.dims.strategy != "none" and main:
-            from slipstream.distributed.mesh import describe
-
-            print(describe(self.parallel))
-
-        self.model.train()
-        it = iter(self.train_loader)
-        log_every = cfg.logging.log_interval
-        eval_every = cfg.train.eval_interval
-        last_ckpt: Path | None = resume_from
-        start_step, wall_start = self.step, time.perf_counter()
-        train_time, train_items = 0.0, 0
-        final_loss = val_loss = val_result = None
-        mfu_values: list[float] = []
-        # Speed is measured over the steps this process ran (a resumed interval may have
-        # started before the checkpoint); the loss and data sums are restored exactly.
-        timed_steps, timed_items = 0, 0
-        interval_start = loop_start = time.perf_counter()
-        loop_side_time = 0.0
-        # Memory is measured on the second step this process runs: the optimizer state
-        # (created lazily by the first step) then exists, as in every later step.
-        measure_at = self.step + 2 if cfg.metrics.memory_breakdown and self.step + 2 <= cfg.train.max_steps else None
-        if measure_at is not None and cfg.compile.scope != "off":
-            # The tracker is a dispatch mode: compiled code would not run under it (fullgraph
-            # fails, otherwise the eager model is measured instead). Never report that.
-            if main:
-                print("note: metrics.memory_breakdown is skipped with torch.compile (its tracker would measure "
-                      "the eager model); compare memory with --compile.scope=off")
-            measure_at = None
-        memory_record: dict[str, Any] = {}
-        self.memory_report = None
-        snapshot = None
-
-        # The profiler stops (and writes what it recorded) when the loop ends, also on errors.
-        profiling = self.profiler if self.profiler is not None else contextlib.nullcontext()
-        with TrainProgress(cfg.train.max_steps, start_step=self.step, enabled=cfg.logging.progress,
-                           silent=not main) as progress, \
-                profiling, self.resilience, self._commit_pending_on_error():
-            while self.step < cfg.train.max_steps:
-                if cfg.metrics.memory_snapshot and self.step == start_step + 1:
-                    snapshot = contextlib.ExitStack()  # steps 2-3: the steady state, optimizer state included
-                    snapshot.enter_context(record_memory_history(self.device, self._snapshot_path()))
-                if self.step + 1 == measure_at:
-                    # The tracker slows this one step down (its interval's record carries the
-                    # mem_* keys, so it can be told apart); the math is unchanged.
-                    loss, grad_norm, wait, items = self._measured_train_step(it)
-                    memory_record = self.memory_report.to_record()
-                else:
-                    loss, grad_norm, wait, items = self.train_step(it)
-                verdict = self._verdict
-                timed_steps += 1
-                timed_items += items
-                self.step += 1
-                self.tokens_seen += items
-                if verdict is None or verdict.action == "ok":
-                    self._interval_loss += loss
-                else:  # a guarded step's loss is reported as an event, not averaged into the log
-                    self._interval_dropped += 1
-                self._interval_steps += 1
-                self._interval_items += items
-                self._interval_wait += wait
-                progress.advance(self.step)
-                if snapshot is not None and self.step in (start_step + 3, cfg.train.max_steps):
-                    snapshot.close()  # writes the snapshot file
-                    snapshot = None
-                    progress.print_line(f"memory snapshot: {self._snapshot_path()} "
-                                        "(open it at https://pytorch.org/memory_viz)")
-
-                last = self.step == cfg.train.max_steps
-                if self.step % log_every == 0 or last:
-                    # The one host-device sync point of the loop (and, distributed, one all-reduce).
-                    local_loss = self._interval_loss / max(1, self._interval_steps - self._interval_dropped)
-                    mean_loss = self.parallel.mean(local_loss).item()
-                    norm = grad_norm.item()
-                    now = time.perf_counter()
-                    elapsed = now - interval_start
-                    train_time += elapsed
-                    train_items += timed_items
-                    tokens_per_s = timed_items / elapsed if elapsed > 0 else 0.0  # the whole job
-                    per_device = tokens_per_s / self.parallel.world_size
-                    util = mfu(per_device, self.flops_per_token, peak) if self.flops_per_token else None
-                    if util is not None:
-                        mfu_values.append(util)
-                    record = {
-                        "step": self.step, "loss": mean_loss, "lr": self.optimizer.param_groups[0]["lr"],
-                        "grad_norm": norm, "step_time_s": elapsed / timed_steps,
-                        # after clipping (the norm clip_grad_norm_ leaves behind)
-                        "grad_norm_clipped": min(norm, cfg.optim.grad_clip) if cfg.optim.grad_clip > 0 else norm,
-                        "data_wait_s": self._interval_wait / self._interval_steps, "tokens_per_s": tokens_per_s,
-                        "mfu": util, "mem_peak_bytes": peak_memory_bytes(self.device),
-                        "tokens": self.tokens_seen,
-                    }
-                    if self.parallel.world_size > 1:
-                        record["tokens_per_s_per_device"] = per_device
-                    record.update(memory_record)
-                    memory_record = {}
-                    if self.scaler is not None:
-                        record["loss_scale"] = self.scaler.get_scale()
-                        record["skipped_steps"] = int(self.skipped_steps.item())
-                    if not math.isfinite(mean_loss) and self.resilience.guard is None:
-                        loggers.log(record, self.step)
-                        loggers.close()
-                        raise UserError(f"loss became {mean_loss} at step {self.step}; lower optim.lr, "
-                                        "raise optim.warmup_steps or check the data")
-                    loggers.log(record, self.step)
-                    if rank_logger is not None:
-                        rank_logger.log({**record, "rank": self.parallel.rank, "local_loss": local_loss.item(),
-                                         "tokens_per_s": per_device}, self.step)
-                    progress.set_metrics(record)
-                    final_loss = mean_loss
-                    self._reset_interval()
-                    timed_steps, timed_items = 0, 0
-                    interval_start = now  # logging time counts towards the next interval
-
-                side_start = time.perf_counter()
-                if (eval_every and self.step % eval_every == 0) or last:
-                    with self._label("eval"):
-                        result = self.evaluate()
-                    if result is not None:
-                        val_loss, val_result = result.loss, result
-                        loggers.log({"step": self.step, **result.as_record()}, self.step)
-                        progress.print_line(f"step {self.step}: val_loss {format_eval(result)}")
-                interval_save = cfg.checkpoint.interval and self.step % cfg.checkpoint.interval == 0
-                with self.resilience.paused():  # a long eval or save is not a hang
-                    rolling_back = verdict is not None and verdict.action == "rollback"  # that state is the bad one
-                    if not rolling_back and (interval_save or (last and cfg.checkpoint.save_final)
-                                             or (verdict and verdict.save_due)):
-                        stall = self.save_checkpoint()
-                        loggers.log({"step": self.step, "checkpoint_stall_s": stall}, self.step)
-                    self.writer.poll()  # commits a finished asynchronous save
-                    if verdict is not None:
-                        self._act_on(verdict, loggers, progress)
-                if self.profiler is not None and not last:
-                    # Ends this iteration's ProfilerStep range (step, logging, eval, checkpoint);
-                    # writing the trace happens here once, so it counts as side time, not step time.
-                    # After the last step, leaving the `profiling` context stops it instead.
-                    self.profiler.step()
-                side_time = time.perf_counter() - side_start
-                interval_start += side_time  # eval/checkpoint time is not step time
-                loop_side_time += side_time
-
-        loop_time = time.perf_counter() - loop_start - loop_side_time
-        last_ckpt = self.writer.wait() or self.writer.last_committed or last_ckpt
-        self.parallel.barrier()  # every rank's part of the last checkpoint is committed
-        loggers.close()
-        if rank_logger is not None:
-            rank_logger.close()
-        if self.profiler is not None and main:
-            for path in self.profiler.trace_files:
-                print(f"profiler trace: {path} (open it at https://ui.perfetto.dev)")
-            if self.profiler.trace_files and self.profiler.memory_timeline_file is not None:
-                print(f"memory timeline: {self.profiler.memory_timeline_file}")
-            if not self.profiler.trace_files:
-                print(f"note: the run ended before profile.start_step = {cfg.profile.start_step}; no trace was written")
-        for loader in (self.train_loader, self.val_loader):
-            if hasattr(loader, "close"):
-                loader.close()  # stop prefetch threads / worker processes now
-        summary = {
-            "final_loss": final_loss, "val_loss": val_loss,
-            "val_loss_stderr": val_result.stderr if val_result else None,
-            "val_tokens": val_result.tokens if val_result else None, "steps": self.step,
-            "steps_this_run": self.step - start_step, "tokens": self.tokens_seen,
-            "skipped_steps": int(self.skipped_steps.item()) if self.scaler is not None else None,
-            "tokens_per_s": train_items / train_time if train_time > 0 else None,
-            "mfu": sum(mfu_values) / len(mfu_values) if mfu_values else None,
-            "mem_peak_bytes": peak_memory_bytes(self.device),
-            "wall_time_s": time.perf_counter() - wall_start, "loop_time_s": loop_time,
-            "run_dir": str(self.run_dir), "checkpoint": str(last_ckpt) if last_ckpt else None,
-            "device": str(self.device),
-        }
-        summary = {k: v for k, v in summary.items() if not (k == "skipped_steps" and v is None)}
-        if self.profiler is not None:
-            summary["trace_files"] = [str(p) for p in self.profiler.trace_files]
-        if self.memory_report is not None:
-            summary["memory"] = {"step": measure_at, "peak_bytes": self.memory_report.peak_bytes,
-                                 "phases": self.memory_report.phases, "categories": self.memory_report.categories,
-                                 "method": self.memory_report.method, "planned_peak_bytes": self.planned_peak_bytes}
-            if self.planned_peak_bytes:  # every run checks the planner (docs/planner.md)
-                summary["memory"]["planned_error"] = self.planned_peak_bytes / self.memory_report.peak_bytes - 1
-        if self.parallel.world_size > 1:
-            summary.update(self._job_summary(summary))
-        if not main:
-            return summary
-        from slipstream.observe.env import write_json_atomic
-
-        write_json_atomic(self.run_dir / "summary.json", summary)
-        print_summary({k: v for k, v in summary.items() if k not in ("memory", "ranks")})
-        if self.memory_report is not None:
-            print(f"memory of training step {measure_at} (rank 0):")
-            print(format_memory_report(self.memory_report))
-            if self.planned_peak_bytes:
-                print(f"  planned by `slipstream plan`: {self.planned_peak_bytes / 2**20:.1f} MiB "
-                      f"({summary['memory']['planned_error']:+.1%} of the measured peak)")
-        return summary

@@ -1,0 +1,133 @@
+"""The one ordered chain that turns a model into the model a rank trains.
+
+    [pipeline split] -> tensor/sequence parallel -> context parallel -> fp8
+        -> activation checkpointing -> compile -> FSDP/HSDP or DDP -> materialize + init
+
+`parallelize(model, parallel, cfg)` is called once, by the Trainer. Each step is one
+`apply_*` function that sees the model the previous step produced; model code knows none of
+this. The model may arrive on the meta device (with `init_model`): a sharded model (zero2,
+fsdp, hsdp) is then allocated shard by shard at the very end, so no rank ever holds all of it;
+a replicated one is materialized before the first step, since every rank holds all of it anyway.
+
+Precision autocast, the loss scaler and the optimizer variants act on the training step, not
+on the model: they live in the trainer and optimize/.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch.nn as nn
+
+from slipstream.config.dims import REPLICATED, SHARDED
+from slipstream.config.schema import Config
+from slipstream.distributed.mesh import Parallel
+from slipstream.errors import UserError
+
+
+def parallelize(model: nn.Module, parallel: Parallel, cfg: Config,
+                init_model: Callable[[nn.Module], Any] | None = None) -> nn.Module:
+    """Apply every configured technique to `model`, in the documented order.
+
+    init_model: for a model on the meta device, the function that allocates and initializes it
+    (it must write only a rank's own shards of sharded parameters; see
+    distributed.data_parallel.materialize_sharded)."""
+    dims, device = parallel.dims, parallel.device
+    on_meta = any(p.is_meta for p in model.parameters())
+    if on_meta and init_model is None:
+        raise UserError("the model is on the meta device; pass init_model= (a function that materializes "
+                        "and initializes it) or build it on a real device")
+    if not on_meta:
+        model = model.to(device)
+    elif dims.strategy not in SHARDED:
+        # One device or DDP: this rank holds the whole model anyway. Materialize now, so every
+        # step below sees real parameters, as with a model built on a device.
+        init_model(model)
+        on_meta = False
+
+    # Model parallelism first: it splits the module structure (stages, sharded linears) that
+    # every later step wraps. Not implemented yet: refused here above degree 1, as in the
+    # config check (config.dims.resolve_parallel_dims) that runs before joining the job.
+    if dims.pp > 1:
+        model = apply_pipeline_split(model, parallel, cfg)
+    if dims.tp > 1:
+        model = apply_tensor_parallel(model, parallel, cfg)
+    if dims.cp > 1:
+        model = apply_context_parallel(model, parallel, cfg)
+
+    # fp8 swaps nn.Linear modules: before anything wraps them (AC, compile, FSDP units).
+    if cfg.precision.fp8:
+        from slipstream.optimize.precision import apply_fp8
+
+        model = apply_fp8(model, device)
+
+    # AC before compile, so compile traces the recompute regions (selective AC is then a
+    # compiler-visible policy, not a graph break).
+    if cfg.activations.checkpointing != "none":
+        model = apply_activation_checkpointing(model, cfg)
+
+    # Compile before data parallelism: FSDP's hooks and DDP's buckets stay outside the
+    # compiled graphs (per block with scope = blocks, one graph per FSDP unit).
+    if cfg.compile.scope != "off":
+        model = apply_compile(model, cfg)
+
+    if cfg.parallel.sync_batchnorm:
+        from slipstream.distributed.data_parallel import apply_sync_batchnorm
+
+        model = apply_sync_batchnorm(model, parallel)
+
+    if dims.strategy in REPLICATED:
+        from slipstream.distributed.data_parallel import apply_ddp
+
+        model = apply_ddp(model, cfg, parallel)  # broadcasts rank 0's parameters to every rank
+    elif dims.strategy in SHARDED:
+        from slipstream.distributed.data_parallel import apply_fsdp
+
+        model = apply_fsdp(model, cfg, parallel)
+
+    if on_meta:  # last, after sharding: each rank allocates only its own shards of the parameters
+        init_model(model)
+    return model
+
+
+def _not_yet(kind: str, name: str, degree: int) -> UserError:
+    return UserError(f"parallel.{name} = {degree}: {kind} parallelism is planned but not implemented yet; "
+                     f"set --parallel.{name}=1 (`slipstream plan` will size it)")
+
+
+def apply_pipeline_split(model: nn.Module, parallel: Parallel, cfg: Config) -> nn.Module:
+    raise _not_yet("pipeline", "pp", parallel.dims.pp)
+
+
+def apply_tensor_parallel(model: nn.Module, parallel: Parallel, cfg: Config) -> nn.Module:
+    raise _not_yet("tensor", "tp", parallel.dims.tp)
+
+
+def apply_context_parallel(model: nn.Module, parallel: Parallel, cfg: Config) -> nn.Module:
+    raise _not_yet("context", "cp", parallel.dims.cp)
+
+
+def _has_blocks(model: nn.Module) -> bool:
+    return isinstance(getattr(model, "blocks", None), nn.ModuleList)
+
+
+def apply_activation_checkpointing(model: nn.Module, cfg: Config) -> nn.Module:
+    if not _has_blocks(model):
+        raise UserError("activations.checkpointing works on models with a `blocks` nn.ModuleList "
+                        "(slipstream transformers); for your own model apply torch.utils.checkpoint "
+                        "inside it, or set --activations.checkpointing=none")
+    from slipstream.optimize.activations import apply_activation_checkpointing as wrap_blocks
+
+    return wrap_blocks(model, cfg.activations.checkpointing, every=cfg.activations.every)
+
+
+def apply_compile(model: nn.Module, cfg: Config) -> nn.Module:
+    from slipstream.optimize.compile import apply_compile as compile_in_place
+    from slipstream.optimize.compile import configure_compile_cache
+
+    if cfg.compile.scope == "blocks" and not _has_blocks(model):
+        raise UserError("compile.scope = blocks needs a model with a `blocks` nn.ModuleList; "
+                        "use --compile.scope=model for your own model")
+    configure_compile_cache(cfg.compile.cache_dir or None)
+    return compile_in_place(model, cfg.compile.scope, mode=cfg.compile.mode, fullgraph=cfg.compile.fullgraph)
