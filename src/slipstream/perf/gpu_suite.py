@@ -13,7 +13,8 @@ poison the next), and writes
                                      time, command, the files it wrote, the tail of its output)
 
 A failing item is reported and the suite goes on; the exit code is non-zero at the end if
-any item failed. The budgets sum to at most LIMIT_S (7 minutes of items, leaving a minute of
+any item failed. An item is stopped (its whole process group) at the sum of the budgets up to
+and including it, so time an earlier item did not use carries over to the later ones. The budgets sum to at most LIMIT_S (7 minutes of items, leaving a minute of
 the 8 for start-up and the summary), measured against one H200; the wall time of every item
 is recorded so a first run on a new GPU shows which budget to change.
 
@@ -50,6 +51,9 @@ from slipstream.errors import UserError
 LIMIT_S = 420  # the items' budgets together; the suite as a whole stays under 8 minutes
 TAIL_LINES = 60  # output lines kept per item in the summary
 KILL_GRACE_S = 5.0
+# An item always gets at least this share of its own budget, even when the items before it
+# overran theirs (by at most the kill grace each).
+MIN_TIMEOUT_FRACTION = 0.5
 SUMMARY_NAME = "gpu-suite.json"
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # .../src/slipstream
@@ -62,7 +66,8 @@ class Item:
     """One check or benchmark of the suite.
 
     kind: "slipstream" (args after `python -m slipstream`), "module" (`python -m <module>
-    args`; the module has a build_parser()) or "pytest" (args after `python -m pytest`).
+    args`; the module has a build_parser()), "pytest" (args after `python -m pytest`) or
+    "python" (args after the interpreter, e.g. -c CODE).
     args may hold {out} (the output folder), {work} (a scratch folder of this item) and
     {repo} (the source checkout). outputs: files the item writes under {out}, same
     placeholders. collect: how the suite itself turns the item's scratch results into
@@ -101,15 +106,15 @@ ITEMS: tuple[Item, ...] = (
     Item("cuda-tests", 35, "pytest", ("{repo}/tests/gpu/test_gpu_cuda_paths.py",),
          "CUDA equivalence tests: TF32 and fp8 training vs fp32/bf16, pinned-memory prefetch batches and resume, "
          "allocator-stat memory phases, the allocator snapshot file", collect="pytest"),
-    Item("fused-ce-tests", 40, "pytest", ("{repo}/tests/unit/test_ops_fused_ce.py", "{repo}/tests/gpu/test_gpu_fused_ce.py"),
+    Item("fused-ce-tests", 50, "pytest", ("{repo}/tests/unit/test_ops_fused_ce.py", "{repo}/tests/gpu/test_gpu_fused_ce.py"),
          "fused linear + cross-entropy unit tests, plus the Triton kernels on CUDA tensors vs the reference "
          "(fp32, bf16, fp16; ragged shapes, ignored rows, torch.compile)", collect="pytest"),
-    Item("probe", 25, "slipstream",
+    Item("probe", 20, "slipstream",
          ("probe", "--sections", "compute", "memory", "--device", "cuda", "--sizes", "4096", "8192",
           "--out", "{out}/gpu-probe.json", "--force"),
          "matmul TFLOP/s for fp32, tf32, bf16, fp16, fp8 vs the datasheet; device copy and host<->device "
          "bandwidth, pinned vs pageable", outputs=("{out}/gpu-probe.json",)),
-    Item("fused-ce-bench", 25, "slipstream",
+    Item("fused-ce-bench", 20, "slipstream",
          ("bench", "fused-ce", "--device", "cuda", "--backend", "triton", "--rows", "16384", "--d", "768",
           "--vocab", "50304", "--dtype", "bfloat16", "float32", "--chunk-size", "4096", "--repeats", "5",
           "--out", "{out}/gpu-fused-ce.json", "--force"),
@@ -167,6 +172,8 @@ def command_line(item: Item, out: Path, work: Path, python: str = sys.executable
         return [python, "-m", item.module, *args]
     if item.kind == "pytest":
         return [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml", str(work / "junit.xml"), *args]
+    if item.kind == "python":
+        return [python, *args]
     raise ValueError(f"item {item.name}: unknown kind {item.kind!r}")
 
 
@@ -301,6 +308,9 @@ def check_item(item: Item, out: Path, python: str = sys.executable, collected: l
             problems += _check_module_args(item, argv)
         elif item.kind == "pytest":
             problems += _check_pytest_args(item, argv, python, collected)
+        elif item.kind == "python":
+            if argv[:1] == ["-c"] and len(argv) > 1:
+                compile(argv[1], f"<{item.name}>", "exec")  # a SyntaxError is this item's problem
         else:
             problems.append(f"unknown kind {item.kind!r}")
     except Exception as e:  # a broken item is reported, the others are still checked
@@ -310,16 +320,24 @@ def check_item(item: Item, out: Path, python: str = sys.executable, collected: l
 
 
 def dry_run_plan(items: list[Item], out: Path, python: str = sys.executable,
-            show: Callable[[str], None] = print) -> dict[str, Any]:
+                 show: Callable[[str], None] = print) -> dict[str, Any]:
+    from concurrent.futures import ThreadPoolExecutor
+
     rows, total = [], sum(i.budget_s for i in items)
     show(f"GPU suite plan: {len(items)} item(s), budgets {total} s of {LIMIT_S} s, results into {out}/")
     work = Path(tempfile.gettempdir()) / "slipstream-gpu-work"  # only substituted, never created
-    # One pytest start collects every pytest item's targets; if that fails, each item collects its own.
+    # One pytest start collects every pytest item's targets, in the background while the other
+    # items are checked; if that collection fails, each pytest item collects its own targets.
     targets = [t for i in items if i.kind == "pytest" for t in _pytest_targets(i.expanded(out, work))]
-    collected = _pytest_collect(targets, python)[0] if targets else None
+    problems_of: dict[str, list[str]] = {}
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        collecting = pool.submit(_pytest_collect, targets, python) if targets else None
+        for item in sorted(items, key=lambda i: i.kind == "pytest"):
+            collected = collecting.result()[0] if collecting is not None and item.kind == "pytest" else None
+            problems_of[item.name] = check_item(item, out, python, collected)
     for item in items:
         cmd = command_line(item, out, Path("{work}"), python)
-        problems = check_item(item, out, python, collected)
+        problems = problems_of[item.name]
         rows.append({"name": item.name, "budget_s": item.budget_s, "what": item.what, "command": cmd,
                      "outputs": [str(p) for p in item.output_paths(out, Path("{work}"))],
                      "status": "ok" if not problems else "failed", "problems": problems})
@@ -462,17 +480,24 @@ def _run_items(items: list[Item], out: Path, python: str, timeout_scale: float,
                                "env": collect_env()}
     summary_path = out / SUMMARY_NAME
     t_suite = time.perf_counter()
+    deadline = 0.0  # seconds into the suite by which this item must be done: the budgets so far
     with tempfile.TemporaryDirectory(prefix="slipstream-gpu-suite-") as tmp:
         for n, item in enumerate(items, 1):
             work = Path(tmp) / item.name
             work.mkdir()
             cmd = command_line(item, out, work, python)
-            show(f"[{n}/{len(items)}] {item.name} (budget {item.budget_s} s): {shlex.join(cmd[1:])}")
+            # Time an earlier item left unused carries over: an item may run past its own budget
+            # only by what the items before it saved, so the suite keeps to the budgets' sum.
+            deadline += item.budget_s * timeout_scale
+            timeout = max(deadline - (time.perf_counter() - t_suite), MIN_TIMEOUT_FRACTION * item.budget_s * timeout_scale)
+            show(f"[{n}/{len(items)}] {item.name} (budget {item.budget_s} s, timeout {timeout:.0f} s): "
+                 f"{shlex.join(cmd[1:])}")
             started = time.time()
-            outcome = _run_child(cmd, item.budget_s * timeout_scale, REPO_DIR, echo)
+            outcome = _run_child(cmd, timeout, REPO_DIR, echo)
             status = "timeout" if outcome.timed_out else ("passed" if outcome.rc == 0 else "failed")
             row: dict[str, Any] = {"name": item.name, "what": item.what, "command": cmd, "budget_s": item.budget_s,
-                                   "status": status, "rc": outcome.rc, "wall_s": round(outcome.wall_s, 2)}
+                                   "timeout_s": round(timeout, 1), "status": status, "rc": outcome.rc,
+                                   "wall_s": round(outcome.wall_s, 2)}
             try:
                 collected = _write_collected(item, out, work)
             except Exception as e:  # an unreadable result fails this item only
