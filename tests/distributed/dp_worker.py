@@ -44,13 +44,14 @@ COMMON = [
 def scenario(name: str, strategy: str, accum: int = 1, extra: tuple[str, ...] = (), kind: str = "fit",
              snapshots: bool = False) -> dict[str, Any]:
     """kind: fit (one run), resume (crash after step 3, resume to step 6), dataset (a raw Dataset
-    handed to the Trainer instead of an explicitly sharded loader)."""
+    handed to the Trainer instead of an explicitly sharded loader), bytes (fit, then check_sharded_bytes)."""
     return dict(name=name, strategy=strategy, accum=accum, extra=list(extra), kind=kind, snapshots=snapshots)
 
 
 POWERSGD = ("--parallel.comm_hook=powersgd", "--parallel.powersgd_start_step=2", "--parallel.powersgd_rank=1")
 LOCAL_SGD_START, LOCAL_SGD_PERIOD = 2, 2
 LOCAL_SGD = (f"--parallel.local_sgd_period={LOCAL_SGD_PERIOD}", f"--parallel.local_sgd_start_step={LOCAL_SGD_START}")
+BYTES = ("--train.max_steps=1", "--checkpoint.interval=0", "--checkpoint.save_final=false")
 
 SCENARIOS: dict[int, list[dict[str, Any]]] = {
     2: [
@@ -72,6 +73,11 @@ SCENARIOS: dict[int, list[dict[str, Any]]] = {
         # Local SGD averages during steps 3 and 5: the step-3 checkpoint holds every rank's parameters.
         scenario("resume_local_sgd", "ddp", extra=LOCAL_SGD, kind="resume"),
         scenario("dataset_ddp", "ddp", kind="dataset"),
+        # Sharding really shards (issue 12): each rank's bytes of parameters, gradients and Adam
+        # moments against one process's, checked in this worker (check_sharded_bytes).
+        scenario("bytes_zero1", "zero1", kind="bytes", extra=BYTES),
+        scenario("bytes_zero2", "zero2", kind="bytes", extra=BYTES),
+        scenario("bytes_fsdp", "fsdp", kind="bytes", extra=BYTES),
     ],
     4: [
         scenario("ddp", "ddp"),
@@ -155,6 +161,63 @@ class Recorder:
         return lm_batch_loss(model, batch)
 
 
+# --- sharding really shards ------------------------------------------------------------------
+
+def _local_bytes(tensors) -> int:
+    """Bytes this rank holds of `tensors` (a DTensor counts its local shard only)."""
+    return sum((t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size() for t in tensors)
+
+
+def check_sharded_bytes(trainer, strategy: str, rank: int, world: int) -> dict[str, Any]:
+    """One more forward/backward after fit() on every rank, measuring this rank's share of the
+    model state: parameters between forward and backward (gathered or not), parameters at rest,
+    gradients and Adam moments; all ranks' shares against one process's totals. Raises when a
+    strategy keeps whole what it promises to shard (or shards what it keeps whole)."""
+    import torch.distributed as dist
+
+    model, opt = trainer.model, trainer.optimizer
+    opt = getattr(opt, "optim", opt)  # ZeRO-1: the local optimizer holds this rank's partition
+    x, y = next(iter(make_loader(trainer.cfg, rank, world)))
+    model.zero_grad(set_to_none=True)
+    loss = lm_batch_loss(model, (x, y))
+    mine = {"gathered": _local_bytes(model.parameters())}
+    loss.backward()
+    mine["grads"] = _local_bytes(p.grad for p in model.parameters() if p.grad is not None)
+    mine["params"] = _local_bytes(model.parameters())
+    mine["moments"] = _local_bytes(s[k] for s in opt.state.values() for k in ("exp_avg", "exp_avg_sq") if k in s)
+    model.zero_grad(set_to_none=True)
+    ranks: list[Any] = [None] * world
+    dist.all_gather_object(ranks, mine)
+
+    plain = make_model(trainer.cfg)  # what one process holds
+    full = _local_bytes(plain.parameters())
+    blocks = _local_bytes(p for b in plain.blocks for p in b.parameters())
+    largest = max(p.numel() * p.element_size() for p in plain.parameters())
+    totals = {"gathered": full, "grads": full, "params": full, "moments": 2 * full}
+    # The blocks are FSDP units resharded after forward under fsdp; the root unit (embeddings,
+    # final norm, head) is not. zero2 reshards no unit after forward.
+    gathered = {"zero1": full, "zero2": full, "fsdp": full - blocks + blocks // world}[strategy]
+    sharded = {"zero1": {"moments"}, "zero2": {"grads", "params", "moments"},
+               "fsdp": {"grads", "params", "moments"}}[strategy]
+    for key, total in totals.items():
+        got = [r[key] for r in ranks]
+        if key == "gathered":
+            want = f"{gathered} on every rank"
+            ok = got == [gathered] * world
+        elif key in sharded:
+            # Every byte on exactly one rank; ZeRO-1 assigns whole parameters (at most the largest
+            # one's moments of imbalance), FSDP splits every parameter's rows (all even here).
+            slack = 2 * largest if strategy == "zero1" else 0
+            want = f"1/{world} of {total} (sum {total}, at most {total // world + slack} per rank)"
+            ok = sum(got) == total and max(got) <= total // world + slack
+        else:
+            want = f"all {total} on every rank"
+            ok = got == [total] * world
+        if not ok:
+            raise AssertionError(f"{strategy} at world {world}: per-rank {key} bytes {got}, expected {want}")
+    return {"ranks": ranks, "single_process": totals}
+
+
 # --- the worker --------------------------------------------------------------------------------
 
 def _run_scenario(sc: dict[str, Any], out: Path, rank: int, world: int) -> dict[str, Any]:
@@ -189,6 +252,8 @@ def _run_scenario(sc: dict[str, Any], out: Path, rank: int, world: int) -> dict[
         result["loader"] = {"type": type(loader).__name__, "rank": getattr(loader, "rank", None),
                             "world_size": getattr(loader, "world_size", None)}
         summary = trainer.fit()
+        if sc["kind"] == "bytes":
+            result["bytes"] = check_sharded_bytes(trainer, sc["strategy"], rank, world)
         if sc["snapshots"]:
             recorder.params.append(flat_params(trainer.model))  # after the last step
             # params[k] = this rank's parameters after step k (k = 0: the initial weights)
