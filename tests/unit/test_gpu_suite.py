@@ -112,13 +112,16 @@ def test_without_cuda_the_real_run_refuses_and_names_the_dry_run(tmp_path, monke
         run_gpu_suite(tmp_path / "out", dry_run=True, only=["nope"])
 
 
-def test_cli_wiring_parses_typed_values_and_the_module_entry_point_runs(tmp_path, capsys):
+def test_cli_wiring_parses_typed_values_and_the_module_entry_point_runs(tmp_path, capsys, monkeypatch):
     parser = argparse.ArgumentParser(prog="slipstream bench")
     gpu_suite.add_gpu_command(parser.add_subparsers(dest="bench_cmd"))
     args = parser.parse_args(["gpu", "--dry-run", "--only", "probe", "planner", "--out-dir", str(tmp_path)])
     assert args.func is gpu_suite.cmd_bench_gpu and args.dry_run and args.only == ["probe", "planner"]
     assert args.timeout_scale == 1.0
-    assert gpu_suite.main(["--dry-run", "--only", "probe", "--out-dir", str(tmp_path)]) == 0
-    assert "probe" in capsys.readouterr().out
+    monkeypatch.setattr(gpu_suite, "ITEMS", (Item("quick", 5, "python", ("-c", "pass"), "x"),
+                                             Item("broken", 5, "python", ("-c", "def ("), "x")))
+    assert gpu_suite.main(["--dry-run", "--only", "quick", "--out-dir", str(tmp_path)]) == 0
+    assert "quick" in capsys.readouterr().out
+    assert gpu_suite.main(["--dry-run", "--out-dir", str(tmp_path)]) == 1  # a broken item fails the dry run
     assert gpu_suite.main(["--only", "nope"]) == 2
     assert "unknown GPU suite item" in capsys.readouterr().err

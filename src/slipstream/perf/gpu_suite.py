@@ -55,6 +55,7 @@ KILL_GRACE_S = 5.0
 # overran theirs (by at most the kill grace each).
 MIN_TIMEOUT_FRACTION = 0.5
 SUMMARY_NAME = "gpu-suite.json"
+DRY_RUN_WORK = Path(tempfile.gettempdir()) / "slipstream-gpu-work"  # {work} in a dry run: never created
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]  # .../src/slipstream
 SRC_DIR = PACKAGE_DIR.parent
@@ -197,19 +198,53 @@ def _child_env() -> dict[str, str]:
 # ------------------------------------------------------------------------------ dry run
 
 
-def _check_slipstream_args(item: Item, argv: list[str]) -> list[str]:
-    """Parse `argv` with slipstream's own parser: the subcommand and every option must exist."""
-    from slipstream.cli import build_parser
-
-    problems: list[str] = []
+# Run as a program under the items' interpreter (like `python -m slipstream` itself, so perf/
+# never imports the CLI layer above it): parses each argv with slipstream's own parser.
+_PARSE_SCRIPT = """
+import contextlib, io, json, sys
+from slipstream.cli import build_parser
+results = []
+for argv in json.loads(sys.stdin.read()):
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
             args, extra = build_parser().parse_known_args(argv)
     except SystemExit:
-        return [f"slipstream {' '.join(argv[:2])}: arguments do not parse: {err.getvalue().strip().splitlines()[-1:]}"]
-    if not callable(getattr(args, "func", None)):
+        results.append({"error": (err.getvalue().strip().splitlines() or ["(no message)"])[-1]})
+        continue
+    results.append({"extra": extra, "config": getattr(args, "config", None),
+                    "handler": callable(getattr(args, "func", None))})
+print()
+print(json.dumps(results))
+"""
+
+
+def _slipstream_parse(argvs: list[list[str]], python: str) -> tuple[list[dict[str, Any]] | None, str]:
+    """What slipstream's argument parser makes of each argv (one interpreter start for all)."""
+    try:
+        proc = subprocess.run([python, "-c", _PARSE_SCRIPT], input=json.dumps(argvs), capture_output=True, text=True,
+                              timeout=120, cwd=REPO_DIR, env=_child_env())
+    except subprocess.TimeoutExpired:
+        return None, "parsing the slipstream commands took over 120 s"
+    lines = proc.stdout.strip().splitlines()
+    try:
+        results = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
+    except ValueError:
+        results = None
+    if not isinstance(results, list) or len(results) != len(argvs):
+        tail = (proc.stdout + proc.stderr).strip().splitlines()[-3:]
+        return None, f"slipstream's parser did not run (rc {proc.returncode}): {' | '.join(tail)}"
+    return results, ""
+
+
+def _check_slipstream_args(item: Item, argv: list[str], parsed: dict[str, Any]) -> list[str]:
+    """The subcommand and every option must exist; config overrides must load."""
+    if "error" in parsed:
+        return [f"slipstream {' '.join(argv[:2])}: arguments do not parse: {parsed['error']}"]
+    problems: list[str] = []
+    if not parsed.get("handler"):
         problems.append(f"slipstream {argv[0]}: no command handler")
+    extra = list(parsed.get("extra") or [])
     overrides = [a for a in extra if a.startswith("--") and "." in a.split("=", 1)[0] and "=" in a]
     unknown = [a for a in extra if a not in overrides]
     if unknown:
@@ -220,7 +255,7 @@ def _check_slipstream_args(item: Item, argv: list[str]) -> list[str]:
         from slipstream.config import load_config
 
         try:
-            load_config(getattr(args, "config", None), overrides)
+            load_config(parsed.get("config"), overrides)
         except UserError as e:
             problems.append(f"config does not load: {e}")
     return problems
@@ -293,17 +328,22 @@ def _check_writable(paths: list[Path]) -> list[str]:
     return problems
 
 
-def check_item(item: Item, out: Path, python: str = sys.executable, collected: list[str] | None = None) -> list[str]:
+def check_item(item: Item, out: Path, python: str = sys.executable, collected: list[str] | None = None,
+               parsed: dict[str, Any] | None = None) -> list[str]:
     """The problems that would stop `item` from starting (empty: its wiring is sound).
-    collected: pytest node ids collected beforehand for all pytest items (one pytest start)."""
-    work = Path(tempfile.gettempdir()) / f"slipstream-gpu-{item.name}"  # only substituted, never created
+    collected: pytest node ids collected beforehand for all pytest items (one pytest start);
+    parsed: this slipstream item's parse result from _slipstream_parse (None: parse it now)."""
+    work = DRY_RUN_WORK  # only substituted, never created
     problems: list[str] = []
     if item.budget_s <= 0:
         problems.append(f"budget {item.budget_s} s must be positive")
     argv = item.expanded(out, work)
     try:
         if item.kind == "slipstream":
-            problems += _check_slipstream_args(item, argv)
+            if parsed is None:
+                results, why = _slipstream_parse([argv], python)
+                parsed = results[0] if results else {"error": why}
+            problems += _check_slipstream_args(item, argv, parsed)
         elif item.kind == "module":
             problems += _check_module_args(item, argv)
         elif item.kind == "pytest":
@@ -325,16 +365,23 @@ def dry_run_plan(items: list[Item], out: Path, python: str = sys.executable,
 
     rows, total = [], sum(i.budget_s for i in items)
     show(f"GPU suite plan: {len(items)} item(s), budgets {total} s of {LIMIT_S} s, results into {out}/")
-    work = Path(tempfile.gettempdir()) / "slipstream-gpu-work"  # only substituted, never created
+    work = DRY_RUN_WORK
     # One pytest start collects every pytest item's targets, in the background while the other
     # items are checked; if that collection fails, each pytest item collects its own targets.
     targets = [t for i in items if i.kind == "pytest" for t in _pytest_targets(i.expanded(out, work))]
+    # Likewise one interpreter start parses every slipstream item's arguments.
+    commands = [i for i in items if i.kind == "slipstream"]
     problems_of: dict[str, list[str]] = {}
-    with ThreadPoolExecutor(max_workers=1) as pool:
+    with ThreadPoolExecutor(max_workers=2) as pool:
         collecting = pool.submit(_pytest_collect, targets, python) if targets else None
-        for item in sorted(items, key=lambda i: i.kind == "pytest"):
+        parsing = pool.submit(_slipstream_parse, [i.expanded(out, work) for i in commands], python) if commands else None
+        for item in sorted(items, key=lambda i: i.kind in ("pytest", "slipstream")):
             collected = collecting.result()[0] if collecting is not None and item.kind == "pytest" else None
-            problems_of[item.name] = check_item(item, out, python, collected)
+            parsed = None
+            if parsing is not None and item.kind == "slipstream":
+                results, why = parsing.result()
+                parsed = results[commands.index(item)] if results else {"error": why}
+            problems_of[item.name] = check_item(item, out, python, collected, parsed)
     for item in items:
         cmd = command_line(item, out, Path("{work}"), python)
         problems = problems_of[item.name]
