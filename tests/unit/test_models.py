@@ -1,4 +1,4 @@
-"""The Transformer, its presets, and the parameter / FLOP accounting in observe/flops.py."""
+"""The Transformer, its presets, and the parameter / FLOP accounting in models/flops.py."""
 
 import dataclasses
 
@@ -8,7 +8,7 @@ import torch
 from slipstream.config import load_config
 from slipstream.models import PRESETS, Transformer, build_model, generate, padded_vocab_size
 from slipstream.models.transformer import materialize
-from slipstream.observe.flops import flops_per_token, param_count
+from slipstream.models.flops import flops_per_token, param_count
 
 VOCAB = 300  # pads to 320 with the default vocab_multiple of 64
 

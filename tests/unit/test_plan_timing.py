@@ -5,7 +5,7 @@ import math
 import pytest
 
 from slipstream.models.transformer import padded_vocab_size
-from slipstream.observe.flops import flops_per_token, param_count
+from slipstream.models.flops import flops_per_token, param_count
 from slipstream.plan.hardware import LOCAL, Link, make_cluster
 from slipstream.plan.memory import block_activation_bytes
 from slipstream.plan.model import resolve_model

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from slipstream.config.schema import ModelConfig
 from slipstream.errors import UserError
-from slipstream.observe.flops import flops_per_token
+from slipstream.models.flops import flops_per_token
 from slipstream.observe.memprofile import measure_step_memory
 from slipstream.plan.model import resolve_model
 from slipstream.plan.trace import TracedModule, trace_module

@@ -142,7 +142,7 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
     model = None
     try:
         from slipstream.config.load import config_from_toml_text
-        from slipstream.observe.flops import param_count
+        from slipstream.models.flops import param_count
 
         cfg = config_from_toml_text(ckpt.read_text_inside(ckpt_dir, "config.toml"))
         m = cfg.model

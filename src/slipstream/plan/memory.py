@@ -9,7 +9,7 @@ The step is walked phase by phase, as it runs:
     optimizer parameters + gradients + optimizer state
 
 and the peak is the highest point of that walk. Every byte is counted from the same
-shapes the model code uses (param counts come from observe.flops, the one source of
+shapes the model code uses (param counts come from models.flops, the one source of
 truth), by category: parameters, gradients, optimizer_state, activations, temporaries.
 
 Activation bytes per block were derived from what autograd keeps for backward in
@@ -36,7 +36,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from slipstream.observe.flops import param_count
+from slipstream.models.flops import param_count
 from slipstream.plan.space import PlanModel, Strategy
 
 GIB = 2**30

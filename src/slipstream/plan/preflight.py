@@ -114,7 +114,7 @@ def training_refusal(estimate, processes: int, limit: tuple[int, str] | None, de
 def check_weights_fit(model_cfg, device: torch.device | str, what: str) -> None:
     """Refuse to build `model_cfg` on `device` when its fp32 parameters alone exceed the memory
     there (generate, export: models whose config comes from a checkpoint, possibly crafted)."""
-    from slipstream.observe.flops import param_count
+    from slipstream.models.flops import param_count
 
     device = torch.device(device)
     limit = device_memory_limit(device)

@@ -15,7 +15,7 @@ import statistics
 from dataclasses import dataclass
 
 from slipstream.config.schema import ModelConfig
-from slipstream.observe.flops import flops_per_token
+from slipstream.models.flops import flops_per_token
 from slipstream.plan.hardware import make_cluster
 from slipstream.plan.memory import GIB, estimate_memory, model_state_bytes
 from slipstream.plan.published import PUBLISHED_RUNS, PublishedRun

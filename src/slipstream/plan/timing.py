@@ -2,7 +2,7 @@
 
     step = compute x (1 + pipeline bubble) + exposed communication + optimizer step
 
-compute      matmul FLOPs (observe.flops, the one source of truth; + the recomputed forward
+compute      matmul FLOPs (models.flops, the one source of truth; + the recomputed forward
              of activation checkpointing) over the achievable matmul rate (datasheet peak x
              the cluster's matmul efficiency, measured by `slipstream probe` when given),
              plus the memory-bound ops (norms, activations, softmax, residual adds): they
@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from slipstream.observe.flops import flops_per_token, param_count
+from slipstream.models.flops import flops_per_token, param_count
 from slipstream.plan.hardware import Cluster, Link
 from slipstream.plan.memory import block_activation_bytes
 from slipstream.plan.space import PlanModel, Strategy, Workload
@@ -234,7 +234,7 @@ def _matmul_seconds(model: PlanModel, s: Strategy, tokens: int, seq_len: int, ra
         return gemm_seconds(m, k, n, rate, mem_bw, elem)
 
     attn = gemm(tokens, d, d / tp) * 2 + gemm(tokens, d, kv / tp) * 2          # q, o (as d x d) and k, v
-    # QK^T and AV: 4 T d FLOPs per token (the causal half is counted, as in observe.flops)
+    # QK^T and AV: 4 T d FLOPs per token (the causal half is counted, as in models.flops)
     attn += 4.0 * tokens * seq_len * d / tp / rate
     if model.moe:
         experts_here = model.moe.n_experts / s.ep

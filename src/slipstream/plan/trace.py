@@ -19,7 +19,7 @@ What we measure, all on fake CPU tensors:
   CPU attention (`_scaled_dot_product_flash_attention_for_cpu`, which torch's counter does
   not know) is counted with torch's formulas for the CUDA kernels: the full T x T (no causal
   discount), and a backward of 2.5x the forward (flash attention recomputes the scores), so
-  slipstream's Transformer measures ~2-3% above observe.flops (which counts backward as 2x);
+  slipstream's Transformer measures ~2-3% above models.flops (which counts backward as 2x);
 - memory: one training step (forward, backward, fused AdamW step, zero_grad(set_to_none=True)),
   forward + backward tracked by PyTorch's MemTracker, after a first unmeasured step so the
   optimizer state exists, at micro-batch 1 and 2, in fp32 and under

@@ -40,7 +40,7 @@ def check_tokenizer_vocab(tokenizer, manifest: dict[str, Any], data_dir: str | P
 
 
 def describe_model(cfg: Config) -> str:
-    from slipstream.observe.flops import flops_per_token, param_count
+    from slipstream.models.flops import flops_per_token, param_count
 
     m = cfg.model
     n = param_count(m)
@@ -57,7 +57,7 @@ def build_lm_trainer(cfg: Config):
     from slipstream.distributed.data_parallel import materialize_sharded
     from slipstream.distributed.mesh import init_parallel
     from slipstream.models.transformer import Transformer, materialize
-    from slipstream.observe.flops import flops_per_token
+    from slipstream.models.flops import flops_per_token
     from slipstream.runtime import seed_all
     from slipstream.train.rundir import check_run_dir, make_run_dir, on_rank0
     from slipstream.train.trainer import JobInfo, Trainer
