@@ -32,7 +32,7 @@ def test_fused_loss_reaches_the_head_through_a_ddp_wrapper(tmp_path):
     from torch.nn.parallel import DistributedDataParallel
 
     from slipstream.config.schema import ModelConfig
-    from slipstream.models.presets import PRESETS
+    from slipstream.config.presets import PRESETS
     from slipstream.models.transformer import build_model
     from slipstream.train.lm_loss import fused_lm_loss_fn, lm_loss_fn
 

@@ -8,8 +8,8 @@ import dataclasses
 import pytest
 import torch
 
+from slipstream.config.presets import PRESETS
 from slipstream.config.schema import ModelConfig
-from slipstream.models.presets import PRESETS
 from slipstream.models.transformer import build_model
 from slipstream.optimize.activations import activation_memory_bytes, apply_activation_checkpointing
 from slipstream.plan.accuracy import TARGET_ERROR, Case, default_cases, measure_case, plan_case

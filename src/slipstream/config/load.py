@@ -192,7 +192,7 @@ def _check_rules(value: Any, f: dataclasses.Field, where: str) -> None:
 
 def build_config(data: dict[str, Any]) -> Config:
     """Validate a nested dict (from TOML + overrides) and build the Config."""
-    from slipstream.models.presets import apply_preset  # presets are plain dicts; no torch import
+    from slipstream.config.presets import apply_preset  # presets are plain dicts; no torch import
 
     known = sections()
     for section, values in data.items():

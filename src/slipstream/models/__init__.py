@@ -1,6 +1,6 @@
 """Transformer language models (GPT-2 and Llama-style), presets and Hugging Face interop."""
 
-from slipstream.models.presets import PRESETS
+from slipstream.config.presets import PRESETS
 from slipstream.models.transformer import Transformer, build_model, generate, lm_loss, padded_vocab_size
 
 

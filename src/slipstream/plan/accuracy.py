@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
+from slipstream.config.presets import PRESETS
 from slipstream.config.schema import ModelConfig
-from slipstream.models.presets import PRESETS
 from slipstream.plan.memory import estimate_memory
 from slipstream.plan.space import PlanModel, Strategy
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 import difflib
 from pathlib import Path
 
+from slipstream.config.presets import PRESETS
 from slipstream.config.schema import ModelConfig
 from slipstream.errors import UserError
-from slipstream.models.presets import PRESETS
 from slipstream.plan.space import MoE, PlanModel
 
 # Vocabulary for presets whose vocabulary comes from the data (tiny, gpt-mini): GPT-2's BPE.

@@ -1,5 +1,6 @@
 """Named model shapes. Plain dicts of `ModelConfig` fields, so the config loader can use
-them without importing torch. A preset fills every model field the user did not set."""
+them without importing torch. A preset fills every model field the user did not set.
+Config layer (below models/); slipstream.models re-exports PRESETS."""
 
 from __future__ import annotations
 
