@@ -13,6 +13,9 @@ when C is not tiny next to M:
 
 `optimal_interval` returns Daly's value; Young's is reported alongside. The two agree within a
 few percent in the usual regime (C of seconds to minutes, M of hours to days).
+
+A planner estimator (blocks layer): plan/cost.py prices a run with it, and
+`slipstream checkpoint advise` prints it.
 """
 
 from __future__ import annotations
