@@ -91,6 +91,14 @@ def test_runner_goes_on_past_failing_hanging_and_silent_items(tmp_path, monkeypa
     assert written["env"]["git_sha"] is None or len(written["env"]["git_sha"]) == 40
     assert "torch_version" in written["env"] and "python_version" in written["env"]
 
+    # Rerunning one item keeps the earlier rows of the others in the summary, marked as earlier.
+    again = run_gpu_suite(out, items=items, only=["passes"], echo_output=False, show=_quiet([]))
+    assert again["failed"] == []
+    rewritten = json.loads((out / "gpu-suite.json").read_text())
+    assert [r["name"] for r in rewritten["items"]] == ["passes"]
+    assert [r["name"] for r in rewritten["earlier_items"]] == ["hangs", "fails", "silent"]
+    assert rewritten["earlier_items"][0]["run_timestamp"] == written["env"]["timestamp"]
+
 
 def test_pytest_results_are_collected_into_json(tmp_path):
     (tmp_path / "junit.xml").write_text(

@@ -518,14 +518,32 @@ def _write_collected(item: Item, out: Path, work: Path) -> Path | None:
     return path
 
 
+def _earlier_rows(path: Path, rerun: set[str]) -> list[dict[str, Any]]:
+    """The rows of an earlier gpu-suite.json (our own file) for items not run again now."""
+    try:
+        old = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    if not isinstance(old, dict):
+        return []
+    env = old.get("env") if isinstance(old.get("env"), dict) else {}
+    listed = [r for key in ("items", "earlier_items") if isinstance(old.get(key), list) for r in old[key]]
+    rows = [r for r in listed if isinstance(r, dict) and r.get("name") not in rerun]
+    for r in rows:
+        r.setdefault("run_timestamp", env.get("timestamp"))
+        r.setdefault("run_git_sha", env.get("git_sha"))
+    return rows
+
+
 def _run_items(items: list[Item], out: Path, python: str, timeout_scale: float,
-               echo: Callable[[str], None], show: Callable[[str], None]) -> dict[str, Any]:
+               echo: Callable[[str], None], show: Callable[[str], None], keep_earlier: bool = False) -> dict[str, Any]:
     from slipstream.observe.env import collect_env, write_json_atomic
 
     summary: dict[str, Any] = {"bench": "gpu-suite", "limit_s": LIMIT_S, "budget_total_s": sum(i.budget_s for i in items),
                                "timeout_scale": timeout_scale, "python": python, "items": [], "failed": [],
                                "env": collect_env()}
     summary_path = out / SUMMARY_NAME
+    earlier = _earlier_rows(summary_path, {i.name for i in items}) if keep_earlier else []
     t_suite = time.perf_counter()
     deadline = 0.0  # seconds into the suite by which this item must be done: the budgets so far
     with tempfile.TemporaryDirectory(prefix="slipstream-gpu-suite-") as tmp:
@@ -566,7 +584,9 @@ def _run_items(items: list[Item], out: Path, python: str, timeout_scale: float,
             show(f"  -> {row['status']} (rc {outcome.rc}) in {outcome.wall_s:.1f} s"
                  + (f"; missing {', '.join(missing)}" if missing else ""))
             summary["wall_s"] = round(time.perf_counter() - t_suite, 2)
-            write_json_atomic(summary_path, summary)  # after every item: a killed suite keeps what it measured
+            # After every item: a killed suite keeps what it measured. Items of an earlier run that
+            # this one (--only) did not rerun stay in the file, marked with that run's time and sha.
+            write_json_atomic(summary_path, {**summary, "earlier_items": earlier})
     passed = sum(1 for r in summary["items"] if r["status"] == "passed")
     show(f"GPU suite: {passed} of {len(items)} passed in {summary['wall_s']:.0f} s"
          + (f"; failed: {', '.join(summary['failed'])}" if summary["failed"] else "") + f"; wrote {summary_path}")
@@ -595,7 +615,7 @@ def run_gpu_suite(out_dir: Path, dry_run: bool = False, only: list[str] | None =
         raise UserError(f"--out-dir {out_dir} exists and is not a folder")
     out_dir.mkdir(parents=True, exist_ok=True)
     echo = (lambda line: print(f"    | {line}", flush=True)) if echo_output else (lambda line: None)
-    return _run_items(selected, out_dir.resolve(), python, timeout_scale, echo, show)
+    return _run_items(selected, out_dir.resolve(), python, timeout_scale, echo, show, keep_earlier=bool(only))
 
 
 
