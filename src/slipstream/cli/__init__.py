@@ -17,6 +17,7 @@
     slipstream bench fused-ce [--rows N --d D --vocab V --dtype ... --chunk-size ...]
     slipstream bench ladder [memory|speed|both] [--device D --size S --repeats N --steps N --batch B]
     slipstream bench planner [--device cpu|cuda] [--out FILE]
+    slipstream bench gpu [--dry-run] [--only ITEM ...] [--out-dir DIR]
     slipstream plan --model M --gpus 8xH100 [--nodes N] --seq S --global-batch B [--top K --calibrate RUN_DIR... --json]
     slipstream cost --model M --tokens 300e9 --gpus 8xH100 [--nodes N --price P --json]
     slipstream tune system --config FILE [--budget 10m --top K --nproc N --steps S --json --write-config OUT]
@@ -30,7 +31,7 @@ Command groups (each module has `add_commands(subparsers)` and its `cmd_*` handl
     cli/checkpoint.py  checkpoint inspect|export|advise
     cli/data.py        data prepare|verify|train-tokenizer
     cli/config.py      config show|reference
-    cli/bench.py       bench overhead|ladder|sharding|checkpoint|fused-ce|planner
+    cli/bench.py       bench overhead|ladder|sharding|checkpoint|fused-ce|planner|gpu
     cli/plan.py        plan, cost, tune system
 
 A handler is `cmd_x(args, extra) -> exit code`; `extra` holds the arguments the parser did not

@@ -6,11 +6,13 @@
     slipstream bench fused-ce [--rows N --d D --vocab V --dtype ... --chunk-size ...]
     slipstream bench ladder [memory|speed|both] [--device D --size S --repeats N --steps N --batch B]
     slipstream bench planner [--device cpu|cuda] [--out FILE]
+    slipstream bench gpu [--dry-run] [--only ITEM ...] [--out-dir DIR]
 """
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from slipstream.cli._common import add_force, load, no_extra, with_config
 from slipstream.errors import UserError
@@ -135,8 +137,20 @@ def _bench_planner_on_device(device: str, out: str) -> int:
     return 0
 
 
+def cmd_bench_gpu(args: argparse.Namespace, extra: list[str]) -> int:
+    """The GPU suite (perf/gpu_suite.py); 1 when any item failed (or, with --dry-run, any wiring check)."""
+    from slipstream.perf.gpu_suite import run_gpu_suite
+
+    no_extra(extra)
+    summary = run_gpu_suite(Path(args.out_dir), dry_run=args.dry_run, only=args.only,
+                            timeout_scale=args.timeout_scale, echo_output=not args.quiet)
+    if args.dry_run:
+        return 0 if summary["ok"] else 1
+    return 1 if summary["failed"] else 0
+
+
 def add_commands(sub) -> None:
-    """Register `bench overhead|ladder|sharding|checkpoint|fused-ce|planner` on the top-level subparsers."""
+    """Register `bench overhead|ladder|sharding|checkpoint|fused-ce|planner|gpu` on the top-level subparsers."""
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_cmd", required=True)
     p = with_config(bench.add_parser("overhead", help="Trainer vs a hand-written loop, alternated"))
     p.add_argument("--rounds", type=int, default=5, help="alternations of (trainer, hand loop)")
@@ -188,3 +202,8 @@ def add_commands(sub) -> None:
     p.add_argument("--out", default="", help="JSON file (default benchmarks/planner-accuracy-<cpu|gpu>.json)")
     p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
     p.set_defaults(func=cmd_bench_planner)
+    from slipstream.perf.gpu_suite import add_gpu_arguments
+
+    p = bench.add_parser("gpu", help="every CUDA-only check and benchmark on one GPU, under 8 minutes")
+    add_gpu_arguments(p)
+    p.set_defaults(func=cmd_bench_gpu)
