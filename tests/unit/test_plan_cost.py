@@ -6,11 +6,11 @@ import math
 import pytest
 
 from slipstream.errors import UserError
+from slipstream.plan import checkpoint_interval as advice
 from slipstream.plan import cost
 from slipstream.plan.cost import (DEFAULT_PRICES, Prices, cost_record, estimate_cost, format_cost,
                                   prices_for)
 from slipstream.plan.hardware import known_gpus
-from slipstream.resilience import advice
 
 PRICES = Prices(on_demand=2.0, spot=1.0, reserved=1.5, source="test")
 

@@ -23,7 +23,7 @@ import pytest
 
 from slipstream.cli.checkpoint import add_advise_arguments, cmd_advise
 from slipstream.errors import UserError
-from slipstream.resilience.advice import (
+from slipstream.plan.checkpoint_interval import (
     advise,
     expected_loss_per_day,
     optimal_interval,

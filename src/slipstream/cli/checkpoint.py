@@ -6,7 +6,7 @@ choose the checkpoint interval.
                                      [--dtype fp32|bf16|fp16] [--force]
     slipstream checkpoint advise --save-cost 30s --mtbf 24h [--nodes N --restart 5m --step-time 1.2s]
 
-What inspect and export do: slipstream/checkpoint/export.py. The interval: slipstream/resilience/advice.py.
+What inspect and export do: slipstream/checkpoint/export.py. The interval: slipstream/plan/checkpoint_interval.py.
 
 Adding another `slipstream checkpoint ...` subcommand from a module outside this package: add
 one entry to CHECKPOINT_COMMANDS below, naming a function that is called with
@@ -116,7 +116,7 @@ def add_advise_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
 
 def cmd_advise(args: argparse.Namespace, extra: list[str]) -> int:
     """Print the recommended checkpoint interval and what it costs per day."""
-    from slipstream.resilience.advice import advise, format_duration, parse_duration
+    from slipstream.plan.checkpoint_interval import advise, format_duration, parse_duration
 
     no_extra(extra)
     if args.nodes < 1:

@@ -154,7 +154,7 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
 def cmd_cost(args: argparse.Namespace, extra: list[str]) -> int:
     from slipstream.plan.cost import DEFAULT_MTBF_GPU_HOURS, DEFAULT_SPOT_PREEMPTIONS_PER_DAY, cost_record, estimate_cost, \
         format_cost, prices_for
-    from slipstream.resilience.advice import parse_duration
+    from slipstream.plan.checkpoint_interval import parse_duration
 
     if extra:
         raise UserError(f"unexpected arguments: {' '.join(extra)}")
@@ -203,7 +203,7 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 def cmd_tune_system(args: argparse.Namespace, extra: list[str]) -> int:
     from slipstream.config.load import split_overrides
     from slipstream.plan.tune import format_report, tune_system, write_winner_config
-    from slipstream.resilience.advice import parse_duration
+    from slipstream.plan.checkpoint_interval import parse_duration
 
     budget = parse_duration(args.budget, "--budget")
     # Before the trials (minutes): the winner's file must not replace one the user has, least of

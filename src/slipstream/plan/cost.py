@@ -2,7 +2,7 @@
 
 A run of `tokens` at `tokens_per_s` needs tokens / tokens_per_s seconds of pure training. Real
 wall time is longer: checkpoint saves block training, and each failure throws away the work
-since the last save plus a restart. resilience/advice.py has that model (Young/Daly); here we
+since the last save plus a restart. plan/checkpoint_interval.py has that model (Young/Daly); here we
 apply it per pricing tier and turn the wall time into GPU-hours and dollars:
 
     lost fraction f = expected_loss_per_day(...) / day     wall time = compute time / (1 - f)
@@ -17,8 +17,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from slipstream.errors import UserError
+from slipstream.plan.checkpoint_interval import DAY_S, expected_loss_per_day, format_duration, optimal_interval
 from slipstream.plan.hardware import canonical_gpu_name
-from slipstream.resilience.advice import DAY_S, expected_loss_per_day, format_duration, optimal_interval
 
 TIERS = ("on_demand", "spot", "reserved")
 
@@ -154,7 +154,7 @@ def estimate_cost(tokens: float, tokens_per_s: float, world: int, prices: Prices
 
     tokens_per_s is the whole job's throughput. checkpoint_interval_s (seconds of compute
     between saves) defaults to the Young/Daly optimum for the job's hardware MTBF.
-    Each failure costs half an interval of rework plus restart_s (resilience/advice.py).
+    Each failure costs half an interval of rework plus restart_s (plan/checkpoint_interval.py).
     A spot preemption comes with notice (30 s to 2 min), and slipstream saves on that notice
     (resilience.preemption: SIGTERM/SIGUSR1 -> save and exit) so with preemption_save=True it
     costs one save plus a restart and no rework. If saves take longer than the notice, pass
