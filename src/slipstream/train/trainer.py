@@ -22,7 +22,6 @@ checkpoint barriers) happen at the same points on every rank, and only rank 0 lo
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -320,6 +319,7 @@ class Trainer:
         # verdict reaches every rank (the broadcast is also the barrier). fit() releases the lock.
         self._run_lock = on_rank0(self.parallel, prepare_run_dir, self.run_dir, config_to_toml(cfg),
                                   self.step if resume_from is not None else None, resume_from)
+        self._peak = self._peak_flops()
         reset_peak_memory(self.device)
         if resume_from is not None and main:
             print(f"resumed from {resume_from} at step {self.step}")
@@ -342,7 +342,7 @@ class Trainer:
             "grad_norm": norm, "step_time_s": reading.step_time_s,
             "grad_norm_clipped": min(norm, clip) if clip > 0 else norm,  # the norm clip_grad_norm_ leaves behind
             "data_wait_s": reading.data_wait_s, "tokens_per_s": reading.tokens_per_s,
-            "mfu": mfu(per_device, self.flops_per_token, self.peak_flops) if self.flops_per_token else None,
+            "mfu": mfu(per_device, self.flops_per_token, self._peak) if self.flops_per_token else None,
             "mem_peak_bytes": peak_memory_bytes(self.device), "tokens": self.tokens_seen,
         }
         if self.parallel.world_size > 1:
@@ -378,8 +378,7 @@ class Trainer:
 
             act_on(self, verdict, loggers, progress)
 
-    @functools.cached_property
-    def peak_flops(self) -> float | None:
+    def _peak_flops(self) -> float | None:
         """The device's peak FLOP/s in the precision the matmuls run in (for MFU)."""
         from slipstream.observe.peaks import device_peak_flops
 
