@@ -223,7 +223,8 @@ class RunLoggers:
         if self.rank_logger is not None:
             self.rank_logger.log({**record, **rank_view}, record["step"])
         progress.set_metrics(record)
-        self.last_loss = record["loss"]
+        if record["loss"] is not None:  # None: a guard dropped every step of the interval
+            self.last_loss = record["loss"]
         if record.get("mfu") is not None:
             self._mfu.append(record["mfu"])
 

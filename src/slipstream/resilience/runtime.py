@@ -190,8 +190,7 @@ def act_on(trainer, verdict: StepVerdict, loggers, progress) -> None:
     for event in verdict.events:
         record = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v)) for k, v in event.items()
                   if k not in ("batch_position", "kind", "step")}
-        loggers.log({"step": trainer.step, "guard_event": event["kind"], "action": verdict.action, **record},
-                    trainer.step)
+        loggers.log({"step": trainer.step, "guard_event": event["kind"], "action": verdict.action, **record})
         progress.print_line(f"step {trainer.step}: {event['kind']} (loss {event['loss']}, grad norm "
                             f"{event['grad_norm']}): {verdict.action}")
     if verdict.action == "stop":

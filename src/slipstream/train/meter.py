@@ -21,7 +21,7 @@ import torch
 class IntervalReading:
     """One log's worth of measurements (host values)."""
 
-    mean_loss: float        # over the data-parallel ranks and the counted steps
+    mean_loss: float | None  # over the data-parallel ranks and the counted steps; None if a guard dropped all
     local_loss: float       # this rank's own mean
     step_time_s: float
     data_wait_s: float
@@ -65,8 +65,11 @@ class IntervalMeter:
 
     def read(self) -> IntervalReading:
         """Close the interval: the one host-device sync of the loop (and, distributed, one all-reduce)."""
-        local = self.loss_sum / max(1, self.steps - self.dropped)
+        counted = self.steps - self.dropped  # the guards' verdicts agree across ranks: the same on every rank
+        local = self.loss_sum / max(1, counted)
         mean_loss = self.parallel.mean(local).item()  # all-reduce over ranks + host sync
+        if counted == 0:  # every step of the interval was a guard event: there is no loss to report
+            mean_loss = None
         now = time.perf_counter()
         elapsed = now - self._interval_start
         reading = IntervalReading(

@@ -353,7 +353,7 @@ class Trainer:
             record["skipped_steps"] = int(self.skipped_steps.item())  # host sync, at the log only
         loggers.log_interval(record, {"rank": self.parallel.rank, "local_loss": reading.local_loss,
                                       "tokens_per_s": per_device}, progress)
-        if not math.isfinite(reading.mean_loss) and self.resilience.guard is None:
+        if reading.mean_loss is not None and not math.isfinite(reading.mean_loss) and self.resilience.guard is None:
             loggers.close()
             raise UserError(f"loss became {reading.mean_loss} at step {self.step}; lower optim.lr, "
                             "raise optim.warmup_steps or check the data")
