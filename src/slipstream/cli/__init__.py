@@ -11,13 +11,7 @@
     slipstream doctor [--config FILE] [overrides] [--apply] [--json] | doctor --trace FILE...
     slipstream probe [--sections compute memory comm storage] [--device D] [--data-dir DIR] [--out FILE --force]
     slipstream config reference
-    slipstream bench overhead [--config FILE] [--section.key=value ...] [--rounds N] [--out FILE]
-    slipstream bench sharding [--nproc N --strategies ddp zero1 zero2 fsdp --steps N]
-    slipstream bench checkpoint [--repeats N] [--model.* overrides]
-    slipstream bench fused-ce [--rows N --d D --vocab V --dtype ... --chunk-size ...]
-    slipstream bench ladder [memory|speed|both] [--device D --size S --repeats N --steps N --batch B]
-    slipstream bench planner [--device cpu|cuda] [--out FILE]
-    slipstream bench gpu [--dry-run] [--only ITEM ...] [--out-dir DIR]
+    slipstream bench overhead|sharding|checkpoint|fused-ce|ladder|planner|gpu ...   (cli/bench.py lists their options)
     slipstream plan --model M --gpus 8xH100 [--nodes N] --seq S --global-batch B [--top K --calibrate RUN_DIR... --json]
     slipstream cost --model M --tokens 300e9 --gpus 8xH100 [--nodes N --price P --json]
     slipstream tune system --config FILE [--budget 10m --top K --nproc N --steps S --json --write-config OUT]
