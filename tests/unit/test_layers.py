@@ -54,13 +54,9 @@ MODULE_LAYERS = {
 }
 
 # (importing module, imported module) edges that still point up; each names where it belongs.
-KNOWN_UPWARD = {
-    # The GPU datasheet table (GpuSpec, lookup_gpu) and the measured, cached CPU peak live in
-    # observe/peaks.py; they belong in a blocks-layer hardware-facts module (the table) and in the
-    # caller of make_cluster("cpu") (the measurement, passed in).
-    ("slipstream.plan.hardware", "slipstream.observe.peaks"),
-    ("slipstream.plan.hardware", "slipstream.observe.env"),  # cpu_model(): with the CPU peak, as above
-}
+# None left: the GPU datasheet table moved down to plan/gpus.py (observe/peaks.py reads it), and a
+# `cpu` cluster gets this machine's name and measured peak from its caller (observe.peaks.this_cpu()).
+KNOWN_UPWARD: set[tuple[str, str]] = set()
 
 # Names of the root package that every layer may import: metadata, not the lazy Trainer facade.
 ROOT_METADATA = {"__version__"}

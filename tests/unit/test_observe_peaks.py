@@ -1,4 +1,4 @@
-"""Tests for slipstream.observe.peaks: GPU table rules (no GPU needed) and the cached CPU probe."""
+"""Tests for slipstream.observe.peaks: GPU table rules (plan/gpus.py; no GPU needed) and the cached CPU probe."""
 
 import json
 import time
@@ -9,6 +9,7 @@ import torch
 
 from slipstream.errors import UserError
 from slipstream.observe import peaks
+from slipstream.plan import gpus  # the datasheet table (the blocks layer); peaks reads it
 
 
 @pytest.mark.parametrize(
@@ -43,37 +44,37 @@ from slipstream.observe import peaks
     ],
 )
 def test_lookup_real_device_names(name, expected):
-    spec = peaks.lookup_gpu(name)
+    spec = gpus.lookup_gpu(name)
     assert spec is not None and spec.name == expected
 
 
 def test_pcie_and_sxm_are_told_apart():
-    sxm, pcie = peaks.lookup_gpu("NVIDIA H100 80GB HBM3"), peaks.lookup_gpu("NVIDIA H100 PCIe")
+    sxm, pcie = gpus.lookup_gpu("NVIDIA H100 80GB HBM3"), gpus.lookup_gpu("NVIDIA H100 PCIe")
     assert sxm.peaks["bf16"] == 989 and pcie.peaks["bf16"] == 756
     assert sxm.mem_bw_gbs > pcie.mem_bw_gbs
-    a100_pcie_80 = peaks.lookup_gpu("NVIDIA A100 80GB PCIe")
-    a100_sxm_80 = peaks.lookup_gpu("NVIDIA A100-SXM4-80GB")
+    a100_pcie_80 = gpus.lookup_gpu("NVIDIA A100 80GB PCIe")
+    a100_sxm_80 = gpus.lookup_gpu("NVIDIA A100-SXM4-80GB")
     assert a100_pcie_80.mem_bw_gbs == 1935 and a100_sxm_80.mem_bw_gbs == 2039
 
 
 def test_near_miss_names_are_unknown_not_wrong():
     # GB200/GH200 must not be read as B200/H200, nor a Turing Quadro as the Ada RTX 6000.
-    assert peaks.lookup_gpu("NVIDIA GB200") is None
-    assert peaks.lookup_gpu("NVIDIA GH200 480GB").name.startswith("NVIDIA GH200")
-    assert peaks.lookup_gpu("Quadro RTX 6000") is None
-    assert peaks.lookup_gpu("NVIDIA A100-SXM4-80GB").name != "NVIDIA A10"
+    assert gpus.lookup_gpu("NVIDIA GB200") is None
+    assert gpus.lookup_gpu("NVIDIA GH200 480GB").name.startswith("NVIDIA GH200")
+    assert gpus.lookup_gpu("Quadro RTX 6000") is None
+    assert gpus.lookup_gpu("NVIDIA A100-SXM4-80GB").name != "NVIDIA A10"
 
 
 def test_table_is_dense_and_consistent():
-    for _, spec in peaks._GPU_TABLE:
-        assert set(spec.peaks) <= set(peaks.DTYPE_KEYS)
+    for _, spec in gpus._GPU_TABLE:
+        assert set(spec.peaks) <= set(gpus.DTYPE_KEYS)
         assert spec.peaks["fp32"] > 0 and spec.memory_gib > 0 and spec.mem_bw_gbs > 0
         if "bf16" in spec.peaks:
             assert spec.peaks["bf16"] >= spec.peaks["tf32"] >= spec.peaks["fp32"] * 0.99
     # Dense datasheet numbers, not the "with sparsity" ones.
-    assert peaks.lookup_gpu("NVIDIA A100-SXM4-80GB").peaks["bf16"] == 312
-    assert peaks.lookup_gpu("NVIDIA H200").peaks["bf16"] == 989
-    assert peaks.lookup_gpu("NVIDIA B200").peaks["bf16"] == 2250
+    assert gpus.lookup_gpu("NVIDIA A100-SXM4-80GB").peaks["bf16"] == 312
+    assert gpus.lookup_gpu("NVIDIA H200").peaks["bf16"] == 989
+    assert gpus.lookup_gpu("NVIDIA B200").peaks["bf16"] == 2250
 
 
 def test_gpu_peak_flops_known():

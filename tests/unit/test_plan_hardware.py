@@ -7,19 +7,19 @@ import pytest
 
 from slipstream.errors import UserError
 from slipstream.observe import peaks
-from slipstream.plan import hardware
-from slipstream.plan.hardware import LINKS, LOCAL, known_gpus, make_cluster, parse_gpus
+from slipstream.plan import gpus, hardware
+from slipstream.plan.hardware import LINKS, LOCAL, CpuFacts, known_gpus, make_cluster, parse_gpus
 
 H100_PROBE_NAME = "NVIDIA H100 80GB HBM3"
 
 
-@pytest.fixture(autouse=True)
-def no_cpu_measurement(monkeypatch):
-    """GPU clusters must never measure this CPU; cpu tests install their own stand-in."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("cpu_peak_flops called")
+def _refuse(dtype_key):
+    raise AssertionError("a GPU cluster asked for this CPU's peak")
 
-    monkeypatch.setattr(peaks, "cpu_peak_flops", refuse)
+
+def test_gpu_clusters_never_ask_for_the_cpu_peak():
+    """The planner measures nothing: a GPU cluster ignores the CPU facts it is given."""
+    assert make_cluster("8xH100", cpu=CpuFacts("x", _refuse)).gpu.name == "NVIDIA H100 SXM"
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -63,7 +63,7 @@ def test_alias_resolves_to_table_spec(name, spec_name):
 
 def test_h100_numbers_come_from_the_peaks_table():
     cluster = make_cluster("8xH100", nodes=2)
-    assert cluster.gpu is peaks.lookup_gpu("NVIDIA H100 SXM")
+    assert cluster.gpu is gpus.lookup_gpu("NVIDIA H100 SXM")
     assert cluster.peak_flops("bf16") == 989e12
     assert cluster.achievable_flops("bf16") == pytest.approx(989e12 * 0.75)
     assert cluster.world == 16 and cluster.short_name == "H100"
@@ -273,8 +273,9 @@ def fake_cpu(monkeypatch):
 
 
 def test_cpu_cluster(fake_cpu):
-    cluster = make_cluster("2xcpu")
+    cluster = make_cluster("2xcpu", cpu=peaks.this_cpu())
     assert cluster.world == 2 and cluster.short_name == "cpu"
+    assert cluster.gpu.name == f"CPU {peaks.cpu_model()}"
     assert cluster.peak_flops("fp32") == pytest.approx(0.5e11)  # two processes share the cores
     assert cluster.peak_flops("bf16") == pytest.approx(1e11)
     assert cluster.peak_flops("tf32") == cluster.peak_flops("fp32")
@@ -285,7 +286,16 @@ def test_cpu_cluster(fake_cpu):
     with pytest.raises(UserError, match="fp32"):
         cluster.peak_flops("fp8")
     with pytest.raises(UserError, match="16"):
-        make_cluster("17xcpu")
+        make_cluster("17xcpu", cpu=peaks.this_cpu())
+
+
+def test_cpu_cluster_needs_the_callers_cpu_facts(fake_cpu):
+    """plan/ is below observe/: the measured peak and the CPU name are passed in, never fetched."""
+    with pytest.raises(ValueError, match="this_cpu"):
+        make_cluster("2xcpu")
+    cluster = make_cluster("1xcpu", cpu=CpuFacts("Test CPU", lambda key: {"fp32": 4e11}.get(key, 1e11)))
+    assert cluster.gpu.name == "CPU Test CPU" and cluster.peak_flops("fp32") == pytest.approx(4e11)
+    assert not fake_cpu  # peaks.cpu_peak_flops was not reached
 
 
 def test_cpu_probe_replaces_measurement(tmp_path, fake_cpu):
@@ -305,7 +315,7 @@ def test_cpu_probe_replaces_measurement(tmp_path, fake_cpu):
             }},
         },
     }
-    cluster = make_cluster("2xcpu", probe=write(tmp_path, data))
+    cluster = make_cluster("2xcpu", probe=write(tmp_path, data), cpu=peaks.this_cpu())
     assert cluster.peak_flops("fp32") == pytest.approx(0.15e12)
     assert "fp32" not in fake_cpu  # measured by the probe, not again
     assert cluster.intra.bandwidth_gbs == 1.7 and cluster.intra.latency_us == pytest.approx(50.0)

@@ -88,6 +88,7 @@ def add_commands(sub) -> None:
 
 
 def _setup(args: argparse.Namespace, seq_len: int | None):
+    from slipstream.observe.peaks import this_cpu
     from slipstream.plan.hardware import make_cluster
     from slipstream.plan.model import resolve_model
 
@@ -101,7 +102,7 @@ def _setup(args: argparse.Namespace, seq_len: int | None):
         if getattr(args, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     cluster = make_cluster(args.gpus, nodes=args.nodes, intra=args.intra, inter=args.inter, probe=args.probe,
-                           memory_gib=args.memory_gib)
+                           memory_gib=args.memory_gib, cpu=this_cpu())
     if args.calibrate:
         from slipstream.plan.report import efficiency_from_runs
 

@@ -287,11 +287,12 @@ def measure_on_device(case: Case, device: str, steps: int = 8) -> dict[str, floa
 def run_device_accuracy(device: str, gpus: str, cases: list[Case] | None = None) -> list[dict[str, Any]]:
     """Planned vs measured memory and step time per case; `gpus` names the cluster to plan
     for (e.g. "1xH200", or "1xcpu" on a CPU)."""
+    from slipstream.observe.peaks import this_cpu
     from slipstream.plan.hardware import make_cluster
     from slipstream.plan.space import Workload
     from slipstream.plan.timing import estimate_time
 
-    cluster = make_cluster(gpus)
+    cluster = make_cluster(gpus, cpu=this_cpu())
     rows = []
     for case in cases or device_cases():
         model = PlanModel(case.preset, case.model_config())

@@ -1,11 +1,12 @@
 """The cluster a plan runs on: GPU model, how many, and the links between them.
 
 `make_cluster("8xH100", nodes=4)` builds a Cluster from three sources, in rising priority:
-  1. the datasheet table in observe/peaks.py (peak TFLOP/s, memory, memory bandwidth),
+  1. the datasheet table in plan/gpus.py (peak TFLOP/s, memory, memory bandwidth),
   2. documented defaults here (link bandwidths, matmul efficiency, memory reserve),
   3. a `slipstream probe --out FILE` result and explicit overrides (`memory_gib`, link names).
 Every number that did not come from 1 or 2 is listed in Cluster.sources, so a plan can say
-what it assumed. `cpu` plans for this machine: its peaks are measured (cached) rates.
+what it assumed. `cpu` plans for this machine: its peaks are measured (cached) rates, which
+the caller reads and passes in (`cpu=observe.peaks.this_cpu()`; this module measures nothing).
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import json
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 from slipstream.errors import UserError
-from slipstream.observe import peaks
-from slipstream.observe.peaks import GpuSpec, lookup_gpu
+from slipstream.plan.gpus import GpuSpec, lookup_gpu
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,8 @@ PER_NODE_LINKS = frozenset({"ethernet-100g", "ethernet-25g"})
 # A group of one rank communicates with nobody: infinite bandwidth, no latency.
 LOCAL = Link("local", math.inf, 0.0, "no communication (group of one rank)")
 
-# short name -> (device-name-like string for observe.peaks.lookup_gpu, intra link, inter
-# link, host<->device GB/s per GPU). The spec numbers live only in observe/peaks.py.
+# short name -> (device-name-like string for plan.gpus.lookup_gpu, intra link, inter
+# link, host<->device GB/s per GPU). The spec numbers live only in plan/gpus.py.
 # Defaults: SXM parts get their NVLink and InfiniBand (A100 HDR, Hopper/Blackwell NDR);
 # PCIe, NVL (bridged pairs only) and consumer cards get PCIe and a 100 Gb/s node NIC.
 # Host links: achievable pinned copies, ~12/24/48 GB/s on PCIe gen 3/4/5 x16.
@@ -130,6 +131,20 @@ CPU_MEMORY_BW_GBS = 20.0
 # shapes are not the best shapes, so we stay a little below. tf32 and fp32 are not measured
 # there: estimates. A `probe` file replaces these with this machine's numbers.
 DEFAULT_MATMUL_EFFICIENCY = {"bf16": 0.75, "fp16": 0.75, "tf32": 0.70, "fp32": 0.80, "fp8": 0.65}
+
+
+@dataclass(frozen=True)
+class CpuFacts:
+    """What a `cpu` cluster needs to know about this machine, read by the caller
+    (observe.peaks.this_cpu()) so that the planner itself measures nothing.
+
+    name: the CPU model, e.g. 'Intel(R) Xeon(R) Platinum 8480+'.
+    peak_flops: dtype key ("fp32", "bf16", "fp16") -> matmul FLOP/s of the whole machine;
+        called only for the dtypes a probe file does not give.
+    """
+
+    name: str
+    peak_flops: Callable[[str], float]
 
 
 @dataclass(frozen=True)
@@ -228,19 +243,20 @@ def _link(name: str, flag: str) -> Link:
     return LINKS[name]
 
 
-def _cpu_spec(processes: int, measured: dict[str, float]) -> GpuSpec:
+def _cpu_spec(processes: int, measured: dict[str, float], cpu: CpuFacts | None) -> GpuSpec:
     """This machine as a GpuSpec, shared by `processes` processes. `measured` (TFLOP/s of the
-    whole machine, from a probe) is used as given; missing dtypes are measured (and cached)."""
+    whole machine, from a probe) is used as given; missing dtypes come from `cpu.peak_flops`."""
+    if cpu is None:
+        raise ValueError("make_cluster('Nxcpu') plans for this machine: pass its facts, "
+                         "cpu=slipstream.observe.peaks.this_cpu()")
     tflops = {}
     for key in ("fp32", "bf16", "fp16"):  # CPUs have no TF32 or fp8 matmul worth planning for
-        whole = measured[key] if key in measured else peaks.cpu_peak_flops(key) / 1e12
+        whole = measured[key] if key in measured else cpu.peak_flops(key) / 1e12
         # The processes split the cores, so each gets about its share of the machine's rate.
         tflops[key] = whole / processes
     tflops["tf32"] = tflops["fp32"]  # fp32 matmuls run at the fp32 rate
     ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    from slipstream.observe.env import cpu_model
-
-    return GpuSpec(f"CPU {cpu_model()}", tflops, ram_gib, CPU_MEMORY_BW_GBS)
+    return GpuSpec(f"CPU {cpu.name}", tflops, ram_gib, CPU_MEMORY_BW_GBS)
 
 
 def _read_probe(path: str) -> dict:
@@ -276,8 +292,10 @@ def _host_gbs(memory: dict, path: str) -> tuple[float, str] | None:
 
 
 def make_cluster(gpus: str, nodes: int = 1, intra: str | None = None, inter: str | None = None,
-                 probe: str | None = None, memory_gib: float | None = None) -> Cluster:
-    """A Cluster for `--gpus NxNAME` (N per node) times `nodes`; see the module doc."""
+                 probe: str | None = None, memory_gib: float | None = None,
+                 cpu: CpuFacts | None = None) -> Cluster:
+    """A Cluster for `--gpus NxNAME` (N per node) times `nodes`; see the module doc. `cpu`
+    (observe.peaks.this_cpu()) is needed for a `cpu` cluster only, and ignored otherwise."""
     per_node, name = parse_gpus(gpus)
     short = canonical_gpu_name(name)
     if short is None:
@@ -309,7 +327,7 @@ def make_cluster(gpus: str, nodes: int = 1, intra: str | None = None, inter: str
                 if isinstance(entry, dict) and entry.get("status") == "ok"}
 
     if short == CPU:
-        spec = _cpu_spec(per_node, {k: v for k, v in measured.items() if k in ("fp32", "bf16", "fp16")})
+        spec = _cpu_spec(per_node, {k: v for k, v in measured.items() if k in ("fp32", "bf16", "fp16")}, cpu)
         efficiency = dict.fromkeys(spec.peaks, 1.0)  # measured rates already are achievable rates
         intra_link, inter_link, host_gbs = LINKS["shm"], LINKS["ethernet-25g"], CPU_MEMORY_BW_GBS
         reserve_gib = CPU_MEMORY_RESERVE_GIB
@@ -317,7 +335,7 @@ def make_cluster(gpus: str, nodes: int = 1, intra: str | None = None, inter: str
     else:
         lookup_name, intra_name, inter_name, host_gbs = _GPUS[short]
         spec = lookup_gpu(lookup_name)
-        assert spec is not None, f"{lookup_name} missing from observe.peaks"
+        assert spec is not None, f"{lookup_name} missing from plan.gpus"
         efficiency = {k: DEFAULT_MATMUL_EFFICIENCY.get(k, 0.75) for k in spec.peaks}
         intra_link, inter_link = LINKS[intra_name], LINKS[inter_name]
         reserve_gib = GPU_MEMORY_RESERVE_GIB

@@ -67,7 +67,7 @@ def _vocab(cfg) -> int:
 
 def gpu_short_name(device_name: str) -> str | None:
     """The planner's name ("H100") for a torch.cuda.get_device_name() ("NVIDIA H100 80GB HBM3")."""
-    from slipstream.observe.peaks import lookup_gpu
+    from slipstream.plan.gpus import lookup_gpu
     from slipstream.plan.hardware import CPU, canonical_gpu_name, known_gpus, make_cluster
 
     short = canonical_gpu_name(device_name)
@@ -82,10 +82,11 @@ def _cluster(cfg, nproc: int):
     """This machine: N CPU processes, or N GPUs of the local type when CUDA is there and used."""
     import torch
 
+    from slipstream.observe.peaks import this_cpu
     from slipstream.plan.hardware import known_gpus, make_cluster
 
     if cfg.train.device == "cpu" or not torch.cuda.is_available():
-        return make_cluster(f"{nproc}xcpu")
+        return make_cluster(f"{nproc}xcpu", cpu=this_cpu())
     if nproc > torch.cuda.device_count():
         raise UserError(f"--nproc {nproc}: this machine has {torch.cuda.device_count()} GPU(s)")
     name = torch.cuda.get_device_name()
