@@ -2,7 +2,6 @@
 checks, the runner going on past failing, hanging and silent items, the summary JSON, and the
 clear refusal without a CUDA device."""
 
-import argparse
 import json
 import sys
 
@@ -120,16 +119,41 @@ def test_without_cuda_the_real_run_refuses_and_names_the_dry_run(tmp_path, monke
         run_gpu_suite(tmp_path / "out", dry_run=True, only=["nope"])
 
 
-def test_cli_wiring_parses_typed_values_and_the_module_entry_point_runs(tmp_path, capsys, monkeypatch):
-    parser = argparse.ArgumentParser(prog="slipstream bench")
-    gpu_suite.add_gpu_command(parser.add_subparsers(dest="bench_cmd"))
-    args = parser.parse_args(["gpu", "--dry-run", "--only", "probe", "planner", "--out-dir", str(tmp_path)])
-    assert args.func is gpu_suite.cmd_bench_gpu and args.dry_run and args.only == ["probe", "planner"]
-    assert args.timeout_scale == 1.0
+def test_slipstream_bench_gpu_is_wired_through_the_cli(tmp_path, capsys, monkeypatch):
+    """`slipstream bench gpu` parses with slipstream.cli's parser into cli/bench.py's handler,
+    which calls run_gpu_suite with typed values; gpu_suite itself takes no argparse.Namespace."""
+    from slipstream import cli
+    from slipstream.cli import bench
+
+    args = cli.build_parser().parse_args(["bench", "gpu", "--dry-run", "--only", "probe", "planner",
+                                          "--out-dir", str(tmp_path)])
+    assert args.func is bench.cmd_bench_gpu and args.dry_run and args.only == ["probe", "planner"]
+    assert args.timeout_scale == 1.0 and not args.quiet
+    assert not hasattr(gpu_suite, "cmd_bench_gpu") and not hasattr(gpu_suite, "add_gpu_command")
+
     monkeypatch.setattr(gpu_suite, "ITEMS", (Item("quick", 5, "python", ("-c", "pass"), "x"),
                                              Item("broken", 5, "python", ("-c", "def ("), "x")))
-    assert gpu_suite.main(["--dry-run", "--only", "quick", "--out-dir", str(tmp_path)]) == 0
+    assert cli.main(["bench", "gpu", "--dry-run", "--only", "quick", "--out-dir", str(tmp_path)]) == 0
     assert "quick" in capsys.readouterr().out
-    assert gpu_suite.main(["--dry-run", "--out-dir", str(tmp_path)]) == 1  # a broken item fails the dry run
+    assert cli.main(["bench", "gpu", "--dry-run", "--out-dir", str(tmp_path)]) == 1  # a broken item fails
+    assert cli.main(["bench", "gpu", "--dry-run", "--only", "nope"]) == 2
+    assert "unknown GPU suite item" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # a dry run writes nothing
+
+
+def test_the_module_entry_point_passes_typed_values(tmp_path, capsys, monkeypatch):
+    """`python -m slipstream.perf.gpu_suite` is the same command: its main() hands run_gpu_suite
+    plain values (a Path, bools, a list, a float), never the parsed namespace."""
+    calls = []
+
+    def fake_run(out_dir, **kwargs):
+        calls.append((out_dir, kwargs))
+        return {"ok": True, "failed": []}
+
+    monkeypatch.setattr(gpu_suite, "run_gpu_suite", fake_run)
+    assert gpu_suite.main(["--dry-run", "--only", "quick", "--out-dir", str(tmp_path), "--timeout-scale", "2",
+                           "--quiet"]) == 0
+    assert calls == [(tmp_path, {"dry_run": True, "only": ["quick"], "timeout_scale": 2.0, "echo_output": False})]
+    monkeypatch.undo()
     assert gpu_suite.main(["--only", "nope"]) == 2
     assert "unknown GPU suite item" in capsys.readouterr().err

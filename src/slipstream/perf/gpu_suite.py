@@ -623,6 +623,7 @@ def run_gpu_suite(out_dir: Path, dry_run: bool = False, only: list[str] | None =
 
 
 def add_gpu_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """The suite's options, on `slipstream bench gpu` (cli/bench.py) and on build_parser()."""
     p.add_argument("--dry-run", action="store_true",
                    help="check the wiring without a GPU: commands parse, tests collect, budgets fit; writes nothing")
     p.add_argument("--only", nargs="+", default=None, metavar="ITEM",
@@ -634,37 +635,28 @@ def add_gpu_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def add_gpu_command(bench_subparsers) -> argparse.ArgumentParser:
-    """`slipstream bench gpu`, added to the `bench` group's subparsers."""
-    p = bench_subparsers.add_parser("gpu", help="every CUDA-only check and benchmark on one GPU, under 8 minutes")
-    add_gpu_arguments(p)
-    p.set_defaults(func=cmd_bench_gpu)
-    return p
-
-
-def cmd_bench_gpu(args: argparse.Namespace, extra: list[str] | None = None) -> int:
-    """CLI handler: typed values out of `args`, then run_gpu_suite; 1 when any item failed."""
-    if extra:
-        raise UserError(f"unexpected arguments: {' '.join(extra)}")
-    summary = run_gpu_suite(Path(args.out_dir), dry_run=args.dry_run, only=args.only,
-                            timeout_scale=args.timeout_scale, echo_output=not args.quiet)
-    if args.dry_run:
-        return 0 if summary["ok"] else 1
-    return 1 if summary["failed"] else 0
-
-
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of `python -m slipstream.perf.gpu_suite`."""
     return add_gpu_arguments(argparse.ArgumentParser(prog="python -m slipstream.perf.gpu_suite",
                                                      description=__doc__.split("\n\n")[0]))
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`python -m slipstream.perf.gpu_suite`, the same as `slipstream bench gpu` (whose handler
+    lives in cli/bench.py): typed values out of the parsed arguments, then run_gpu_suite;
+    1 when any item (or, with --dry-run, any wiring check) failed, 2 on a usage error."""
     args = build_parser().parse_args(argv)
+    out_dir, dry_run, only = Path(args.out_dir), bool(args.dry_run), list(args.only) if args.only else None
+    timeout_scale, echo_output = float(args.timeout_scale), not args.quiet
     try:
-        return cmd_bench_gpu(args)
+        summary = run_gpu_suite(out_dir, dry_run=dry_run, only=only, timeout_scale=timeout_scale,
+                                echo_output=echo_output)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if dry_run:
+        return 0 if summary["ok"] else 1
+    return 1 if summary["failed"] else 0
 
 
 if __name__ == "__main__":
