@@ -36,6 +36,10 @@ def test_committed_published_comparison_is_current(committed):
     assert [(r["run"], r["metric"]) for r in now] == [(r["run"], r["metric"]) for r in committed["published"]]
     for fresh, old in zip(now, committed["published"]):
         assert fresh["planned"] == pytest.approx(old["planned"], rel=1e-3), fresh["run"]
+        assert fresh.keys() == old.keys(), fresh["run"]  # the held-out fields too (speed rows only)
+        if "held_out_planned" in fresh:
+            assert fresh["held_out_efficiency"] == old["held_out_efficiency"], fresh["run"]
+            assert fresh["held_out_planned"] == pytest.approx(old["held_out_planned"], rel=1e-3), fresh["run"]
 
 
 def test_default_efficiency_is_the_fitted_one():
@@ -43,7 +47,8 @@ def test_default_efficiency_is_the_fitted_one():
 
 
 def test_published_speeds_median_error_within_ten_percent():
-    rows = [r for r in published_report(DEFAULT_EFFICIENCY) if r["metric"] in ("tflops_per_gpu", "mfu", "tokens_per_s_per_gpu")]
+    rows = [r for r in published_report(DEFAULT_EFFICIENCY, held_out=False)
+            if r["metric"] in ("tflops_per_gpu", "mfu", "tokens_per_s_per_gpu")]
     assert len(rows) >= 8
     assert statistics.median(abs(r["error"]) for r in rows) <= 0.10
     # The documented outliers (docs/planner.md) stay bounded: within a factor of 2.2.
@@ -51,7 +56,7 @@ def test_published_speeds_median_error_within_ten_percent():
 
 
 def test_zero_model_states_match_where_the_accounting_agrees():
-    rows = {r["run"]: r for r in published_report(DEFAULT_EFFICIENCY)}
+    rows = {r["run"]: r for r in published_report(DEFAULT_EFFICIENCY, held_out=False)}
     assert abs(rows["zero-fig1-7.5b-64gpu-baseline-dp"]["error"]) < 0.01
     assert abs(rows["zero-fig1-7.5b-64gpu-pos-g-p"]["error"]) < 0.05
 

@@ -6,6 +6,11 @@ predicts (throughput per GPU, MFU, memory per GPU) with what the source reports.
 constant, the compute efficiency (the fraction of the cluster's matmul rate a whole
 training step sustains), is fitted to these runs: `fit_efficiency`. Everything else is
 the model as documented in docs/planner.md.
+
+Scored on the runs it was fitted on, that error is in-sample. `held_out_efficiencies`
+refits the efficiency leave-one-run-out (without each run in turn), and `published_report`
+scores every speed figure at the efficiency fitted without its own run as well: the
+out-of-sample error, the one to quote for a run the planner has not seen.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from slipstream.plan.hardware import make_cluster
 from slipstream.plan.memory import GIB, estimate_memory, model_state_bytes
 from slipstream.plan.published import PUBLISHED_RUNS, PublishedRun
 from slipstream.plan.space import MoE, PlanModel, Strategy, Workload
-from slipstream.plan.timing import estimate_time
+from slipstream.plan.timing import DEFAULT_EFFICIENCY, estimate_time
 
 _STRATEGY_NAMES = {"zero3": "fsdp", None: "ddp"}
 
@@ -100,8 +105,11 @@ def compare_run(run: PublishedRun, efficiency: float) -> list[Comparison]:
     return out
 
 
+SPEED_METRICS = ("tflops_per_gpu", "mfu", "tokens_per_s_per_gpu")
+
+
 def _speed(rows: list[Comparison]) -> list[Comparison]:
-    return [r for r in rows if r.metric in ("tflops_per_gpu", "mfu", "tokens_per_s_per_gpu")]
+    return [r for r in rows if r.metric in SPEED_METRICS]
 
 
 def fit_efficiency(runs=PUBLISHED_RUNS) -> float:
@@ -116,8 +124,29 @@ def fit_efficiency(runs=PUBLISHED_RUNS) -> float:
     return min((e / 100 for e in range(30, 101)), key=loss)
 
 
-def published_report(efficiency: float) -> list[dict]:
-    return [c.to_record() for run in PUBLISHED_RUNS for c in compare_run(run, efficiency)]
+def held_out_efficiencies(runs=PUBLISHED_RUNS) -> dict[str, float]:
+    """Leave-one-run-out: for each run with a speed figure, the efficiency fitted on the others.
+    (Memory-only runs do not enter the speed fit, so they get no fold of their own.)"""
+    return {run.name: fit_efficiency([r for r in runs if r is not run])
+            for run in runs if _speed(compare_run(run, DEFAULT_EFFICIENCY))}
+
+
+def published_report(efficiency: float, held_out: bool = True) -> list[dict]:
+    """Every published figure next to the planner's at `efficiency` (in-sample when that is the
+    efficiency fitted to these runs). With held_out, each speed figure also carries
+    held_out_efficiency (fitted without its run), held_out_planned and held_out_error (the
+    figure planned at that efficiency): the leave-one-run-out score (9 refits, a few seconds)."""
+    rows = [c.to_record() for run in PUBLISHED_RUNS for c in compare_run(run, efficiency)]
+    if not held_out:
+        return rows
+    folds = held_out_efficiencies()
+    by_key = {(c.name, c.metric): (eff, c) for run in PUBLISHED_RUNS if run.name in folds
+              for eff in (folds[run.name],) for c in _speed(compare_run(run, eff))}
+    for row in rows:
+        if (row["run"], row["metric"]) in by_key:
+            eff, c = by_key[row["run"], row["metric"]]
+            row.update(held_out_efficiency=eff, held_out_planned=round(c.planned, 4), held_out_error=round(c.error, 4))
+    return rows
 
 
 def efficiency_from_runs(run_dirs: list[str], cluster) -> tuple[float, list[dict]]:

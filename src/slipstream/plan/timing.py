@@ -31,6 +31,7 @@ from slipstream.plan.space import PlanModel, Strategy, Workload
 # A factor on the compute rate: the fraction of the cluster's matmul rate a whole step
 # sustains. Fitted to the published runs of plan/published.py by plan/report.fit_efficiency
 # (the median |log error| is smallest at 0.87, with the matmul efficiencies of plan/hardware.py).
+# The fit is flat: refitted leave-one-run-out it lands anywhere in 0.87-1.00 (docs/planner.md).
 DEFAULT_EFFICIENCY = 0.87
 # Memory-bound ops read and write the block's activations about this many times per step
 # (forward writes them and reads them back; backward reads them and writes their gradients).
