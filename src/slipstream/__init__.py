@@ -6,10 +6,10 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     # Lazy, so `slipstream --help` and config tools start without importing torch.
-    if name == "Trainer":
-        from slipstream.train.trainer import Trainer
+    if name in ("Trainer", "JobInfo"):
+        from slipstream.train import trainer
 
-        return Trainer
+        return getattr(trainer, name)
     if name in ("Config", "load_config"):
         from slipstream import config
 
@@ -17,4 +17,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["Trainer", "Config", "load_config", "__version__"]
+__all__ = ["Trainer", "JobInfo", "Config", "load_config", "__version__"]

@@ -130,3 +130,19 @@ def test_memory_phases_come_from_the_cuda_allocator_and_the_snapshot_is_written(
     snapshots = list(run.glob("memory_snapshot*.pickle"))
     assert len(snapshots) == 1 and snapshots[0].stat().st_size > 0
     assert snapshots[0].read_bytes()[:1] == b"\x80"  # a pickle (protocol >= 2), for pytorch.org/memory_viz
+
+
+def test_a_meta_model_initialized_on_the_host_trains_on_the_gpu(tiny_overrides, tmp_path):
+    """parallelize moves a replicated model to the rank's device after init_model, wherever the
+    init function allocated it (here: on the host)."""
+    from slipstream import Trainer
+    from slipstream.models.transformer import Transformer, lm_loss, materialize
+
+    cfg = load_config(None, cuda_run(tiny_overrides, tmp_path / "run", "--train.max_steps=2"))
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    data = torch.utils.data.TensorDataset(torch.randint(0, cfg.model.vocab_size, (16, SEQ + 1)))
+    trainer = Trainer(model, data, lambda m, b: lm_loss(m(b[0][:, :-1]), b[0][:, 1:].contiguous()), config=cfg,
+                      init_model=lambda m: materialize(m, "cpu", seed=3))
+    assert all(p.device.type == "cuda" for p in trainer.model.parameters())
+    trainer.fit()

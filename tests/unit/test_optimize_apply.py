@@ -1,5 +1,5 @@
-"""Activation checkpointing and compile through the training loop (applied in the one
-ordered place, optimize/apply.py): same losses as the baseline, less measured activation
+"""Activation checkpointing and compile through the training loop (applied by the one
+ordered chain, distributed/parallelize.py): same losses as the baseline, less measured activation
 memory, checkpoints that load into a model without the switches."""
 
 import json

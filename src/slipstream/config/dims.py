@@ -99,6 +99,9 @@ def _check_fixed(strategy: str, replicate: int, shard: int, want_replicate: int,
 def check_compatibility(cfg: Config, dims: ParallelDims) -> None:
     """Combinations that cannot work, refused before any work starts."""
     s, p = dims.strategy, cfg.parallel
+    if s not in SHARDED and (p.param_dtype != "none" or p.reduce_dtype != "none" or p.offload):
+        raise UserError(f"parallel.param_dtype, reduce_dtype and offload are FSDP settings; with dp_strategy = {s} "
+                        "use precision.autocast, parallel.comm_hook and optim.offload instead")
     if s == "none":
         return
     if cfg.optim.in_backward:
@@ -119,9 +122,6 @@ def check_compatibility(cfg: Config, dims: ParallelDims) -> None:
         if cfg.optim.state_dtype != "fp32" and p.offload:
             raise UserError("optim.state_dtype = bf16 with parallel.offload is not supported; choose one")
     else:
-        if p.param_dtype != "none" or p.reduce_dtype != "none" or p.offload:
-            raise UserError(f"parallel.param_dtype, reduce_dtype and offload are FSDP settings; with dp_strategy = {s} "
-                            "use precision.autocast, parallel.comm_hook and optim.offload instead")
         if p.static_graph and cfg.train.grad_accum_steps > 1:
             raise UserError("parallel.static_graph cannot be combined with train.grad_accum_steps > 1 (DDP's static "
                             "graph does not support no_sync); drop one of them")

@@ -220,11 +220,33 @@ def build_config(data: dict[str, Any]) -> Config:
     return cfg
 
 
+def check_training_rules(cfg: Config) -> None:
+    """The config-only rules of the training step (optimizer, precision, stability); the Trainer
+    checks them again for a Config built in code (it trains any model, so the [model] rules of
+    check_consistency do not apply to it)."""
+    o = cfg.optim
+    if o.in_backward and o.offload:
+        raise UserError("optim.in_backward and optim.offload cannot be combined; choose one")
+    if o.in_backward and cfg.precision.autocast == "fp16":
+        raise UserError("optim.in_backward cannot be used with fp16 loss scaling (the scaler must see all "
+                        "gradients before any step); use --precision.autocast=bf16")
+    if o.in_backward and o.grad_clip > 0:
+        raise UserError("gradient clipping needs the global gradient norm, which is only known after the "
+                        "whole backward, but the in-backward optimizer has already stepped by then; "
+                        "set optim.grad_clip=0 with optim.in_backward")
+    if o.state_dtype == "bf16" and o.implementation not in ("auto", "for-loop"):
+        raise UserError(f"optim.implementation = {o.implementation} is not available with optim.state_dtype = bf16 "
+                        "(it has its own for-loop implementation); use auto or for-loop")
+    if o.in_backward and cfg.stability.policy in ("skip", "rollback"):
+        raise UserError(f"stability.policy = {cfg.stability.policy} must see the gradients before the update, "
+                        "but optim.in_backward updates during backward; use policy stop or none")
+
+
 def check_consistency(cfg: Config) -> None:
     """Rules that involve several fields and need nothing but the config: checked when the
-    config is loaded (and again by the Trainer, for a Config built in code), before any data is
-    prepared or model built. Rules that need the world size or device are checked before
-    joining the process group (config/dims.py, distributed/mesh.py)."""
+    config is loaded, before any data is prepared or model built. Rules that need the world
+    size or device are checked before joining the process group (config/dims.py,
+    distributed/mesh.py)."""
     m, t, o = cfg.model, cfg.train, cfg.optim
     if not re.fullmatch(r"[A-Za-z0-9._-]+", cfg.run.name) or cfg.run.name in (".", ".."):
         raise UserError(f"run.name = {cfg.run.name!r}: use only letters, digits, '.', '_' and '-' "
@@ -241,14 +263,7 @@ def check_consistency(cfg: Config) -> None:
                         f"lower train.seq_len or raise model.max_seq_len")
     if o.min_lr > o.lr:
         raise UserError(f"optim.min_lr = {o.min_lr} is larger than optim.lr = {o.lr}")
-    if o.in_backward and o.offload:
-        raise UserError("optim.in_backward and optim.offload cannot be combined; choose one")
-    if o.in_backward and cfg.precision.autocast == "fp16":
-        raise UserError("optim.in_backward cannot be used with fp16 loss scaling (the scaler must see all "
-                        "gradients before any step); use --precision.autocast=bf16")
-    if o.in_backward and cfg.stability.policy in ("skip", "rollback"):
-        raise UserError(f"stability.policy = {cfg.stability.policy} must see the gradients before the update, "
-                        "but optim.in_backward updates during backward; use policy stop or none")
+    check_training_rules(cfg)
     if cfg.checkpoint.resume not in ("none", "auto") and not cfg.checkpoint.resume:
         raise UserError("checkpoint.resume must be none, auto or a checkpoint path")
 

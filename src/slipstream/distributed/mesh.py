@@ -131,6 +131,14 @@ def check_device_rules(cfg: Config, device: torch.device) -> None:
     if cfg.metrics.memory_snapshot and device.type != "cuda":
         raise UserError("metrics.memory_snapshot records the CUDA caching allocator; this run is on "
                         f"{device.type}. Use --metrics.memory_breakdown (works on CPU) instead")
+    if cfg.profile.enabled and cfg.profile.nvtx and device.type != "cuda":
+        raise UserError(f"profile.nvtx emits NVTX ranges for Nsight Systems, which needs CUDA; this run is on "
+                        f"{device.type}. Use --profile.nvtx=false (the torch profiler trace has the same ranges)")
+    if cfg.precision.fp8:
+        from slipstream.optimize.precision import fp8_support
+
+        if reason := fp8_support(device):
+            raise UserError(f"precision.fp8 = true: {reason}; set --precision.fp8=false")
 
 
 def init_parallel(cfg: Config) -> Parallel:

@@ -27,13 +27,14 @@ from slipstream.errors import UserError
 
 
 def parallelize(model: nn.Module, parallel: Parallel, cfg: Config,
-                init_model: Callable[[nn.Module], Any] | None = None) -> nn.Module:
+                init_model: Callable[[nn.Module], Any] | None = None, device=None) -> nn.Module:
     """Apply every configured technique to `model`, in the documented order.
 
     init_model: for a model on the meta device, the function that allocates and initializes it
     (it must write only a rank's own shards of sharded parameters; see
-    distributed.data_parallel.materialize_sharded)."""
-    dims, device = parallel.dims, parallel.device
+    distributed.data_parallel.materialize_sharded). device: where this rank trains (default: the
+    job's device for this rank)."""
+    dims, device = parallel.dims, device or parallel.device
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and init_model is None:
         raise UserError("the model is on the meta device; pass init_model= (a function that materializes "
@@ -44,6 +45,7 @@ def parallelize(model: nn.Module, parallel: Parallel, cfg: Config,
         # One device or DDP: this rank holds the whole model anyway. Materialize now, so every
         # step below sees real parameters, as with a model built on a device.
         init_model(model)
+        model = model.to(device)  # an init function may build on the host: train where the batches are
         on_meta = False
 
     # Model parallelism first: it splits the module structure (stages, sharded linears) that

@@ -34,9 +34,9 @@ class IntervalMeter:
         self.device = device
         self.parallel = parallel
         self.reset()
-        self.train_time_s = 0.0    # timed wall time of every finished interval of this process
-        self.train_items = 0
-        self.side_time_s = 0.0     # eval, checkpoint and profiler time: not step time
+        # Timed wall time and items of this fit's finished intervals; eval, checkpoint and
+        # profiler time (side time) is not step time. Set by start().
+        self.train_time_s, self.train_items, self.side_time_s = 0.0, 0, 0.0
         self.start()
 
     def reset(self) -> None:
@@ -51,6 +51,7 @@ class IntervalMeter:
         self._timed_steps, self._timed_items = 0, 0
         self._interval_start = self._loop_start = time.perf_counter()
         self.side_time_s = 0.0
+        self.train_time_s, self.train_items = 0.0, 0  # speed is per fit(): a second fit starts over
 
     def add(self, loss: torch.Tensor, items: int, data_wait_s: float, counted: bool = True) -> None:
         if counted:

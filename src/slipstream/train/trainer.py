@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from slipstream.checkpoint import manager as ckpt
 from slipstream.checkpoint.writer import CheckpointWriter
-from slipstream.config.load import check_consistency, config_to_toml
+from slipstream.config.load import check_training_rules, config_to_toml
 from slipstream.config.schema import Config
 from slipstream.distributed.data_parallel import full_value, gradients_live_in_buckets, no_sync
 from slipstream.errors import UserError
@@ -121,17 +121,18 @@ class Trainer:
                  init_model: Callable[[nn.Module], Any] | None = None, sequence_loss_fn: Callable | None = None,
                  job: JobInfo | None = None):
         from slipstream.data.eval_windows import EvalWindows
-        from slipstream.distributed.mesh import init_parallel
+        from slipstream.distributed.mesh import check_device_rules, init_parallel
         from slipstream.distributed.parallelize import parallelize
 
         self.cfg = config or Config()
-        check_consistency(self.cfg)  # config-only rules (a user-built Config may not have been loaded)
+        check_training_rules(self.cfg)  # config-only rules (a Config built in code was never loaded)
         # Joins the process group under torchrun (idempotent); a single process gets a world-1 context.
         self.parallel = parallel or init_parallel(self.cfg)
         self.device = device or self.parallel.device
+        check_device_rules(self.cfg, self.device)  # again: `parallel` or `device` may come from the caller
         configure_runtime(self.cfg, self.device)
         self.job = job or JobInfo()
-        self.model = parallelize(model, self.parallel, self.cfg, init_model)
+        self.model = parallelize(model, self.parallel, self.cfg, init_model, device=self.device)
         self.loss_fn = loss_fn
         self.train_loader = _as_loader(train_data, self.cfg, self.device, shuffle=True, collate_fn=collate_fn,
                                        parallel=self.parallel)
@@ -256,10 +257,12 @@ class Trainer:
         try:
             return self._fit()
         finally:  # also on errors: the next run in this folder (even in this process) may start
-            if self.memory is not None:
-                self.memory.close()
-            release_run_dir(self._run_lock)
-            self._run_lock = None
+            try:
+                if self.memory is not None:
+                    self.memory.close()  # writes a pending CUDA snapshot
+            finally:
+                release_run_dir(self._run_lock)
+                self._run_lock = None
 
     def _fit(self) -> dict[str, Any]:
         cfg = self.cfg
