@@ -48,7 +48,11 @@ def test_git_info_clean_dirty_and_not_a_repo(monkeypatch, tmp_path):
     monkeypatch.setattr(env.subprocess, "run", _fake_run({"rev-parse": (0, "abc123\n"), "status": (0, " M x.py\n")}))
     assert env.git_info(str(tmp_path)) == {"git_sha": "abc123", "git_dirty": True}
     monkeypatch.setattr(env.subprocess, "run", _fake_run({"rev-parse": (128, "")}))
+    monkeypatch.delenv("SLIPSTREAM_GIT_SHA", raising=False)
     assert env.git_info(str(tmp_path)) == {"git_sha": None, "git_dirty": None}
+    # A copy of the tree without .git (a container, a remote machine) says its sha this way.
+    monkeypatch.setenv("SLIPSTREAM_GIT_SHA", "def456")
+    assert env.git_info(str(tmp_path)) == {"git_sha": "def456", "git_dirty": None}
 
 
 def test_git_info_git_missing_or_hanging(monkeypatch, tmp_path):

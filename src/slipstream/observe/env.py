@@ -144,12 +144,14 @@ def _run_git(args: list[str], cwd: str) -> str | None:
 def git_info(cwd: str | None = None) -> dict[str, Any]:
     """Commit sha and dirty flag of the repository containing `cwd` (default: the CWD).
 
-    Both are None when `cwd` is not inside a git repository or git is not installed.
+    Both are None when `cwd` is not inside a git repository or git is not installed; then
+    SLIPSTREAM_GIT_SHA, when set, gives the sha (a copy of a checkout without its .git, such as
+    a container image or a remote machine's copy of the work tree) and the dirty flag stays None.
     """
     cwd = cwd or os.getcwd()
     sha = _run_git(["rev-parse", "HEAD"], cwd)
     if not sha:
-        return {"git_sha": None, "git_dirty": None}
+        return {"git_sha": os.environ.get("SLIPSTREAM_GIT_SHA") or None, "git_dirty": None}
     # --no-optional-locks: never take index.lock, so we cannot disturb a concurrent git.
     status = _run_git(["--no-optional-locks", "status", "--porcelain", "--untracked-files=no"], cwd)
     dirty = None if status is None else bool(status)
