@@ -138,7 +138,8 @@ def test_a_meta_model_initialized_on_the_host_trains_on_the_gpu(tiny_overrides, 
     from slipstream import Trainer
     from slipstream.models.transformer import Transformer, lm_loss, materialize
 
-    cfg = load_config(None, cuda_run(tiny_overrides, tmp_path / "run", "--train.max_steps=2"))
+    # A user's model and data: the vocabulary is the caller's, not resolved from prepared shards.
+    cfg = load_config(None, cuda_run(tiny_overrides, tmp_path / "run", "--train.max_steps=2", "--model.vocab_size=256"))
     with torch.device("meta"):
         model = Transformer(cfg.model)
     data = torch.utils.data.TensorDataset(torch.randint(0, cfg.model.vocab_size, (16, SEQ + 1)))
