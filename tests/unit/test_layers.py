@@ -35,7 +35,7 @@ LAYERS = ("base", "blocks", "components", "services", "train", "tools", "cli")
 # Top-level packages and modules of slipstream -> layer.
 PACKAGE_LAYERS = {
     "config": "base", "runtime": "base", "errors": "base", "safe_read": "base", "diskspace": "base",
-    "outputs": "base",
+    "outputs": "base", "memtrack": "base",
     "models": "blocks", "data": "blocks", "plan": "blocks",
     "distributed": "components", "optimize": "components", "observe": "components", "ops": "components",
     "checkpoint": "services", "resilience": "services",

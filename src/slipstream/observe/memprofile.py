@@ -70,6 +70,7 @@ import torch.nn as nn
 from torch.distributed._tools.mem_tracker import MemTracker
 
 from slipstream.errors import UserError
+from slipstream.memtrack import PeakMemTracker
 
 PHASES = ("forward", "backward", "optimizer")
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
@@ -144,8 +145,9 @@ def _normalize_device(device: str | torch.device) -> torch.device:
     return device
 
 
-class _StepMemTracker(MemTracker):
-    """MemTracker that also keeps the peak, and the breakdown at the peak, of each phase."""
+class _StepMemTracker(PeakMemTracker):
+    """MemTracker that also keeps the peak, and the breakdown at the peak, of each phase
+    (without the stock per-module peaks, whose cost grows with depth squared: memtrack.py)."""
 
     def __init__(self, device: torch.device):
         super().__init__()
@@ -160,7 +162,10 @@ class _StepMemTracker(MemTracker):
     def _live_categories(self) -> dict[str, int]:
         """Bytes live on our device now, by category."""
         categories = dict.fromkeys(CATEGORIES, 0)
-        for dev, dev_snap in self.get_tracker_snapshot("current").items():
+        # Read after every op: the tracker's own dict, not get_tracker_snapshot's deep copy of it.
+        current = getattr(self, "_curr_mem_snap", None)
+        current = self.get_tracker_snapshot("current") if current is None else current
+        for dev, dev_snap in current.items():
             if dev.type != self._device.type or (self._device.index is not None and dev.index != self._device.index):
                 continue
             for reftype, nbytes in dev_snap.items():

@@ -61,12 +61,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY
 from torch.overrides import TorchFunctionMode
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from slipstream.config.schema import ModelConfig
 from slipstream.errors import UserError
+from slipstream.memtrack import PeakMemTracker
 from slipstream.plan.space import PlanModel
 
 PRECISIONS = ("fp32", "bf16")
@@ -407,25 +408,6 @@ class _StepMemory:
     optimizer_bytes: int
 
 
-class _PeakMemTracker(MemTracker):
-    """MemTracker keeping only the step's peak: after every op the stock tracker also updates
-    the peak of each active module, which costs (modules x ops), 10 s for a GPT-2 small step
-    on fake tensors. The bytes it tracks, and its "peak" snapshot, are unchanged."""
-
-    def _update_peak_stats(self, peak_state: Any) -> None:
-        current = getattr(self, "_curr_mem_snap", None)
-        peak = getattr(self, "_peak_mem", None)
-        peak_snap = getattr(self, "_peak_mem_snap", None)
-        if current is None or peak is None or peak_snap is None:  # another torch's internals: the stock way
-            super()._update_peak_stats(peak_state)
-            return
-        for dev, dev_snap in current.items():
-            total = dev_snap.get(_TOTAL_KEY, 0)
-            if peak.get(dev, 0) < total:
-                peak[dev] = total
-                peak_snap[dev] = dict(dev_snap)
-
-
 def _bytes_by_reftype(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
     out: dict[str, int] = {}
     for dev_snap in snapshot.values():
@@ -438,7 +420,7 @@ def _bytes_by_reftype(snapshot: dict[Any, dict[Any, int]]) -> dict[str, int]:
 def _measure_step(model: nn.Module, optimizer: torch.optim.Optimizer, vocab: int, seq_len: int, batch: int,
                   autocast: bool) -> _StepMemory:
     """Tracked forward + backward of one micro-batch, then the (untracked) optimizer step."""
-    tracker = _PeakMemTracker()
+    tracker = PeakMemTracker()  # the stock tracker costs (modules x ops): see slipstream/memtrack.py
     # Parameters, buffers, optimizer state exist before the step: counted from the start.
     tracker.track_external(model, optimizer)
     with tracker:
