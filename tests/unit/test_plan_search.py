@@ -9,7 +9,7 @@ from slipstream.plan.hardware import make_cluster
 from slipstream.plan.memory import GIB
 from slipstream.plan.model import resolve_model
 from slipstream.plan.search import MICRO_BATCHES, evaluate, explain_infeasible, layouts, plan
-from slipstream.plan.space import Strategy, Workload, strategy_overrides
+from slipstream.plan.space import TP_DP_STRATEGIES, Strategy, Workload, strategy_overrides
 
 W70 = Workload(8192, 512)
 
@@ -77,9 +77,11 @@ def test_ranked_layouts_span_parallelisms(result70):
     flagged = [c for c in ranked if c.not_runnable]
     assert flagged and all(c.not_runnable == c.strategy.not_runnable() for c in ranked)
     for c in ranked:
-        if c.strategy.tp > 1:
-            assert f"tensor parallel {c.strategy.tp}" in c.not_runnable
-        if c.strategy.pp > 1:
+        s = c.strategy
+        # Tensor parallelism runs with none / fsdp / hsdp and without the fused loss (issue 13).
+        tp_flagged = any(r.startswith("tensor parallel") for r in c.not_runnable)
+        assert tp_flagged == (s.tp > 1 and (s.dp_strategy not in TP_DP_STRATEGIES or s.fused_loss))
+        if s.pp > 1:
             assert f"pipeline parallel {c.strategy.pp}" in c.not_runnable
 
 
@@ -87,19 +89,21 @@ def test_best_runnable_has_no_reasons(result70):
     best = result70.best(runnable_only=True)
     assert best is not None and best.not_runnable == []
     s = best.strategy
-    assert (s.tp, s.pp, s.cp, s.ep) == (1, 1, 1, 1)
-    assert s.dp == 64 and s.dp_strategy in ("zero2", "fsdp", "hsdp")   # 70B does not fit unsharded
+    assert (s.pp, s.cp, s.ep) == (1, 1, 1)
+    assert s.tp == 1 or (s.dp_strategy in TP_DP_STRATEGIES and not s.fused_loss)
+    assert s.dp * s.tp == 64 and s.dp_strategy in ("zero2", "fsdp", "hsdp")   # 70B does not fit unsharded
     runnable = [c for c in result70.ranked if not c.not_runnable]
     assert best is runnable[0]
     assert best.time.tokens_per_s <= result70.ranked[0].time.tokens_per_s
 
 
-def test_runnable_only_gives_dp_only_layouts(llama70b, cluster64, result70):
+def test_runnable_only_gives_dp_and_tp_layouts(llama70b, cluster64, result70):
     r = plan(llama70b, cluster64, W70, runnable_only=True)
     assert r.ranked and r.evaluated < result70.evaluated
     for c in r.ranked + r.rejected:
-        assert (c.strategy.tp, c.strategy.pp, c.strategy.cp, c.strategy.ep) == (1, 1, 1, 1)
+        assert (c.strategy.pp, c.strategy.cp, c.strategy.ep) == (1, 1, 1)
         assert c.not_runnable == []
+    assert any(c.strategy.tp > 1 for c in r.ranked)  # tensor parallelism runs now
     assert r.ranked[0].strategy == result70.best(runnable_only=True).strategy
     assert r.best(runnable_only=True) is r.ranked[0]
 
@@ -259,9 +263,13 @@ def test_overrides_hsdp_degrees():
     assert ov["parallel.offload"] is True
 
 
-def test_overrides_refuse_tp():
-    with pytest.raises(UserError, match="tensor parallel 2"):
-        strategy_overrides(Strategy("fsdp", dp=4, tp=2), 1024)
+def test_overrides_tp_and_refusals():
+    ov = strategy_overrides(Strategy("fsdp", dp=4, tp=2), 1024)
+    assert ov["parallel.tp"] == 2 and ov["parallel.sequence_parallel"] is True and ov["parallel.loss_parallel"] is True
+    with pytest.raises(UserError, match="tensor parallel 2 with ddp"):
+        strategy_overrides(Strategy("ddp", dp=4, tp=2), 1024)
+    with pytest.raises(UserError, match="tensor parallel 2 with the fused loss"):
+        strategy_overrides(Strategy("fsdp", dp=4, tp=2, fused_loss=True), 1024)
     with pytest.raises(UserError, match="pipeline parallel 4"):
         strategy_overrides(Strategy("none", pp=4), 1024)
 

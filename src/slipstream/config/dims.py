@@ -15,7 +15,7 @@ from slipstream.errors import UserError
 
 SHARDED = ("zero2", "fsdp", "hsdp")   # FSDP2 fully_shard strategies
 REPLICATED = ("ddp", "zero1")         # DistributedDataParallel strategies
-NOT_YET = {"tp": "tensor", "pp": "pipeline", "cp": "context", "ep": "expert"}
+NOT_YET = {"pp": "pipeline", "cp": "context", "ep": "expert"}
 
 
 @dataclass(frozen=True)
@@ -36,12 +36,23 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
-    def mesh_dims(self) -> tuple[tuple[str, int], ...]:
+    def dp_mesh_dims(self) -> tuple[tuple[str, int], ...]:
+        """The data-parallel dims of the mesh (what DDP replicates over and FSDP shards over)."""
         if self.strategy == "hsdp":
             return (("dp_replicate", self.dp_replicate), ("dp_shard", self.dp_shard))
         if self.strategy in SHARDED:
             return (("dp_shard", self.dp_shard),)
         return (("dp_replicate", self.dp_replicate),)
+
+    @property
+    def mesh_dims(self) -> tuple[tuple[str, int], ...]:
+        """Every dim of the mesh, outermost first (the planner's order): data parallel, then tp
+        innermost, so the ranks of one tensor-parallel group are consecutive (one node)."""
+        return self.dp_mesh_dims + ((("tp", self.tp),) if self.tp > 1 else ())
+
+    def dp_rank(self, rank: int) -> int:
+        """Which data-parallel slice a global rank reads: the ranks of one tp group share it."""
+        return rank // (self.tp * self.cp * self.pp)
 
 
 def resolve_parallel_dims(p: ParallelConfig, world_size: int, local_world_size: int = 1) -> ParallelDims:
@@ -102,6 +113,9 @@ def check_compatibility(cfg: Config, dims: ParallelDims) -> None:
     if s not in SHARDED and (p.param_dtype != "none" or p.reduce_dtype != "none" or p.offload):
         raise UserError(f"parallel.param_dtype, reduce_dtype and offload are FSDP settings; with dp_strategy = {s} "
                         "use precision.autocast, parallel.comm_hook and optim.offload instead")
+    if dims.tp > 1 and s not in ("none", "fsdp", "hsdp"):
+        raise UserError(f"parallel.tp > 1 composes with dp_strategy none, fsdp or hsdp (FSDP2 shards the "
+                        f"tensor-parallel DTensors over the data-parallel dims); got {s}. Use --parallel.dp_strategy=fsdp")
     if s == "none":
         return
     if cfg.optim.in_backward:

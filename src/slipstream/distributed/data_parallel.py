@@ -74,7 +74,7 @@ def apply_fsdp(model: nn.Module, cfg: Config, par: Parallel) -> nn.Module:
     param_dtype = DTYPES[p.param_dtype]
     reduce_dtype = DTYPES[p.reduce_dtype] or param_dtype
     options: dict[str, Any] = dict(
-        mesh=par.mesh,
+        mesh=par.dp_mesh,  # with tp, the parameters are already DTensors over the tp dim: FSDP adds the dp dims
         mp_policy=MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         # CPU tensors cannot be pinned without an accelerator.
         offload_policy=CPUOffloadPolicy(pin_memory=par.device.type == "cuda") if p.offload else OffloadPolicy(),

@@ -83,8 +83,18 @@ class Parallel:
 
     @property
     def dp_rank(self) -> int:
-        """Which slice of the global batch this rank reads (every rank is a data-parallel rank for now)."""
-        return self.env.rank
+        """Which slice of the global batch this rank reads (the ranks of one tp group read the same)."""
+        return self.dims.dp_rank(self.env.rank)
+
+    @property
+    def dp_mesh(self):
+        """The data-parallel part of the mesh (FSDP shards over it, DDP replicates over it)."""
+        names = tuple(name for name, _ in self.dims.dp_mesh_dims)
+        return self.mesh if tuple(self.mesh.mesh_dim_names) == names else self.mesh[names]
+
+    @property
+    def tp_mesh(self):
+        return self.mesh["tp"]
 
     def barrier(self) -> None:
         if self.distributed and self.world_size > 1:
@@ -147,6 +157,10 @@ def init_parallel(cfg: Config) -> Parallel:
     env = read_launch_env()
     dims = resolve_parallel_dims(cfg.parallel, env.world_size, env.local_world_size)
     check_compatibility(cfg, dims)
+    if dims.tp > 1:
+        from slipstream.distributed.tensor_parallel import check_tensor_parallel
+
+        check_tensor_parallel(cfg, dims.tp)
     if _CURRENT is not None and _CURRENT.env == env and _CURRENT.dims == dims:
         check_device_rules(cfg, _CURRENT.device)
         return _CURRENT

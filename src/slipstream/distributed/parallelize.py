@@ -49,8 +49,9 @@ def parallelize(model: nn.Module, parallel: Parallel, cfg: Config,
         on_meta = False
 
     # Model parallelism first: it splits the module structure (stages, sharded linears) that
-    # every later step wraps. Not implemented yet: refused here above degree 1, as in the
-    # config check (config.dims.resolve_parallel_dims) that runs before joining the job.
+    # every later step wraps. Pipeline and context parallelism are not implemented yet: refused
+    # here above degree 1, as in the config check (config.dims.resolve_parallel_dims) that runs
+    # before joining the job.
     if dims.pp > 1:
         model = apply_pipeline_split(model, parallel, cfg)
     if dims.tp > 1:
@@ -103,7 +104,11 @@ def apply_pipeline_split(model: nn.Module, parallel: Parallel, cfg: Config) -> n
 
 
 def apply_tensor_parallel(model: nn.Module, parallel: Parallel, cfg: Config) -> nn.Module:
-    raise _not_yet("tensor", "tp", parallel.dims.tp)
+    from slipstream.distributed.tensor_parallel import apply_tensor_parallel as split_over_tp
+    from slipstream.distributed.tensor_parallel import check_tensor_parallel
+
+    check_tensor_parallel(cfg, parallel.dims.tp)
+    return split_over_tp(model, parallel.tp_mesh, cfg)
 
 
 def apply_context_parallel(model: nn.Module, parallel: Parallel, cfg: Config) -> nn.Module:

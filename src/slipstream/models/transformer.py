@@ -85,9 +85,11 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)
+        # Heads from the projections' widths (-1), not the config: a tensor-parallel rank holds
+        # n_head / tp of them (their ratio, hence GQA, is unchanged).
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         if rope is not None:
             cos, sin = rope[0][:T], rope[1][:T]
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
@@ -148,6 +150,8 @@ class Transformer(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         else:
             self.rope_cos = self.rope_sin = None
+        # True when the head masks its padded vocabulary columns itself (a vocabulary-sharded head).
+        self.logits_masked_by_head = False
 
     def forward(self, idx: torch.Tensor, return_hidden: bool = False) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, padded vocab; padded columns -inf); with return_hidden, the final
@@ -167,7 +171,7 @@ class Transformer(nn.Module):
         if return_hidden:
             return x
         logits = self.lm_head(x)
-        if logits.shape[-1] > self.cfg.vocab_size:
+        if logits.shape[-1] > self.cfg.vocab_size and not self.logits_masked_by_head:
             # Padded rows are storage for faster matmuls, not tokens: they take no probability
             # (exp(-inf) = 0, no gradient). In place: linear's backward needs its inputs, not its output.
             logits[..., self.cfg.vocab_size:] = float("-inf")

@@ -15,6 +15,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
+from slipstream.models.transformer import mlp_hidden
 from slipstream.errors import UserError
 from slipstream.plan.hardware import Cluster
 from slipstream.plan.memory import GIB, MemoryEstimate, estimate_memory
@@ -74,16 +75,19 @@ def layouts(model: PlanModel, cluster: Cluster, work: Workload, *, dp_strategies
     """Every layout worth evaluating (the constraints each parallelism puts on the shapes)."""
     cfg, world = model.cfg, cluster.world
     kv = cfg.n_kv_head or cfg.n_head
+    # What the run's tensor-parallel plan splits evenly: heads, KV heads and the MLP width.
     tp_options = tp or tuple(t for t in _divisors(cluster.gpus_per_node, MAX_TP)
-                             if cfg.n_head % t == 0 and kv % t == 0)
+                             if cfg.n_head % t == 0 and kv % t == 0 and mlp_hidden(cfg) % t == 0)
     pp_options = pp or tuple(p for p in (1, 2, 4, 8, 16, 32) if p <= cfg.n_layer and p <= world)
     cp_options = cp or tuple(c for c in (1, 2, 4, 8, 16) if c == 1 or work.seq_len >= 8192 * c // 2)
     ep_options = (1,) if not model.moe else tuple(e for e in (1, 2, 4, 8, 16, 32, 64)
                                                   if model.moe.n_experts % e == 0)
     ac_options = ac or AC_MODES
     mb_options = micro_batches or MICRO_BATCHES
+    if model.traced is not None:
+        tp_options = (1,)  # a user module has no tensor-parallel plan
     if runnable_only or model.traced is not None:
-        tp_options, pp_options, cp_options, ep_options = (1,), (1,), (1,), (1,)
+        pp_options, cp_options, ep_options = (1,), (1,), (1,)
     if model.traced is not None:
         ac_options = ("none",)   # a user module has no known blocks to checkpoint
     out = []
@@ -119,9 +123,8 @@ def layouts(model: PlanModel, cluster: Cluster, work: Workload, *, dp_strategies
                         base = Strategy(dp_strategy=dp_strategy, dp=dp, dp_shard=shard, tp=t, pp=p, cp=c, ep=e,
                                         micro_batch=mb, grad_accum=accum, ac=a, precision=precision,
                                         offload=offload, pp_schedule=schedule, pp_virtual=virtual)
-                        out.append(base)
-                        if model.traced is None:
-                            out.append(base.replace(fused_loss=True))
+                        candidates = [base] + ([base.replace(fused_loss=True)] if model.traced is None else [])
+                        out.extend(c for c in candidates if not (runnable_only and c.not_runnable()))
     return out
 
 

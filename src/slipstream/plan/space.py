@@ -29,8 +29,10 @@ SHARDS = {
 PP_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero-bubble")
 AC_MODES = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp16")
-# What slipstream runs today; the rest is planned and flagged.
-RUNNABLE_TP = RUNNABLE_PP = RUNNABLE_CP = RUNNABLE_EP = 1
+# What slipstream runs today; the rest is planned and flagged. Tensor parallelism runs at any
+# degree the model divides (the search only proposes those), with dp_strategy none, fsdp or hsdp.
+RUNNABLE_PP = RUNNABLE_CP = RUNNABLE_EP = 1
+TP_DP_STRATEGIES = ("none", "fsdp", "hsdp")
 
 
 @dataclass(frozen=True)
@@ -110,8 +112,12 @@ class Strategy:
     def not_runnable(self) -> list[str]:
         """Why slipstream cannot run this layout yet (empty: it can)."""
         reasons = []
-        for name, value, limit in (("tensor parallel", self.tp, RUNNABLE_TP), ("pipeline parallel", self.pp, RUNNABLE_PP),
-                                   ("context parallel", self.cp, RUNNABLE_CP), ("expert parallel", self.ep, RUNNABLE_EP)):
+        if self.tp > 1 and self.dp_strategy not in TP_DP_STRATEGIES:
+            reasons.append(f"tensor parallel {self.tp} with {self.dp_strategy}")
+        if self.tp > 1 and self.fused_loss:
+            reasons.append(f"tensor parallel {self.tp} with the fused loss")
+        for name, value, limit in (("pipeline parallel", self.pp, RUNNABLE_PP), ("context parallel", self.cp, RUNNABLE_CP),
+                                   ("expert parallel", self.ep, RUNNABLE_EP)):
             if value > limit:
                 reasons.append(f"{name} {value}")
         return reasons
@@ -169,6 +175,10 @@ def strategy_overrides(s: Strategy, seq_len: int) -> dict[str, object]:
     if s.dp_strategy == "hsdp":
         values["parallel.dp_shard"] = s.dp_shard
         values["parallel.dp_replicate"] = s.dp // s.dp_shard
+    if s.tp > 1:
+        values["parallel.tp"] = s.tp
+        values["parallel.sequence_parallel"] = s.sequence_parallel
+        values["parallel.loss_parallel"] = True  # what the planner's memory model assumes: logits stay sharded
     return values
 
 

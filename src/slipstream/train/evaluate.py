@@ -20,6 +20,7 @@ from typing import Any, Callable
 import torch
 
 from slipstream.data.eval_windows import EvalWindows
+from slipstream.distributed.data_parallel import full_value
 from slipstream.train.lm_loss import lm_sequence_losses
 
 
@@ -67,7 +68,7 @@ class Evaluator:
         sums = torch.zeros(3, dtype=torch.float64, device=device)
         for (x, y), weight in self.data:
             with self.autocast:
-                losses = self.sequence_loss_fn(model, x, y).double()
+                losses = full_value(self.sequence_loss_fn(model, x, y)).double()  # loss parallel: a DTensor
             w = weight.double()
             sums += torch.stack([(losses * w).sum(), (losses * losses * w).sum(), w.sum()])
         return sums
@@ -82,7 +83,7 @@ class Evaluator:
             except StopIteration:
                 break
             with self.autocast:
-                loss = self.loss_fn(model, batch).double()
+                loss = full_value(self.loss_fn(model, batch)).double()
             sums += torch.stack([loss, loss * loss, torch.ones((), dtype=torch.float64, device=device)])
         return sums
 

@@ -37,6 +37,7 @@ from slipstream.checkpoint.writer import CheckpointWriter
 from slipstream.config.load import check_training_rules, config_to_toml
 from slipstream.config.schema import Config
 from slipstream.distributed.data_parallel import full_value, gradients_live_in_buckets, no_sync
+from slipstream.distributed.tensor_parallel import LossParallel
 from slipstream.errors import UserError
 from slipstream.observe.console import TrainProgress
 from slipstream.observe.flops import mfu
@@ -78,6 +79,27 @@ def _as_loader(data: Any, cfg: Config, device: torch.device, shuffle: bool, coll
                              rank=parallel.dp_rank if parallel else 0, world_size=parallel.dims.dp if parallel else 1)
     raise UserError(f"train_data must be a torch Dataset or a stateful loader (state_dict/load_state_dict), "
                     f"got {type(data).__name__}")
+
+
+class _Both:
+    """Two re-enterable contexts entered together (the evaluator's autocast + loss parallel)."""
+
+    def __init__(self, first: Any, second: Any):
+        self.first, self.second = first, second
+
+    def __enter__(self) -> None:
+        self.first.__enter__()
+        try:
+            self.second.__enter__()
+        except BaseException:
+            self.first.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.second.__exit__(*exc)
+        finally:
+            self.first.__exit__(*exc)
 
 
 def _batch_size(batch: Any) -> int:
@@ -147,7 +169,9 @@ class Trainer:
         self.step = 0
         self.tokens_seen = 0
         self.run_dir = Path(self.parallel.broadcast(str(make_run_dir(self.cfg))))  # rank 0 names it
+        # Forward (and, for loss parallel, backward) of a micro-batch run inside both contexts.
         self._autocast = autocast_context(self.device, self.cfg.precision.autocast)
+        self._loss_parallel = LossParallel(self.parallel.dims.tp > 1 and self.cfg.parallel.loss_parallel)
         self.scaler = make_grad_scaler(self.device, self.cfg.precision)
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)  # fp16 overflow skips
         self.meter = IntervalMeter(self.device, self.parallel)
@@ -155,7 +179,8 @@ class Trainer:
         if self.val_loader is not None and self.cfg.train.eval_steps:
             from slipstream.train.evaluate import Evaluator
 
-            self.evaluator = Evaluator(self.val_loader, loss_fn, self.parallel, self._autocast,
+            self.evaluator = Evaluator(self.val_loader, loss_fn, self.parallel,
+                                       _Both(self._autocast, self._loss_parallel),
                                        max_batches=self.cfg.train.eval_steps, sequence_loss_fn=sequence_loss_fn)
         c = self.cfg.checkpoint
         async_save = c.async_save and (self.parallel.world_size == 1 or self.parallel.side_group is not None)
@@ -512,7 +537,8 @@ class Trainer:
             data_wait += time.perf_counter() - t0
             items += (self.tokens_per_batch or _batch_size(batch)) * dp
             # DDP: no gradient all-reduce before the last micro-batch (forward arms it, backward runs it).
-            with no_sync(self.model, last_micro_batch=micro == accum - 1):
+            # loss parallel: the cross-entropy's forward and backward both run on the vocabulary shards.
+            with no_sync(self.model, last_micro_batch=micro == accum - 1), self._loss_parallel:
                 with self._label("forward"), self._autocast:
                     loss = self.loss_fn(self.model, batch)
                 if self.resilience is not None and self.resilience.faults:  # tests only: injected faults
@@ -524,7 +550,7 @@ class Trainer:
                     if self.scaler is not None:
                         scaled = self.scaler.scale(scaled)
                     scaled.backward()
-            loss_sum += loss.detach()
+            loss_sum += full_value(loss.detach())  # loss parallel gives a replicated DTensor (no communication)
         return loss_sum / accum, data_wait, items
 
     def optimizer_step(self, loss: torch.Tensor | None = None) -> torch.Tensor:

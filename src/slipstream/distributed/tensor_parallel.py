@@ -1,0 +1,194 @@
+"""Tensor, sequence and loss parallelism (Megatron-style) for slipstream transformers, on DTensor.
+
+The `tp` dimension of the mesh splits every block's matmuls:
+
+    attention   q/k/v column-parallel (each rank computes n_head/tp heads, GQA: n_kv_head/tp),
+                o_proj row-parallel (partial sums reduced)
+    MLP         up/gate column-parallel, down row-parallel (GELU and SwiGLU alike)
+    embedding   vocab-parallel: each rank holds vocab/tp rows of the table
+    head        column-parallel over the vocabulary; with loss parallel the cross-entropy runs
+                on the vocabulary shards (torch's loss_parallel) and the logits are never gathered
+
+Sequence parallel (parallel.sequence_parallel): between the TP regions the residual stream,
+the norms and the dropouts work on sequence shards (B, T/tp, d), so those activations are
+1/tp per rank; each attention/MLP input is all-gathered along the sequence and each output
+reduce-scattered back to it. Without it the stream is replicated and the row-parallel outputs
+are all-reduced. Every collective is DTensor's (parallelize_module's styles): none is written here.
+
+Every parameter becomes a DTensor on the tp mesh: sharded ones as above, the rest (norms, and
+learned positions) replicated, so gradient clipping, FSDP on the data-parallel dims and
+checkpoints see one kind of tensor. Tied embeddings (GPT-2) stay tied: the table and the head
+are sharded the same way (rows = vocabulary) and the head takes the table's DTensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from slipstream.config.schema import Config
+from slipstream.errors import UserError
+
+
+def _styles():
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    class ReplicateParallel(ParallelStyle):
+        """A module whose parameters are replicated over tp and whose input and output are
+        replicated local tensors (a norm without sequence parallel): its parameters become
+        Replicate DTensors, its input a Replicate DTensor for the computation, its output local."""
+
+        def _apply(self, module: nn.Module, device_mesh) -> nn.Module:
+            for name, param in list(module.named_parameters(recurse=False)):
+                module.register_parameter(name, nn.Parameter(distribute_tensor(param, device_mesh, [Replicate()],
+                                                                               src_data_rank=None)))
+
+            def wrap_input(mod, inputs):
+                from torch.distributed.tensor import DTensor
+
+                return tuple(DTensor.from_local(x, device_mesh, [Replicate()], run_check=False)
+                             if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+            def local_output(mod, inputs, output):
+                return output.to_local() if hasattr(output, "to_local") else output
+
+            module.register_forward_pre_hook(wrap_input)
+            module.register_forward_hook(local_output)
+            return module
+
+    class VocabParallelHead(ColwiseParallel):
+        """The output head, column-parallel over the (padded) vocabulary. Its local logits are the
+        rank's vocabulary shard; the padded columns in that shard get -inf before the logits leave,
+        as Transformer.forward does for a whole head (they are storage, not tokens)."""
+
+        def __init__(self, vocab: int, padded_vocab: int, **kwargs: Any):
+            super().__init__(**kwargs)
+            self.vocab, self.padded_vocab = vocab, padded_vocab
+
+        def _prepare_output_fn(self, output_layouts, use_local_output, mod, outputs, device_mesh):
+            if self.padded_vocab > self.vocab:
+                per_rank = self.padded_vocab // device_mesh.size()
+                first = device_mesh.get_local_rank() * per_rank
+                pad_from = max(0, self.vocab - first)
+                if pad_from < per_rank:
+                    # outputs is this rank's Shard(-1) DTensor; its local tensor is written in place,
+                    # unseen by autograd, which is exact: linear's backward needs its inputs, not its
+                    # output, and the gradient of a -inf logit is softmax = 0 (as in the model).
+                    outputs._local_tensor[..., pad_from:] = float("-inf")
+            return super()._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+
+    return (Replicate, Shard, ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput,
+            ReplicateParallel, VocabParallelHead)
+
+
+def check_tensor_parallel(cfg: Config, tp: int) -> None:
+    """Refuse what tensor parallelism cannot split evenly or does not support (before any work starts)."""
+    if tp <= 1:
+        return
+    from slipstream.models.transformer import kv_heads, mlp_hidden, padded_vocab_size
+
+    m, p = cfg.model, cfg.parallel
+    valid = lambda n: ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)  # noqa: E731
+    if m.n_head % tp:
+        raise UserError(f"parallel.tp = {tp} must divide model.n_head = {m.n_head} (each rank computes whole "
+                        f"heads); valid degrees: {valid(m.n_head)}")
+    if kv_heads(m) % tp:
+        raise UserError(f"parallel.tp = {tp} must divide the key/value heads (model.n_kv_head = {kv_heads(m)}); "
+                        f"valid degrees: {valid(kv_heads(m))}")
+    if mlp_hidden(m) % tp:
+        raise UserError(f"parallel.tp = {tp} must divide the MLP width {mlp_hidden(m)}; valid degrees: "
+                        f"{valid(mlp_hidden(m))}")
+    if m.vocab_size > 0 and padded_vocab_size(m) % tp:
+        raise UserError(f"parallel.tp = {tp} must divide the padded vocabulary {padded_vocab_size(m)}; set "
+                        f"model.vocab_multiple to a multiple of {tp} (e.g. {64 * tp})")
+    if p.sequence_parallel and cfg.train.seq_len % tp:
+        raise UserError(f"parallel.sequence_parallel splits the sequence over tp = {tp} ranks: train.seq_len = "
+                        f"{cfg.train.seq_len} must be divisible by {tp}")
+    if m.dropout > 0:
+        raise UserError("model.dropout > 0 with parallel.tp > 1 is not supported yet (the masks of sharded "
+                        "activations would repeat across tensor-parallel ranks); set --model.dropout=0")
+    if cfg.train.fused_loss:
+        raise UserError("train.fused_loss applies the whole output head in one op; with parallel.tp > 1 the head "
+                        "is vocabulary-sharded: use --parallel.loss_parallel=true (the cross-entropy runs on the "
+                        "shards, logits never gathered) and --train.fused_loss=false")
+    if cfg.precision.fp8:
+        raise UserError("precision.fp8 with parallel.tp > 1 is not supported yet; turn one of them off")
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
+    """Split a slipstream Transformer over `tp_mesh` (in place; see the module doc)."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from slipstream.models.transformer import Transformer, padded_vocab_size
+
+    if not isinstance(model, Transformer):
+        raise UserError(f"parallel.tp > 1 needs a tensor-parallel plan for the model; slipstream has one for its "
+                        f"own transformers, not for {type(model).__name__}. Apply "
+                        "torch.distributed.tensor.parallel.parallelize_module to your model yourself (before "
+                        "the Trainer) and run with --parallel.tp=1, or use a slipstream model")
+    (Replicate, Shard, ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput,
+     ReplicateParallel, VocabParallelHead) = _styles()
+    sp, loss_parallel = cfg.parallel.sequence_parallel, cfg.parallel.loss_parallel
+    stream = Shard(1) if sp else Replicate()  # the residual stream between the TP regions
+    norm = SequenceParallel if sp else ReplicateParallel
+
+    plan: dict[str, Any] = {
+        # Vocabulary-parallel table: each rank looks up its rows, the partial sums are reduced
+        # (reduce-scattered along the sequence with SP, all-reduced without).
+        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+        "final_norm": norm(),
+        "lm_head": VocabParallelHead(model.cfg.vocab_size, padded_vocab_size(model.cfg), input_layouts=stream,
+                                     output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                     use_local_output=not loss_parallel),
+    }
+    if model.pos_emb is not None:
+        # The position table split by position: with SP each rank then adds the positions of
+        # its own sequence shard (dim 0 of the (T, d) output is the sequence).
+        plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0) if sp else Replicate())
+    parallelize_module(model, tp_mesh, plan)
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, {
+            "attn_norm": norm(),
+            # The block's input arrives on sequence shards (SP) and is gathered for the matmuls.
+            "attn": PrepareModuleInput(input_layouts=(stream, None), desired_input_layouts=(Replicate(), None)),
+            "attn.q_proj": ColwiseParallel(),
+            "attn.k_proj": ColwiseParallel(),
+            "attn.v_proj": ColwiseParallel(),
+            "attn.o_proj": RowwiseParallel(output_layouts=stream),
+            "mlp_norm": norm(),
+            "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
+            "mlp.up_proj": ColwiseParallel(),
+            "mlp.down_proj": RowwiseParallel(output_layouts=stream),
+            **({"mlp.gate_proj": ColwiseParallel()} if block.mlp.gate_proj is not None else {}),
+        })
+    if model.cfg.tie_embeddings:
+        # parallelize_module gave the head its own copy of the shared table: share the table's again.
+        model.lm_head.weight = model.tok_emb.weight
+    model.logits_masked_by_head = True  # VocabParallelHead masks each shard's padded columns
+    return model
+
+
+class LossParallel:
+    """A re-enterable context for the forward and backward of one micro-batch: torch's
+    loss_parallel() (cross-entropy on vocabulary-sharded logits) when enabled, else nothing."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self._stack: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> None:
+        stack = contextlib.ExitStack()
+        if self.enabled:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            stack.enter_context(loss_parallel())
+        self._stack.append(stack)
+
+    def __exit__(self, *exc) -> None:
+        self._stack.pop().__exit__(*exc)

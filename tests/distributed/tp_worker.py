@@ -1,0 +1,152 @@
+"""Worker for tests/distributed/test_tensor_parallel.py: tensor-parallel Trainer runs in one launch.
+
+    python -m torch.distributed.run --standalone --nproc-per-node N tests/distributed/tp_worker.py OUT_DIR [NAME ...]
+
+Per scenario of SCENARIOS[N] (or the named ones), in the same process group:
+  1. one optimizer step by hand: the micro-batch loss, every gradient and every parameter after
+     the AdamW step, gathered to full tensors (`full_tensor()`), into OUT_DIR/<name>/step.pt;
+  2. a fresh Trainer's fit() of STEPS steps: rank 0 writes metrics.jsonl into OUT_DIR/<name>/run,
+     and the final full parameters go to OUT_DIR/<name>/final.pt;
+  3. what the layout really did to the model, into OUT_DIR/<name>/layout.json (placements and
+     local shapes of a few parameters), so a test fails when tp is silently ignored.
+The pytest side builds the single-process references with the same builders (`reference`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+VOCAB = 60        # padded to 64: the last tensor-parallel shard holds padded head rows
+SEQ_LEN = 16
+N_SAMPLES = 32
+MICRO = 2         # per data-parallel rank
+STEPS = 4
+MODEL_SEED = 7
+
+COMMON = [
+    f"--model.vocab_size={VOCAB}", "--model.vocab_multiple=64", f"--train.seq_len={SEQ_LEN}",
+    f"--train.max_steps={STEPS}", "--train.deterministic=true", "--train.eval_steps=0",
+    "--optim.warmup_steps=1", "--optim.lr=0.01", "--optim.eps=1e-6", "--logging.progress=false",
+    "--logging.tensorboard=false", "--logging.log_interval=1", "--metrics.memory_breakdown=false",
+    "--checkpoint.interval=0", "--checkpoint.save_final=false",
+    "--parallel.timeout_s=60", "--parallel.init_timeout_s=60",
+]
+GPT2 = ("--model.preset=tiny",)  # learned positions, LayerNorm, GELU, biases, tied embeddings
+LLAMA = ("--model.preset=tiny", "--model.position=rope", "--model.norm=rmsnorm", "--model.mlp=swiglu",
+         "--model.n_head=4", "--model.n_kv_head=2", "--model.bias=false", "--model.tie_embeddings=false")
+NO_SP = ("--parallel.sequence_parallel=false", "--parallel.loss_parallel=false")
+SP = ("--parallel.sequence_parallel=true", "--parallel.loss_parallel=false")
+SP_LOSS = ("--parallel.sequence_parallel=true", "--parallel.loss_parallel=true")
+
+
+def scenario(name: str, model: tuple[str, ...], tp: int, strategy: str = "none", extra: tuple[str, ...] = ()):
+    return dict(name=name, model=list(model), tp=tp, strategy=strategy, extra=list(extra))
+
+
+SCENARIOS: dict[int, list[dict[str, Any]]] = {
+    2: [
+        scenario("gpt2_tp2", GPT2, 2, extra=NO_SP),
+        scenario("gpt2_tp2_sp", GPT2, 2, extra=SP),
+        scenario("gpt2_tp2_sp_loss", GPT2, 2, extra=SP_LOSS),
+        scenario("llama_tp2", LLAMA, 2, extra=NO_SP),
+        scenario("llama_tp2_sp_loss", LLAMA, 2, extra=SP_LOSS),
+    ],
+    4: [
+        scenario("gpt2_fsdp2_tp2", GPT2, 2, "fsdp", SP_LOSS),
+        scenario("llama_fsdp2_tp2_ac", LLAMA, 2, "fsdp", (*SP_LOSS, "--activations.checkpointing=full")),
+        scenario("llama_hsdp_tp2", LLAMA, 2, "hsdp", (*SP_LOSS, "--parallel.dp_replicate=2")),
+        scenario("llama_tp4", LLAMA, 4, extra=(*SP_LOSS, "--model.n_head=4", "--model.n_kv_head=4")),
+    ],
+}
+
+
+def overrides(sc: dict[str, Any], run_dir: Path | str, tp: int, strategy: str, micro: int) -> list[str]:
+    return [*COMMON, *sc["model"], f"--run.dir={run_dir}", f"--parallel.tp={tp}",
+            f"--parallel.dp_strategy={strategy}", f"--train.micro_batch_size={micro}", *sc["extra"]]
+
+
+def make_dataset() -> torch.utils.data.Dataset:
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, VOCAB, (N_SAMPLES, SEQ_LEN + 1), generator=g)
+    return torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def lm_batch_loss(model, batch):
+    from slipstream.models.transformer import lm_loss
+
+    return lm_loss(model(batch[0]), batch[1])
+
+
+def full_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    from slipstream.distributed.data_parallel import full_value
+
+    return {name: full_value(t.detach()).float().clone() for name, t in tensors.items()}
+
+
+def run(cfg) -> dict[str, Any]:
+    """Both phases for one config (distributed or reference); returns the step-1 tensors, the
+    fit()'s final parameters and the trainer of the fit (for the layout)."""
+    from slipstream import Trainer
+    from slipstream.models.transformer import build_model
+
+    trainer = Trainer(build_model(cfg.model, "cpu", seed=MODEL_SEED), make_dataset(), lm_batch_loss, config=cfg)
+    loss, _, _ = trainer.accumulate_gradients(iter(trainer.train_loader))
+    named = dict(trainer.model.named_parameters())
+    grads = full_state({n: p.grad for n, p in named.items()})
+    grad_norm = trainer.optimizer_step(loss)
+    step = {"loss": float(loss), "grad_norm": float(grad_norm), "grads": grads, "params": full_state(named)}
+
+    trainer = Trainer(build_model(cfg.model, "cpu", seed=MODEL_SEED), make_dataset(), lm_batch_loss, config=cfg)
+    trainer.fit()
+    return {"step": step, "final": full_state(dict(trainer.model.named_parameters())), "trainer": trainer}
+
+
+def layout(trainer) -> dict[str, Any]:
+    out = {}
+    for name, p in trainer.model.named_parameters():
+        if hasattr(p, "placements"):
+            out[name] = {"placements": [str(pl) for pl in p.placements], "local_shape": list(p.to_local().shape),
+                         "mesh": list(p.device_mesh.mesh_dim_names or ())}
+        else:
+            out[name] = {"placements": None, "local_shape": list(p.shape), "mesh": []}
+    out["_tied"] = trainer.model.lm_head.weight is trainer.model.tok_emb.weight
+    return out
+
+
+def main(argv: list[str]) -> int:
+    out_dir, names = Path(argv[0]), set(argv[1:])
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    from slipstream.config import load_config
+    from slipstream.distributed.mesh import shutdown
+
+    failed = False
+    for sc in SCENARIOS[world]:
+        if names and sc["name"] not in names:
+            continue
+        where = out_dir / sc["name"]
+        try:
+            dp = world // sc["tp"]
+            cfg = load_config(None, overrides(sc, where / "run", sc["tp"], sc["strategy"], MICRO))
+            result = run(cfg)
+            if rank == 0:
+                torch.save(result["step"], where / "step.pt")
+                torch.save(result["final"], where / "final.pt")
+                (where / "layout.json").write_text(json.dumps({"dp": dp, **layout(result["trainer"])}, indent=1))
+        except Exception:
+            failed = True
+            where.mkdir(parents=True, exist_ok=True)
+            (where / f"error_rank{rank}.txt").write_text(traceback.format_exc())
+            traceback.print_exc()
+    shutdown()
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
