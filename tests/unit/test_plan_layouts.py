@@ -175,3 +175,18 @@ def test_strategy_from_config_resolves_like_the_trainer(tmp_path):
     # and back: the overrides of an autocast FSDP layout ask for autocast, not FSDP mixed precision
     assert strategy_overrides(autocast, 128)["precision.autocast"] == "bf16"
     assert strategy_overrides(autocast, 128)["parallel.param_dtype"] == "none"
+
+
+def test_strategy_from_config_carries_tensor_parallel():
+    """The run's own memory check plans the tp layout it runs (issue 13): tp and SP from the
+    config, dp = world / tp; and less memory per rank than the same run without tp."""
+    from slipstream.plan.preflight import plan_training_memory
+    from slipstream.plan.space import strategy_from_config
+
+    args = ["--parallel.dp_strategy=fsdp", "--model.preset=tiny", "--model.vocab_size=64", "--train.seq_len=128"]
+    cfg = load_config(None, [*args, "--parallel.tp=2", "--parallel.sequence_parallel=false"])
+    s = strategy_from_config(cfg, 4)
+    assert (s.dp_strategy, s.dp, s.tp, s.sequence_parallel) == ("fsdp", 2, 2, False)
+    with_tp = plan_training_memory(load_config(None, [*args, "--parallel.tp=2"]), 2, "fsdp", 0, "cpu")
+    without = plan_training_memory(load_config(None, args), 2, "fsdp", 0, "cpu")
+    assert with_tp.total_bytes < without.total_bytes

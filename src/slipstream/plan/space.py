@@ -191,19 +191,22 @@ def precision_of(cfg) -> str:
 
 
 def strategy_from_config(cfg, world: int, dp_strategy: str | None = None, dp_shard: int = 0) -> Strategy:
-    """The layout a training Config runs on `world` processes (the inverse of strategy_overrides).
+    """The layout a training Config runs on `world` processes (the inverse of strategy_overrides);
+    with dp_strategy given, `world` is the data-parallel degree the caller resolved.
 
     The data-parallel strategy and hsdp's shard size are resolved exactly as the trainer
     resolves them (config.dims.resolve_parallel_dims), unless given. Activation offload
     is not modelled: it is planned as "none", which over-states its memory, never under-states.
     """
+    dp = world  # a caller that resolved the degrees passes the data-parallel degree
     if dp_strategy is None:
         from slipstream.config.dims import resolve_parallel_dims
 
         dims = resolve_parallel_dims(cfg.parallel, world, world)
-        dp_strategy, dp_shard = dims.strategy, dims.dp_shard
+        dp_strategy, dp_shard, dp = dims.strategy, dims.dp_shard, dims.dp
     ac = cfg.activations.checkpointing if cfg.activations.checkpointing in AC_MODES else "none"
-    return Strategy(dp_strategy=dp_strategy, dp=world, dp_shard=dp_shard if dp_strategy == "hsdp" else 0,
+    return Strategy(dp_strategy=dp_strategy, dp=dp, dp_shard=dp_shard if dp_strategy == "hsdp" else 0,
+                    tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel,
                     micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum_steps, ac=ac,
                     precision=precision_of(cfg), offload=cfg.parallel.offload, fused_loss=cfg.train.fused_loss,
                     loss_chunk=cfg.train.fused_loss_chunk, fsdp_mixed=cfg.parallel.param_dtype in ("bf16", "fp16"))
