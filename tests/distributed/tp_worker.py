@@ -46,8 +46,17 @@ SP = ("--parallel.sequence_parallel=true", "--parallel.loss_parallel=false")
 SP_LOSS = ("--parallel.sequence_parallel=true", "--parallel.loss_parallel=true")
 
 
-def scenario(name: str, model: tuple[str, ...], tp: int, strategy: str = "none", extra: tuple[str, ...] = ()):
-    return dict(name=name, model=list(model), tp=tp, strategy=strategy, extra=list(extra))
+def scenario(name: str, model: tuple[str, ...], tp: int, strategy: str = "none", extra: tuple[str, ...] = (),
+             kind: str = "equal"):
+    """kind: equal (the two phases of `run`), save (a 6-step fit with a checkpoint at step 3) or
+    resume (from the world-2 launch's save checkpoint at this layout, to step 6)."""
+    return dict(name=name, model=list(model), tp=tp, strategy=strategy, extra=list(extra), kind=kind)
+
+
+# Resharding: saved at tp2 (world 2), resumed at fsdp2 x tp2 (world 4, half the micro-batch: the
+# same global batch) and, on the pytest side, at tp1 in one process.
+SAVE = ("--train.max_steps=6", "--checkpoint.interval=3", *SP_LOSS)
+SAVED_CHECKPOINT = Path("2") / "llama_tp2_save" / "run" / "checkpoints" / "step_00000003"  # under OUT_DIR/..
 
 
 SCENARIOS: dict[int, list[dict[str, Any]]] = {
@@ -57,12 +66,14 @@ SCENARIOS: dict[int, list[dict[str, Any]]] = {
         scenario("gpt2_tp2_sp_loss", GPT2, 2, extra=SP_LOSS),
         scenario("llama_tp2", LLAMA, 2, extra=NO_SP),
         scenario("llama_tp2_sp_loss", LLAMA, 2, extra=SP_LOSS),
+        scenario("llama_tp2_save", LLAMA, 2, extra=SAVE, kind="save"),
     ],
     4: [
         scenario("gpt2_fsdp2_tp2", GPT2, 2, "fsdp", SP_LOSS),
         scenario("llama_fsdp2_tp2_ac", LLAMA, 2, "fsdp", (*SP_LOSS, "--activations.checkpointing=full")),
         scenario("llama_hsdp_tp2", LLAMA, 2, "hsdp", (*SP_LOSS, "--parallel.dp_replicate=2")),
         scenario("llama_tp4", LLAMA, 4, extra=(*SP_LOSS, "--model.n_head=4", "--model.n_kv_head=4")),
+        scenario("llama_resume_fsdp2_tp2", LLAMA, 2, "fsdp", SAVE, kind="resume"),
     ],
 }
 
@@ -108,6 +119,15 @@ def run(cfg) -> dict[str, Any]:
     return {"step": step, "final": full_state(dict(trainer.model.named_parameters())), "trainer": trainer}
 
 
+def fit(cfg):
+    from slipstream import Trainer
+    from slipstream.models.transformer import build_model
+
+    trainer = Trainer(build_model(cfg.model, "cpu", seed=MODEL_SEED), make_dataset(), lm_batch_loss, config=cfg)
+    trainer.fit()
+    return trainer
+
+
 def layout(trainer) -> dict[str, Any]:
     out = {}
     for name, p in trainer.model.named_parameters():
@@ -133,6 +153,12 @@ def main(argv: list[str]) -> int:
         where = out_dir / sc["name"]
         try:
             dp = world // sc["tp"]
+            if sc["kind"] != "equal":
+                # The global batch of the save run (tp2, one data-parallel rank, MICRO) at every layout.
+                resume = [f"--checkpoint.resume={out_dir.parent / SAVED_CHECKPOINT}"] if sc["kind"] == "resume" else []
+                cfg = load_config(None, overrides(sc, where / "run", sc["tp"], sc["strategy"], MICRO // dp) + resume)
+                fit(cfg)
+                continue
             cfg = load_config(None, overrides(sc, where / "run", sc["tp"], sc["strategy"], MICRO))
             result = run(cfg)
             if rank == 0:

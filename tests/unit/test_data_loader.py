@@ -250,3 +250,25 @@ def test_a_sequential_position_is_resharded_without_repeats(data_dir, saved, res
     epoch_order = np.random.default_rng([_seed_key(3), 0]).permutation(old[0]._n_windows) * 32  # window starts
     first_new = min(list(epoch_order).index(s) for s in following)
     assert first_new >= len(read) and first_new - len(read) < 2 * new_batch * new_world
+
+
+def test_dataset_loader_position_reshards_at_the_same_global_batch():
+    """1 rank x batch 4 -> 2 ranks x batch 2 (a resharded resume): the position carries, and the
+    ranks' next batches together are the single rank's next batch; another global batch is refused."""
+    from slipstream.data.loader import DatasetLoader
+    from slipstream.errors import UserError
+
+    data = torch.utils.data.TensorDataset(torch.arange(32))
+    one = DatasetLoader(data, batch_size=4, shuffle=True, seed=3, drop_last=True)
+    it = iter(one)
+    next(it), next(it)
+    state = one.state_dict()
+    want = next(it)[0].tolist()
+    got = []
+    for rank in range(2):
+        two = DatasetLoader(data, batch_size=2, shuffle=True, seed=3, drop_last=True, rank=rank, world_size=2)
+        two.load_state_dict(state)
+        got += next(iter(two))[0].tolist()
+    assert sorted(got) == sorted(want)
+    with pytest.raises(UserError, match="does not match this loader"):
+        DatasetLoader(data, batch_size=3, shuffle=True, seed=3, drop_last=True).load_state_dict(state)

@@ -57,14 +57,15 @@ class ParallelDims:
 
 def resolve_parallel_dims(p: ParallelConfig, world_size: int, local_world_size: int = 1) -> ParallelDims:
     """Turn the config's degrees into a consistent set, or explain which one does not fit."""
-    strategy = p.dp_strategy
-    if strategy == "auto":
-        strategy = "ddp" if world_size > 1 else "none"
     other = p.tp * p.pp * p.cp
     if world_size % other:
         raise UserError(f"parallel.tp x pp x cp = {p.tp} x {p.pp} x {p.cp} = {other} does not divide the world "
                         f"size {world_size}; choose degrees whose product divides it")
     dp = world_size // other
+    strategy = p.dp_strategy
+    if strategy == "auto":
+        # Tensor parallelism composes with FSDP (not DDP): with tp the data-parallel dims shard.
+        strategy = "none" if dp == 1 else "fsdp" if p.tp > 1 else "ddp"
     replicate, shard = p.dp_replicate, p.dp_shard
     if strategy == "none":
         if dp > 1:

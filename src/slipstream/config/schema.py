@@ -165,7 +165,7 @@ class ParallelConfig:
     so a tensor-parallel group is consecutive ranks: one node).
     """
 
-    dp_strategy: str = option("auto", "auto (none for one process, ddp for more), none, ddp, zero1 (DDP + sharded optimizer state), zero2 (FSDP2, gradients and optimizer state sharded, parameters kept gathered), fsdp (FSDP2 / ZeRO-3: parameters sharded too) or hsdp (replicate x shard).",
+    dp_strategy: str = option("auto", "auto (none for one data-parallel rank, ddp for more; fsdp for more with tp > 1), none, ddp, zero1 (DDP + sharded optimizer state), zero2 (FSDP2, gradients and optimizer state sharded, parameters kept gathered), fsdp (FSDP2 / ZeRO-3: parameters sharded too) or hsdp (replicate x shard).",
                               choices=("auto", "none", "ddp", "zero1", "zero2", "fsdp", "hsdp"))
     dp_replicate: int = option(0, "Replicas (DDP-style all-reduce groups); 0 = derived: the data-parallel degree for ddp/zero1, 1 for zero2/fsdp, world / dp_shard for hsdp.", min=0)
     dp_shard: int = option(0, "Shards per replica (FSDP groups); 0 = derived: the data-parallel degree for zero2/fsdp, 1 for ddp/zero1, the processes per node for hsdp.", min=0)

@@ -591,7 +591,13 @@ class DatasetLoader:
         return {"kind": "DatasetLoader", **self._identity(), "rank": self.rank, "epoch": self._epoch, "batch_in_epoch": self._batch_in_epoch}
 
     def load_state_dict(self, state: dict) -> None:
-        _check_state("DatasetLoader", state, self._identity())
+        identity = self._identity()
+        if isinstance(state, dict) and state.get("world_size", 0) * state.get("batch_size", 0) == (
+                self.world_size * self.batch_size):
+            # Resharded at the same global batch (e.g. 1 rank x 4 -> 2 ranks x 2): global batch k
+            # holds the same samples, perm[k*W*B : (k+1)*W*B], at either layout; the position carries.
+            identity = {**identity, "world_size": state["world_size"], "batch_size": state["batch_size"]}
+        _check_state("DatasetLoader", state, identity)
         self._epoch = int(state["epoch"])
         self._batch_in_epoch = int(state["batch_in_epoch"])
         self._it = None  # the next __next__ restarts the DataLoader at the saved batch
