@@ -59,8 +59,9 @@ def launches(tmp_path_factory):
 
 
 def _reference(sc, world: int, tmp_path: Path):
-    dp = world // sc["tp"]
-    extra = [e for e in sc["extra"] if not e.startswith(("--parallel.dp_", "--parallel.sequence", "--parallel.loss"))]
+    dp = world // (sc["tp"] * sc["cp"])
+    extra = [e for e in sc["extra"] if not e.startswith(("--parallel.dp_", "--parallel.sequence", "--parallel.loss",
+                                                         "--parallel.cp"))]
     cfg = load_config(None, w.overrides({**sc, "extra": extra}, tmp_path / "ref", 1, "none", w.MICRO * dp))
     return w.run(cfg), tmp_path / "ref"
 
@@ -82,7 +83,7 @@ def test_tensor_parallel_equals_one_process(launches, world, name, tmp_path):
     sc = {s["name"]: s for s in w.SCENARIOS[world]}[name]
     got_dir = launches / str(world) / name
     ref, ref_dir = _reference(sc, world, tmp_path)
-    dp = world // sc["tp"]
+    dp = world // (sc["tp"] * sc["cp"])
 
     got_logged, ref_logged = _logged(got_dir / "run"), _logged(ref_dir)
     assert [r["step"] for r in got_logged] == [r["step"] for r in ref_logged] == list(range(1, w.STEPS + 1))
@@ -91,7 +92,7 @@ def test_tensor_parallel_equals_one_process(launches, world, name, tmp_path):
         assert _close(g["grad_norm"], r["grad_norm"], GRAD_NORM_RTOL), (g["step"], g["grad_norm"], r["grad_norm"])
 
     step = torch.load(got_dir / "step.pt")
-    if dp == 1:  # with dp > 1 the loss accumulate_gradients returns is this rank's own batch's
+    if dp == 1 and sc["cp"] == 1:  # else accumulate_gradients returns the loss of this rank's own tokens
         assert _close(step["loss"], ref["step"]["loss"], LOSS_RTOL)
     assert _close(step["grad_norm"], ref["step"]["grad_norm"], GRAD_NORM_RTOL)
     assert step["grads"].keys() == ref["step"]["grads"].keys()
@@ -105,7 +106,18 @@ def test_tensor_parallel_equals_one_process(launches, world, name, tmp_path):
     for n, want in ref["final"].items():
         assert (final[n] - want).abs().max().item() <= FINAL_PARAM_ATOL, n
 
-    _check_layout(json.loads((got_dir / "layout.json").read_text()), sc, dp)
+    layout = json.loads((got_dir / "layout.json").read_text())
+    assert layout["_seen_seq_len"] == [w.SEQ_LEN // sc["cp"]]  # context parallel cut every sequence
+    if sc["tp"] > 1:
+        _check_layout(layout, sc, dp)
+    if sc["cp"] > 1:  # the cp ranks shard (FSDP) or replicate (DDP) over the folded dp x cp mesh
+        q = layout["blocks.0.attn.q_proj.weight"] if "blocks.0.attn.q_proj.weight" in layout else \
+            layout["blocks.0._checkpoint_wrapped_module.attn.q_proj.weight"]
+        if sc["strategy"] == "fsdp":
+            # (with tp, FSDP's shard of the tp shard is a strided one, _S(0, tp))
+            assert q["mesh"][0] == "dp_shard_cp" and q["placements"][0] in ("S(0)", f"_S(0, {sc['tp']})")
+        else:
+            assert q["mesh"] == []  # DDP: plain replicated parameters
 
 
 def _check_layout(layout: dict, sc: dict, dp: int) -> None:
@@ -115,7 +127,7 @@ def _check_layout(layout: dict, sc: dict, dp: int) -> None:
     layout = {k.replace("._checkpoint_wrapped_module", ""): v for k, v in layout.items()}  # AC's wrapper
     cfg = load_config(None, w.overrides(sc, "/nonexistent", 1, "none", 1)).model
     d, heads = cfg.d_model, cfg.n_head
-    fsdp = 1 if sc["strategy"] == "none" or dp == 1 else dp if sc["strategy"] == "fsdp" else 1
+    fsdp = dp * sc["cp"] if sc["strategy"] == "fsdp" else 1
     assert layout["dp"] == dp
     q = layout["blocks.0.attn.q_proj.weight"]
     assert q["mesh"][-1] == "tp" and q["placements"][-1] == "S(0)"
@@ -129,7 +141,7 @@ def _check_layout(layout: dict, sc: dict, dp: int) -> None:
     assert layout["tok_emb.weight"]["placements"][-1] == "S(0)" and head["placements"][-1] == "S(0)"
     assert all(v["mesh"] and v["mesh"][-1] == "tp" for k, v in layout.items() if not k.startswith("_") and k != "dp")
     if sc["strategy"] == "fsdp":
-        assert q["mesh"] == ["dp_shard", "tp"]
+        assert q["mesh"] == ["dp_shard_cp" if sc["cp"] > 1 else "dp_shard", "tp"]
     if sc["strategy"] == "hsdp":
         assert q["mesh"] == ["dp_replicate", "dp_shard", "tp"]
     assert layout["_tied"] is cfg.tie_embeddings
@@ -216,3 +228,43 @@ def test_checkpoints_reshard_across_tensor_parallel_degrees(launches, tmp_path):
         assert sorted(resumed) == [4, 5, 6]
         for step, loss in resumed.items():
             assert _close(loss, straight[step], LOSS_RTOL), (step, loss, straight[step])
+
+
+@pytest.mark.parametrize("extra, cp, tp, message", [
+    (("--train.seq_len=12",), 4, 1, "train.seq_len = 12 must be divisible by 2 x cp = 8"),
+    (("--train.seq_len=12", "--parallel.cp_load_balance=false"), 8, 1, "must be divisible by cp = 8"),
+    (("--train.seq_len=24",), 2, 4, "must be divisible by 2 x cp x tp = 16"),
+    (("--model.dropout=0.1",), 2, 1, "set --model.dropout=0"),
+    (("--compile.scope=blocks",), 2, 1, "set --compile.scope=off"),
+])
+def test_context_parallel_refuses_what_it_cannot_split(extra, cp, tp, message):
+    from slipstream.distributed.context_parallel import check_context_parallel
+
+    with pytest.raises(UserError) as info:
+        check_context_parallel(_cfg(*extra), cp, tp)
+    assert message in str(info.value)
+
+
+def test_context_parallel_needs_gradient_averaging():
+    cfg = _cfg("--parallel.dp_strategy=none", "--parallel.cp=2")
+    with pytest.raises(UserError, match="use --parallel.dp_strategy=fsdp"):
+        check_compatibility(cfg, resolve_parallel_dims(cfg.parallel, 2, 2))
+    auto = _cfg("--parallel.cp=2")
+    assert resolve_parallel_dims(auto.parallel, 2, 2).strategy == "fsdp"
+    dims = resolve_parallel_dims(_cfg("--parallel.dp_strategy=fsdp", "--parallel.cp=2", "--parallel.tp=2").parallel, 8, 8)
+    assert dims.mesh_dims == (("dp_shard", 2), ("cp", 2), ("tp", 2)) and dims.same_batch == 4
+    assert [dims.dp_rank(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+
+
+def test_load_balanced_chunks_cover_the_sequence_once():
+    from slipstream.distributed.context_parallel import local_positions, shard_sequence
+
+    for cp in (2, 4):
+        for balance in (True, False):
+            got = torch.cat([local_positions(16, cp, r, balance) for r in range(cp)])
+            assert sorted(got.tolist()) == list(range(16))
+            x = torch.arange(16).view(1, 16)
+            for r in range(cp):
+                assert shard_sequence(x, cp, r, balance)[0].tolist() == local_positions(16, cp, r, balance).tolist()
+    # balanced: rank 0 holds the first and the last chunk
+    assert local_positions(16, 2, 0, True).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]

@@ -47,10 +47,10 @@ SP_LOSS = ("--parallel.sequence_parallel=true", "--parallel.loss_parallel=true")
 
 
 def scenario(name: str, model: tuple[str, ...], tp: int, strategy: str = "none", extra: tuple[str, ...] = (),
-             kind: str = "equal"):
+             kind: str = "equal", cp: int = 1):
     """kind: equal (the two phases of `run`), save (a 6-step fit with a checkpoint at step 3) or
     resume (from the world-2 launch's save checkpoint at this layout, to step 6)."""
-    return dict(name=name, model=list(model), tp=tp, strategy=strategy, extra=list(extra), kind=kind)
+    return dict(name=name, model=list(model), tp=tp, strategy=strategy, extra=list(extra), kind=kind, cp=cp)
 
 
 # Resharding: saved at tp2 (world 2), resumed at fsdp2 x tp2 (world 4, half the micro-batch: the
@@ -67,6 +67,10 @@ SCENARIOS: dict[int, list[dict[str, Any]]] = {
         scenario("llama_tp2", LLAMA, 2, extra=NO_SP),
         scenario("llama_tp2_sp_loss", LLAMA, 2, extra=SP_LOSS),
         scenario("llama_tp2_save", LLAMA, 2, extra=SAVE, kind="save"),
+        # Context parallel: the cp ranks average gradients through FSDP over the folded (dp_shard, cp) mesh.
+        scenario("gpt2_cp2", GPT2, 1, "fsdp", cp=2),
+        scenario("llama_cp2_no_balance", LLAMA, 1, "fsdp", ("--parallel.cp_load_balance=false",), cp=2),
+        scenario("llama_cp2_ddp_ac", LLAMA, 1, "ddp", ("--activations.checkpointing=full",), cp=2),
     ],
     4: [
         scenario("gpt2_fsdp2_tp2", GPT2, 2, "fsdp", SP_LOSS),
@@ -74,12 +78,15 @@ SCENARIOS: dict[int, list[dict[str, Any]]] = {
         scenario("llama_hsdp_tp2", LLAMA, 2, "hsdp", (*SP_LOSS, "--parallel.dp_replicate=2")),
         scenario("llama_tp4", LLAMA, 4, extra=(*SP_LOSS, "--model.n_head=4", "--model.n_kv_head=4")),
         scenario("llama_resume_fsdp2_tp2", LLAMA, 2, "fsdp", SAVE, kind="resume"),
+        scenario("llama_cp4", LLAMA, 1, "fsdp", cp=4),  # a ring of 4 exposes chunk-order bugs
+        scenario("gpt2_cp2_tp2", GPT2, 2, "fsdp", SP_LOSS, cp=2),
+        scenario("llama_fsdp2_cp2", LLAMA, 1, "fsdp", cp=2),
     ],
 }
 
 
-def overrides(sc: dict[str, Any], run_dir: Path | str, tp: int, strategy: str, micro: int) -> list[str]:
-    return [*COMMON, *sc["model"], f"--run.dir={run_dir}", f"--parallel.tp={tp}",
+def overrides(sc: dict[str, Any], run_dir: Path | str, tp: int, strategy: str, micro: int, cp: int = 1) -> list[str]:
+    return [*COMMON, *sc["model"], f"--run.dir={run_dir}", f"--parallel.tp={tp}", f"--parallel.cp={cp}",
             f"--parallel.dp_strategy={strategy}", f"--train.micro_batch_size={micro}", *sc["extra"]]
 
 
@@ -109,14 +116,19 @@ def run(cfg) -> dict[str, Any]:
 
     trainer = Trainer(build_model(cfg.model, "cpu", seed=MODEL_SEED), make_dataset(), lm_batch_loss, config=cfg)
     loss, _, _ = trainer.accumulate_gradients(iter(trainer.train_loader))
-    named = dict(trainer.model.named_parameters())
+    from slipstream.distributed.data_parallel import unwrap
+
+    named = dict(unwrap(trainer.model).named_parameters())  # DDP's wrapper adds "module."
     grads = full_state({n: p.grad for n, p in named.items()})
     grad_norm = trainer.optimizer_step(loss)
     step = {"loss": float(loss), "grad_norm": float(grad_norm), "grads": grads, "params": full_state(named)}
 
     trainer = Trainer(build_model(cfg.model, "cpu", seed=MODEL_SEED), make_dataset(), lm_batch_loss, config=cfg)
+    seen = []  # the sequence length the model's embedding really gets (context parallel: T / cp)
+    unwrap(trainer.model).tok_emb.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
     trainer.fit()
-    return {"step": step, "final": full_state(dict(trainer.model.named_parameters())), "trainer": trainer}
+    trainer.seen_seq_len = sorted(set(seen))
+    return {"step": step, "final": full_state(dict(unwrap(trainer.model).named_parameters())), "trainer": trainer}
 
 
 def fit(cfg):
@@ -129,14 +141,18 @@ def fit(cfg):
 
 
 def layout(trainer) -> dict[str, Any]:
+    from slipstream.distributed.data_parallel import unwrap
+
     out = {}
-    for name, p in trainer.model.named_parameters():
+    for name, p in unwrap(trainer.model).named_parameters():
         if hasattr(p, "placements"):
             out[name] = {"placements": [str(pl) for pl in p.placements], "local_shape": list(p.to_local().shape),
                          "mesh": list(p.device_mesh.mesh_dim_names or ())}
         else:
             out[name] = {"placements": None, "local_shape": list(p.shape), "mesh": []}
-    out["_tied"] = trainer.model.lm_head.weight is trainer.model.tok_emb.weight
+    model = unwrap(trainer.model)
+    out["_tied"] = model.lm_head.weight is model.tok_emb.weight
+    out["_seen_seq_len"] = trainer.seen_seq_len
     return out
 
 
@@ -152,14 +168,14 @@ def main(argv: list[str]) -> int:
             continue
         where = out_dir / sc["name"]
         try:
-            dp = world // sc["tp"]
+            dp = world // (sc["tp"] * sc["cp"])
             if sc["kind"] != "equal":
                 # The global batch of the save run (tp2, one data-parallel rank, MICRO) at every layout.
                 resume = [f"--checkpoint.resume={out_dir.parent / SAVED_CHECKPOINT}"] if sc["kind"] == "resume" else []
                 cfg = load_config(None, overrides(sc, where / "run", sc["tp"], sc["strategy"], MICRO // dp) + resume)
                 fit(cfg)
                 continue
-            cfg = load_config(None, overrides(sc, where / "run", sc["tp"], sc["strategy"], MICRO))
+            cfg = load_config(None, overrides(sc, where / "run", sc["tp"], sc["strategy"], MICRO, sc["cp"]))
             result = run(cfg)
             if rank == 0:
                 torch.save(result["step"], where / "step.pt")

@@ -15,7 +15,7 @@ from slipstream.errors import UserError
 
 SHARDED = ("zero2", "fsdp", "hsdp")   # FSDP2 fully_shard strategies
 REPLICATED = ("ddp", "zero1")         # DistributedDataParallel strategies
-NOT_YET = {"pp": "pipeline", "cp": "context", "ep": "expert"}
+NOT_YET = {"pp": "pipeline", "ep": "expert"}
 
 
 @dataclass(frozen=True)
@@ -46,9 +46,15 @@ class ParallelDims:
 
     @property
     def mesh_dims(self) -> tuple[tuple[str, int], ...]:
-        """Every dim of the mesh, outermost first (the planner's order): data parallel, then tp
-        innermost, so the ranks of one tensor-parallel group are consecutive (one node)."""
-        return self.dp_mesh_dims + ((("tp", self.tp),) if self.tp > 1 else ())
+        """Every dim of the mesh, outermost first (the planner's order): data parallel, cp, then
+        tp innermost, so the ranks of one tensor-parallel group are consecutive (one node)."""
+        return (self.dp_mesh_dims + ((("cp", self.cp),) if self.cp > 1 else ())
+                + ((("tp", self.tp),) if self.tp > 1 else ()))
+
+    @property
+    def same_batch(self) -> int:
+        """Ranks that read the same batch (one tp x cp x pp group); each batch is counted once."""
+        return self.tp * self.cp * self.pp
 
     def dp_rank(self, rank: int) -> int:
         """Which data-parallel slice a global rank reads: the ranks of one tp group share it."""
@@ -65,7 +71,8 @@ def resolve_parallel_dims(p: ParallelConfig, world_size: int, local_world_size: 
     strategy = p.dp_strategy
     if strategy == "auto":
         # Tensor parallelism composes with FSDP (not DDP): with tp the data-parallel dims shard.
-        strategy = "none" if dp == 1 else "fsdp" if p.tp > 1 else "ddp"
+        # Context-parallel ranks average their gradients like data-parallel ones: FSDP over both.
+        strategy = ("fsdp" if p.cp > 1 else "none") if dp == 1 else "fsdp" if p.tp > 1 else "ddp"
     replicate, shard = p.dp_replicate, p.dp_shard
     if strategy == "none":
         if dp > 1:
@@ -117,6 +124,11 @@ def check_compatibility(cfg: Config, dims: ParallelDims) -> None:
     if dims.tp > 1 and s not in ("none", "fsdp", "hsdp"):
         raise UserError(f"parallel.tp > 1 composes with dp_strategy none, fsdp or hsdp (FSDP2 shards the "
                         f"tensor-parallel DTensors over the data-parallel dims); got {s}. Use --parallel.dp_strategy=fsdp")
+    if dims.cp > 1 and s not in ("ddp", "fsdp", "hsdp"):
+        raise UserError(f"parallel.cp > 1: the context-parallel ranks average their gradients like data-parallel "
+                        f"ranks, which dp_strategy = {s} does not do; use --parallel.dp_strategy=fsdp (or ddp)")
+    if dims.cp > 1 and dims.tp > 1 and s == "ddp":
+        raise UserError("parallel.cp and parallel.tp together need dp_strategy = fsdp or hsdp")
     if s == "none":
         return
     if cfg.optim.in_backward:

@@ -33,7 +33,7 @@ DTYPES = {"none": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp32": t
 
 
 def _dp_group(par: Parallel):
-    return par.mesh.get_group("dp_replicate")
+    return par.dp_mesh.get_group()  # the dp_replicate dim (with cp: cp folded in)
 
 
 def apply_sync_batchnorm(model: nn.Module, par: Parallel) -> nn.Module:

@@ -64,6 +64,7 @@ class Parallel:
     device: torch.device
     mesh: Any = None  # DeviceMesh, or None for a single process without a sharding strategy
     side_group: Any = None  # a gloo group for background collectives (async checkpoints); None for one process
+    grad_mesh: Any = None  # with cp: the data-parallel dims with cp folded in (see data_parallel_mesh)
 
     @property
     def rank(self) -> int:
@@ -88,13 +89,20 @@ class Parallel:
 
     @property
     def dp_mesh(self):
-        """The data-parallel part of the mesh (FSDP shards over it, DDP replicates over it)."""
+        """The mesh over which gradients are averaged: the data-parallel dims (FSDP shards over
+        it, DDP replicates over it), with the cp ranks folded into the innermost one."""
+        if self.grad_mesh is not None:
+            return self.grad_mesh
         names = tuple(name for name, _ in self.dims.dp_mesh_dims)
         return self.mesh if tuple(self.mesh.mesh_dim_names) == names else self.mesh[names]
 
     @property
     def tp_mesh(self):
         return self.mesh["tp"]
+
+    @property
+    def cp_mesh(self):
+        return self.mesh["cp"]
 
     def barrier(self) -> None:
         if self.distributed and self.world_size > 1:
@@ -161,6 +169,10 @@ def init_parallel(cfg: Config) -> Parallel:
         from slipstream.distributed.tensor_parallel import check_tensor_parallel
 
         check_tensor_parallel(cfg, dims.tp)
+    if dims.cp > 1:
+        from slipstream.distributed.context_parallel import check_context_parallel
+
+        check_context_parallel(cfg, dims.cp, dims.tp)
     if _CURRENT is not None and _CURRENT.env == env and _CURRENT.dims == dims:
         check_device_rules(cfg, _CURRENT.device)
         return _CURRENT
@@ -179,11 +191,12 @@ def init_parallel(cfg: Config) -> Parallel:
     if needs_group and not dist.is_initialized():
         _join_process_group(cfg.parallel, env, device, cfg.run.dir)
     mesh = _build_mesh(dims, device) if needs_group else None
+    grad_mesh = data_parallel_mesh(dims, mesh) if needs_group and dims.cp > 1 else None
     side_group = None
     if needs_group and env.world_size > 1:
         _first_barrier(cfg.parallel, env, mesh)
         side_group = _new_gloo_group()
-    _CURRENT = Parallel(env, dims, device, mesh, side_group)
+    _CURRENT = Parallel(env, dims, device, mesh, side_group, grad_mesh)
     return _CURRENT
 
 
@@ -261,6 +274,19 @@ def _build_mesh(dims: ParallelDims, device: torch.device):
 
     names, sizes = zip(*dims.mesh_dims)
     return init_device_mesh(device.type, tuple(sizes), mesh_dim_names=tuple(names))
+
+
+def data_parallel_mesh(dims: ParallelDims, mesh):
+    """The dp dims with cp folded into the innermost one (as torchtitan does): the cp ranks of a
+    sequence hold different tokens of the same batch, so their gradients are averaged exactly
+    like data-parallel ranks' (FSDP then shards over them too). A collective (new groups): every
+    rank calls it once, at start-up."""
+    names = [name for name, _ in dims.dp_mesh_dims]
+    inner = names[-1]
+    flat = mesh[(inner, "cp")]._flatten(f"{inner}_cp")
+    if len(names) == 1:
+        return flat
+    return mesh[(names[0], f"{inner}_cp")]
 
 
 def shutdown() -> None:

@@ -49,9 +49,9 @@ def parallelize(model: nn.Module, parallel: Parallel, cfg: Config,
         on_meta = False
 
     # Model parallelism first: it splits the module structure (stages, sharded linears) that
-    # every later step wraps. Pipeline and context parallelism are not implemented yet: refused
-    # here above degree 1, as in the config check (config.dims.resolve_parallel_dims) that runs
-    # before joining the job.
+    # every later step wraps (context parallel: the positions and the attention of the model).
+    # Pipeline parallelism is not implemented yet: refused here above degree 1, as in the config
+    # check (config.dims.resolve_parallel_dims) that runs before joining the job.
     if dims.pp > 1:
         model = apply_pipeline_split(model, parallel, cfg)
     if dims.tp > 1:
@@ -112,7 +112,11 @@ def apply_tensor_parallel(model: nn.Module, parallel: Parallel, cfg: Config) -> 
 
 
 def apply_context_parallel(model: nn.Module, parallel: Parallel, cfg: Config) -> nn.Module:
-    raise _not_yet("context", "cp", parallel.dims.cp)
+    from slipstream.distributed.context_parallel import ContextParallel, check_context_parallel
+    from slipstream.distributed.context_parallel import apply_context_parallel as split_the_sequence
+
+    check_context_parallel(cfg, parallel.dims.cp, parallel.dims.tp)
+    return split_the_sequence(model, ContextParallel(parallel.cp_mesh, cfg.parallel.cp_load_balance))
 
 
 def _has_blocks(model: nn.Module) -> bool:

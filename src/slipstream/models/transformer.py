@@ -90,9 +90,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        if rope is not None:
-            cos, sin = rope[0][:T], rope[1][:T]
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if rope is not None:  # the (T, head_dim) tables of this sequence's positions
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=self.n_kv_head != self.n_head)
@@ -153,18 +152,23 @@ class Transformer(nn.Module):
         # True when the head masks its padded vocabulary columns itself (a vocabulary-sharded head).
         self.logits_masked_by_head = False
 
-    def forward(self, idx: torch.Tensor, return_hidden: bool = False) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, return_hidden: bool = False,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, padded vocab; padded columns -inf); with return_hidden, the final
         normalized hidden states (B, T, d_model) instead, for a loss that applies the output
-        head itself (the fused linear + cross-entropy never materializes all logits)."""
+        head itself (the fused linear + cross-entropy never materializes all logits).
+        positions: the (T,) positions of the tokens in their sequence (default 0..T-1), e.g. for a
+        piece of a longer sequence."""
         T = idx.shape[1]
-        if T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
+        if positions is None:
+            if T > self.cfg.max_seq_len:
+                raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
+            positions = torch.arange(T, device=idx.device)
         x = self.tok_emb(idx)
         if self.pos_emb is not None:
-            x = x + self.pos_emb(torch.arange(T, device=idx.device))
+            x = x + self.pos_emb(positions)
         x = self.emb_dropout(x)
-        rope = (self.rope_cos, self.rope_sin) if self.rope_cos is not None else None
+        rope = (self.rope_cos[positions], self.rope_sin[positions]) if self.rope_cos is not None else None
         for block in self.blocks:
             x = block(x, rope)
         x = self.final_norm(x)

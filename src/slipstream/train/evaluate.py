@@ -39,8 +39,9 @@ class Evaluator:
     """Owns the validation data and how a model is scored on it (see the module doc)."""
 
     def __init__(self, data: Any, loss_fn: Callable, parallel, autocast, max_batches: int,
-                 sequence_loss_fn: Callable | None = None) -> None:
+                 sequence_loss_fn: Callable | None = None, context_parallel: Any = None) -> None:
         self.data, self.loss_fn, self.parallel, self.autocast = data, loss_fn, parallel, autocast
+        self.cp = context_parallel  # cuts each batch to this rank's tokens, averages the losses over cp
         self.max_batches = max_batches
         self.sequence_loss_fn = sequence_loss_fn or lm_sequence_losses
         self.windows = isinstance(data, EvalWindows)
@@ -56,6 +57,8 @@ class Evaluator:
             model.train(was_training)
         if self.parallel is not None:  # None: one process
             sums = self.parallel.sum(sums)  # a collective: every rank's (sum, sum of squares, count) -> the job's
+            # The tp / cp ranks of one batch hold the same (sum, squares, count): count each batch once.
+            sums = sums / self.parallel.dims.same_batch
         total, squares, n = sums.tolist()  # host sync: the evaluation's one result
         if n == 0:
             return None
@@ -67,8 +70,12 @@ class Evaluator:
     def _window_sums(self, model, device) -> torch.Tensor:
         sums = torch.zeros(3, dtype=torch.float64, device=device)
         for (x, y), weight in self.data:
+            if self.cp is not None:
+                x, y = self.cp.shard_batch((x, y))
             with self.autocast:
                 losses = full_value(self.sequence_loss_fn(model, x, y)).double()  # loss parallel: a DTensor
+            if self.cp is not None:  # each rank scored its equal share of every sequence's tokens
+                losses = self.cp.mean(losses)
             w = weight.double()
             sums += torch.stack([(losses * w).sum(), (losses * losses * w).sum(), w.sum()])
         return sums
@@ -82,8 +89,12 @@ class Evaluator:
                 batch = next(it)
             except StopIteration:
                 break
+            if self.cp is not None:
+                batch = self.cp.shard_batch(batch)
             with self.autocast:
                 loss = full_value(self.loss_fn(model, batch)).double()
+            if self.cp is not None:
+                loss = self.cp.mean(loss)
             sums += torch.stack([loss, loss * loss, torch.ones((), dtype=torch.float64, device=device)])
         return sums
 

@@ -36,7 +36,7 @@ from slipstream.checkpoint import manager as ckpt
 from slipstream.checkpoint.writer import CheckpointWriter
 from slipstream.config.load import check_training_rules, config_to_toml
 from slipstream.config.schema import Config
-from slipstream.distributed.data_parallel import full_value, gradients_live_in_buckets, no_sync
+from slipstream.distributed.data_parallel import full_value, gradients_live_in_buckets, no_sync, unwrap
 from slipstream.distributed.tensor_parallel import LossParallel
 from slipstream.errors import UserError
 from slipstream.observe.console import TrainProgress
@@ -155,6 +155,8 @@ class Trainer:
         configure_runtime(self.cfg, self.device)
         self.job = job or JobInfo()
         self.model = parallelize(model, self.parallel, self.cfg, init_model, device=self.device)
+        # Context parallel: each rank trains on its piece of every sequence (the trainer cuts the batches).
+        self._cp = getattr(unwrap(self.model), "context_parallel", None)
         self.loss_fn = loss_fn
         self.train_loader = _as_loader(train_data, self.cfg, self.device, shuffle=True, collate_fn=collate_fn,
                                        parallel=self.parallel)
@@ -180,7 +182,7 @@ class Trainer:
             from slipstream.train.evaluate import Evaluator
 
             self.evaluator = Evaluator(self.val_loader, loss_fn, self.parallel,
-                                       _Both(self._autocast, self._loss_parallel),
+                                       _Both(self._autocast, self._loss_parallel), context_parallel=self._cp,
                                        max_batches=self.cfg.train.eval_steps, sequence_loss_fn=sequence_loss_fn)
         c = self.cfg.checkpoint
         async_save = c.async_save and (self.parallel.world_size == 1 or self.parallel.side_group is not None)
@@ -535,6 +537,8 @@ class Trainer:
             with self._label("data"):
                 batch = self._next_batch(it)
             data_wait += time.perf_counter() - t0
+            if self._cp is not None:
+                batch = self._cp.shard_batch(batch)  # this rank's tokens of every sequence
             items += (self.tokens_per_batch or _batch_size(batch)) * dp
             # DDP: no gradient all-reduce before the last micro-batch (forward arms it, backward runs it).
             # loss parallel: the cross-entropy's forward and backward both run on the vocabulary shards.

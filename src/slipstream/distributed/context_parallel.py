@@ -1,0 +1,173 @@
+"""Context parallelism: the sequence of every batch split over the `cp` ranks of the mesh.
+
+Each cp rank holds T / cp tokens of every sequence, so every activation of the model is 1/cp
+per rank; attention is the one place where tokens meet. There each rank all-gathers the keys
+and values of the whole sequence over the cp group (as Llama 3's context parallelism does:
+K/V are n_kv_head / n_head of the size of the queries, and their all-gather overlaps nothing
+here but is exact) and computes attention for its own queries with the causal mask of their
+global positions. The all-gather is torch's autograd-aware functional collective: its backward
+reduce-scatters the gradients of K and V back to the ranks that own them.
+
+Load balancing (parallel.cp_load_balance): under a causal mask the last tokens attend to the
+most keys, so contiguous pieces would give the last rank the most work. The sequence is cut
+into 2 x cp chunks and rank r holds chunks r and 2cp - 1 - r: one early, one late, the same
+work on every rank. Positions (RoPE tables and learned positions) are those of the full
+sequence: the model is called with `positions=`.
+
+The batch is split by the trainer (`shard_batch`, dim 1 of every (B, T) tensor); the model's
+scaled_dot_product_attention calls are replaced inside its forward by a TorchFunctionMode, so
+the model code knows nothing of this. Gradients of the replicated parameters are averaged over
+the cp ranks with the data-parallel ones: FSDP shards over the flattened (dp_shard, cp) mesh,
+DDP reduces over (dp_replicate, cp).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from slipstream.config.schema import Config
+from slipstream.errors import UserError
+
+
+def check_context_parallel(cfg: Config, cp: int, tp: int) -> None:
+    """What context parallelism cannot split (before any work starts)."""
+    if cp <= 1:
+        return
+    p = cfg.parallel
+    pieces = 2 * cp if p.cp_load_balance else cp
+    sp = tp if (tp > 1 and p.sequence_parallel) else 1
+    if cfg.train.seq_len % (pieces * sp):
+        what = f"2 x cp{' x tp' if sp > 1 else ''}" if p.cp_load_balance else f"cp{' x tp' if sp > 1 else ''}"
+        raise UserError(f"parallel.cp = {cp}: train.seq_len = {cfg.train.seq_len} must be divisible by {what} = "
+                        f"{pieces * sp} (the sequence is cut into {pieces} equal chunks"
+                        f"{', each split again over tp by sequence parallel' if sp > 1 else ''})")
+    if cfg.model.dropout > 0:
+        raise UserError("model.dropout > 0 with parallel.cp > 1 is not supported yet (attention dropout over "
+                        "gathered keys); set --model.dropout=0")
+    if cfg.compile.scope != "off":
+        raise UserError("compile.scope with parallel.cp > 1 is not supported yet (the attention is replaced at "
+                        "run time); set --compile.scope=off")
+
+
+def chunk_order(cp: int, rank: int, load_balance: bool) -> list[int]:
+    """The chunks of the sequence (of 2cp when balanced, cp otherwise) that `rank` holds, in order."""
+    return [rank, 2 * cp - 1 - rank] if load_balance else [rank]
+
+
+def local_positions(seq_len: int, cp: int, rank: int, load_balance: bool, device=None) -> torch.Tensor:
+    """Positions in the full sequence of the tokens `rank` holds."""
+    pieces = 2 * cp if load_balance else cp
+    size = seq_len // pieces
+    return torch.cat([torch.arange(c * size, (c + 1) * size, device=device)
+                      for c in chunk_order(cp, rank, load_balance)])
+
+
+def shard_sequence(x: torch.Tensor, cp: int, rank: int, load_balance: bool) -> torch.Tensor:
+    """This rank's tokens of a (B, T, ...) tensor."""
+    pieces = 2 * cp if load_balance else cp
+    chunks = x.chunk(pieces, dim=1)
+    return torch.cat([chunks[c] for c in chunk_order(cp, rank, load_balance)], dim=1)
+
+
+class ContextParallel:
+    """The cp rank's view of the job: splits batches, knows its positions, gathers K/V."""
+
+    def __init__(self, cp_mesh, load_balance: bool):
+        self.mesh, self.load_balance = cp_mesh, load_balance
+        self.cp, self.rank = cp_mesh.size(), cp_mesh.get_local_rank()
+        self.group = cp_mesh.get_group()
+
+    def shard_batch(self, batch: Any) -> Any:
+        """Every tensor of a batch with a sequence dimension (dim 1) cut to this rank's tokens."""
+        if isinstance(batch, torch.Tensor):
+            return shard_sequence(batch, self.cp, self.rank, self.load_balance) if batch.dim() >= 2 else batch
+        if isinstance(batch, (tuple, list)):
+            return type(batch)(self.shard_batch(b) for b in batch)
+        if isinstance(batch, dict):
+            return {k: self.shard_batch(v) for k, v in batch.items()}
+        return batch
+
+    def mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Average over the cp ranks (e.g. per-sequence losses, each rank holding equal shares)."""
+        import torch.distributed as dist
+
+        out = tensor.detach().clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM, group=self.group)  # communicates: once per evaluation batch
+        return out / self.cp
+
+    def positions(self, local_len: int, device) -> torch.Tensor:
+        return local_positions(local_len * self.cp, self.cp, self.rank, self.load_balance, device)
+
+    def gather_sequence(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, H, T/cp, D) of every rank -> (B, H, T, D) in sequence order (autograd-aware)."""
+        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+
+        # Communicates: all-gather over the cp group (backward: reduce-scatter of the gradient).
+        gathered = all_gather_tensor_autograd(t.contiguous(), gather_dim=2, group=self.group)
+        pieces = 2 * self.cp if self.load_balance else self.cp
+        per_rank = len(chunk_order(self.cp, 0, self.load_balance))
+        chunks = gathered.chunk(self.cp * per_rank, dim=2)  # rank-major: rank r's chunks in its order
+        where = {}
+        for r in range(self.cp):
+            for i, c in enumerate(chunk_order(self.cp, r, self.load_balance)):
+                where[c] = chunks[r * per_rank + i]
+        return torch.cat([where[c] for c in range(pieces)], dim=2)
+
+    def attention(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        """Causal attention of this rank's queries over the whole sequence's keys and values."""
+        if attn_mask is not None or not is_causal:
+            raise UserError("context parallelism supports causal attention without an explicit mask only")
+        k_all, v_all = self.gather_sequence(k), self.gather_sequence(v)
+        q_pos = self.positions(q.shape[2], q.device)
+        allowed = q_pos[:, None] >= torch.arange(k_all.shape[2], device=q.device)[None, :]
+        return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=allowed, dropout_p=dropout_p,
+                                              scale=scale, enable_gqa=enable_gqa)
+
+
+class _AttentionOverCP(TorchFunctionMode):
+    """Replaces F.scaled_dot_product_attention by the context-parallel attention (inside the model's forward)."""
+
+    def __init__(self, cp: ContextParallel):
+        super().__init__()
+        self.cp = cp
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.scaled_dot_product_attention:  # (the mode is off inside its own handler: no recursion)
+            return self.cp.attention(*args, **kwargs)
+        return func(*args, **kwargs)
+
+
+def apply_context_parallel(model: nn.Module, cp: ContextParallel) -> nn.Module:
+    """Call the model with its tokens' global positions and the context-parallel attention."""
+    from slipstream.models.transformer import Transformer
+
+    if not isinstance(model, Transformer):
+        raise UserError(f"parallel.cp > 1 needs to know where a model's attention and positions are; slipstream "
+                        f"knows it for its own transformers, not for {type(model).__name__}. Use --parallel.cp=1")
+    def with_positions(module, args, kwargs):
+        return args, {**kwargs, "positions": cp.positions(args[0].shape[1], args[0].device)}
+
+    model.register_forward_pre_hook(with_positions, with_kwargs=True)
+    # Per attention module, not around the whole model: activation checkpointing re-runs a
+    # block's forward during backward, and its attention must be the same one again.
+    modes: list[_AttentionOverCP] = []
+
+    def enter(module, args):
+        modes.append(_AttentionOverCP(cp))
+        modes[-1].__enter__()
+
+    def leave(module, args, output):
+        modes.pop().__exit__(None, None, None)
+        return output
+
+    for block in model.blocks:
+        block.attn.register_forward_pre_hook(enter)
+        block.attn.register_forward_hook(leave, always_call=True)
+    model.context_parallel = cp  # the trainer splits batches with it
+    return model
