@@ -89,9 +89,9 @@ def test_best_runnable_has_no_reasons(result70):
     best = result70.best(runnable_only=True)
     assert best is not None and best.not_runnable == []
     s = best.strategy
-    assert (s.pp, s.cp, s.ep) == (1, 1, 1)
+    assert (s.pp, s.ep) == (1, 1) and not best.strategy.not_runnable()
     assert s.tp == 1 or (s.dp_strategy in TP_DP_STRATEGIES and not s.fused_loss)
-    assert s.dp * s.tp == 64 and s.dp_strategy in ("zero2", "fsdp", "hsdp")   # 70B does not fit unsharded
+    assert s.dp * s.tp * s.cp == 64 and s.dp_strategy in ("zero2", "fsdp", "hsdp")   # 70B does not fit unsharded
     runnable = [c for c in result70.ranked if not c.not_runnable]
     assert best is runnable[0]
     assert best.time.tokens_per_s <= result70.ranked[0].time.tokens_per_s
@@ -101,7 +101,7 @@ def test_runnable_only_gives_dp_and_tp_layouts(llama70b, cluster64, result70):
     r = plan(llama70b, cluster64, W70, runnable_only=True)
     assert r.ranked and r.evaluated < result70.evaluated
     for c in r.ranked + r.rejected:
-        assert (c.strategy.pp, c.strategy.cp, c.strategy.ep) == (1, 1, 1)
+        assert (c.strategy.pp, c.strategy.ep) == (1, 1)
         assert c.not_runnable == []
     assert any(c.strategy.tp > 1 for c in r.ranked)  # tensor parallelism runs now
     assert r.ranked[0].strategy == result70.best(runnable_only=True).strategy
@@ -270,6 +270,12 @@ def test_overrides_tp_and_refusals():
         strategy_overrides(Strategy("ddp", dp=4, tp=2), 1024)
     with pytest.raises(UserError, match="tensor parallel 2 with the fused loss"):
         strategy_overrides(Strategy("fsdp", dp=4, tp=2, fused_loss=True), 1024)
+    ov = strategy_overrides(Strategy("fsdp", dp=2, tp=2, cp=2), 4096)
+    assert ov["parallel.cp"] == 2 and ov["parallel.tp"] == 2
+    with pytest.raises(UserError, match="context parallel 2 with none"):
+        strategy_overrides(Strategy("none", cp=2), 4096)
+    with pytest.raises(UserError, match="context parallel 2 with ddp"):
+        strategy_overrides(Strategy("ddp", dp=2, tp=2, cp=2), 4096)
     with pytest.raises(UserError, match="pipeline parallel 4"):
         strategy_overrides(Strategy("none", pp=4), 1024)
 

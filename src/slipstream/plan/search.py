@@ -87,7 +87,9 @@ def layouts(model: PlanModel, cluster: Cluster, work: Workload, *, dp_strategies
     if model.traced is not None:
         tp_options = (1,)  # a user module has no tensor-parallel plan
     if runnable_only or model.traced is not None:
-        pp_options, cp_options, ep_options = (1,), (1,), (1,)
+        pp_options, ep_options = (1,), (1,)
+    if model.traced is not None:
+        cp_options = (1,)  # a user module's attention is unknown
     if model.traced is not None:
         ac_options = ("none",)   # a user module has no known blocks to checkpoint
     out = []

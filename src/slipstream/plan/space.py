@@ -31,8 +31,10 @@ AC_MODES = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp16")
 # What slipstream runs today; the rest is planned and flagged. Tensor parallelism runs at any
 # degree the model divides (the search only proposes those), with dp_strategy none, fsdp or hsdp.
-RUNNABLE_PP = RUNNABLE_CP = RUNNABLE_EP = 1
+RUNNABLE_PP = RUNNABLE_EP = 1
 TP_DP_STRATEGIES = ("none", "fsdp", "hsdp")
+# Context parallelism runs when the cp ranks average gradients with the data-parallel ones.
+CP_DP_STRATEGIES = ("ddp", "fsdp", "hsdp")
 
 
 @dataclass(frozen=True)
@@ -116,8 +118,9 @@ class Strategy:
             reasons.append(f"tensor parallel {self.tp} with {self.dp_strategy}")
         if self.tp > 1 and self.fused_loss:
             reasons.append(f"tensor parallel {self.tp} with the fused loss")
-        for name, value, limit in (("pipeline parallel", self.pp, RUNNABLE_PP), ("context parallel", self.cp, RUNNABLE_CP),
-                                   ("expert parallel", self.ep, RUNNABLE_EP)):
+        if self.cp > 1 and (self.dp_strategy not in CP_DP_STRATEGIES or (self.tp > 1 and self.dp_strategy == "ddp")):
+            reasons.append(f"context parallel {self.cp} with {self.dp_strategy}")
+        for name, value, limit in (("pipeline parallel", self.pp, RUNNABLE_PP), ("expert parallel", self.ep, RUNNABLE_EP)):
             if value > limit:
                 reasons.append(f"{name} {value}")
         return reasons
@@ -175,6 +178,8 @@ def strategy_overrides(s: Strategy, seq_len: int) -> dict[str, object]:
     if s.dp_strategy == "hsdp":
         values["parallel.dp_shard"] = s.dp_shard
         values["parallel.dp_replicate"] = s.dp // s.dp_shard
+    if s.cp > 1:
+        values["parallel.cp"] = s.cp
     if s.tp > 1:
         values["parallel.tp"] = s.tp
         values["parallel.sequence_parallel"] = s.sequence_parallel
@@ -206,7 +211,7 @@ def strategy_from_config(cfg, world: int, dp_strategy: str | None = None, dp_sha
         dp_strategy, dp_shard, dp = dims.strategy, dims.dp_shard, dims.dp
     ac = cfg.activations.checkpointing if cfg.activations.checkpointing in AC_MODES else "none"
     return Strategy(dp_strategy=dp_strategy, dp=dp, dp_shard=dp_shard if dp_strategy == "hsdp" else 0,
-                    tp=cfg.parallel.tp, sequence_parallel=cfg.parallel.sequence_parallel,
+                    tp=cfg.parallel.tp, cp=cfg.parallel.cp, sequence_parallel=cfg.parallel.sequence_parallel,
                     micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum_steps, ac=ac,
                     precision=precision_of(cfg), offload=cfg.parallel.offload, fused_loss=cfg.train.fused_loss,
                     loss_chunk=cfg.train.fused_loss_chunk, fsdp_mixed=cfg.parallel.param_dtype in ("bf16", "fp16"))
