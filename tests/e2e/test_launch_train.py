@@ -24,9 +24,9 @@ COMMON = ["--model.preset=tiny", "--train.seq_len=32", "--train.max_steps=6", "-
           "--metrics.memory_breakdown=false"]
 
 
-def _launch(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+def _launch(args: list[str], timeout: float = 240, nproc: int = 2) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).resolve().parents[2] / "src")}
-    return subprocess.run([sys.executable, "-m", "slipstream", "launch", "local", "--nproc", "2", "--", *args],
+    return subprocess.run([sys.executable, "-m", "slipstream", "launch", "local", "--nproc", str(nproc), "--", *args],
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -143,3 +143,27 @@ def test_resuming_a_per_rank_layout_elsewhere_is_a_clear_error(data_dir, tmp_pat
     with pytest.raises(Exception, match="parallel.dp_strategy: zero1 -> none.*processes: 2 -> 1"):
         train_lm(load_config(None, COMMON + [f"--data.dir={data_dir}", f"--run.dir={run}", "--train.micro_batch_size=8",
                                              "--checkpoint.resume=auto"]))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout, extra", [
+    # 2 data-parallel ranks of 4 sequences, each split over 2 tensor-parallel ranks (2D: fsdp x tp)
+    ("tp2 x fsdp2", ["--parallel.tp=2", "--parallel.dp_strategy=fsdp", "--train.micro_batch_size=4"]),
+    # one data-parallel rank of 8 sequences, split over cp 2 x tp 2 (the cp ranks average through FSDP)
+    ("cp2 x tp2", ["--parallel.cp=2", "--parallel.tp=2", "--train.micro_batch_size=8"]),
+])
+def test_launch_local_model_parallel_trains_like_one_process(layout, extra, reference, data_dir, tmp_path):
+    """issue 13's "done means": the default model (here its tiny shape) at tp/cp on 4 CPU ranks
+    logs the single process's losses and validation losses."""
+    run = tmp_path / "run"
+    proc = _launch(["train", *COMMON, *extra, f"--data.dir={data_dir}", f"--run.dir={run}"], nproc=4)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "tp 2]" in proc.stdout  # the mesh line: [... x tp 2]
+    losses, val_losses = _records(run)
+    ref_losses, ref_val = reference
+    assert len(losses) == len(ref_losses) == 6
+    for got, want in zip(losses, ref_losses):
+        assert got == pytest.approx(want, rel=5e-6)
+    assert val_losses == pytest.approx(ref_val, rel=5e-6)  # 1 or 2 data-parallel ranks of 8 or 4: as fsdp above
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["world_size"] == 4 and summary["tokens"] == 6 * 8 * 32  # tokens counted once, not per rank
