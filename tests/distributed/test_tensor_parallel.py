@@ -161,6 +161,7 @@ def _cfg(*extra: str):
     (("--model.n_head=4", "--train.seq_len=18"), 4, "train.seq_len = 18 must be divisible by 4"),
     (("--train.fused_loss=true",), 2, "use --parallel.loss_parallel=true"),
     (("--model.dropout=0.1",), 2, "set --model.dropout=0"),
+    (("--compile.scope=blocks",), 2, "set --compile.scope=off"),
 ])
 def test_tensor_parallel_refuses_what_it_cannot_split(extra, tp, message):
     from slipstream.distributed.tensor_parallel import check_tensor_parallel

@@ -67,6 +67,7 @@ SCENARIOS: dict[int, list[dict[str, Any]]] = {
         scenario("llama_tp2", LLAMA, 2, extra=NO_SP),
         scenario("llama_tp2_sp_loss", LLAMA, 2, extra=SP_LOSS),
         scenario("llama_tp2_save", LLAMA, 2, extra=SAVE, kind="save"),
+        scenario("llama_tp2_selective_ac", LLAMA, 2, extra=(*SP_LOSS, "--activations.checkpointing=selective")),
         # Context parallel: the cp ranks average gradients through FSDP over the folded (dp_shard, cp) mesh.
         scenario("gpt2_cp2", GPT2, 1, "fsdp", cp=2),
         scenario("llama_cp2_no_balance", LLAMA, 1, "fsdp", ("--parallel.cp_load_balance=false",), cp=2),

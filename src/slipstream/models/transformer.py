@@ -123,7 +123,7 @@ class Block(nn.Module):
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), rope))
+        x = x + self.dropout(self.attn(self.attn_norm(x), rope=rope))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
