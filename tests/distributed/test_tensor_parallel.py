@@ -231,6 +231,30 @@ def test_checkpoints_reshard_across_tensor_parallel_degrees(launches, tmp_path):
             assert _close(loss, straight[step], LOSS_RTOL), (step, loss, straight[step])
 
 
+def test_a_tensor_parallel_checkpoint_inspects_and_exports_whole(launches, tmp_path):
+    """`checkpoint inspect` names the mesh it was sharded over; `checkpoint export` writes whole
+    (unsharded) tensors, the ones a single process loads from the checkpoint."""
+    from slipstream.checkpoint import manager as ckpt
+    from slipstream.checkpoint.export import export_checkpoint, format_report, inspect_checkpoint
+    from slipstream.models.transformer import build_model
+
+    saved = launches / w.SAVED_CHECKPOINT
+    report = inspect_checkpoint(saved)
+    assert report["mesh"] == [["dp_replicate", 1], ["tp", 2]]
+    assert "mesh dp_replicate 1 x tp 2" in format_report(report)
+    out = export_checkpoint(saved, "safetensors", tmp_path / "export")
+    from safetensors.torch import load_file
+
+    exported = load_file(str(next(Path(out).glob("*.safetensors"))))
+    cfg = load_config(None, w.overrides({**{s["name"]: s for s in w.SCENARIOS[2]}["llama_tp2_save"], "extra": []},
+                                        tmp_path / "x", 1, "none", w.MICRO))
+    model = build_model(cfg.model, "cpu", seed=0)
+    ckpt.load_checkpoint(saved, model)
+    for name, p in model.named_parameters():
+        assert exported[name].shape == p.shape, name  # whole, not a tp shard
+        assert torch.equal(exported[name], p.detach()), name
+
+
 @pytest.mark.parametrize("extra, cp, tp, message", [
     (("--train.seq_len=12",), 4, 1, "train.seq_len = 12 must be divisible by 2 x cp = 8"),
     (("--train.seq_len=12", "--parallel.cp_load_balance=false"), 8, 1, "must be divisible by cp = 8"),

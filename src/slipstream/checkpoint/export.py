@@ -186,6 +186,7 @@ def inspect_checkpoint(path: str | Path) -> dict[str, Any]:
         "format_version": meta.get("format_version"),
         "world_size": layout.get("world_size", meta.get("world_size")),
         "dp_strategy": layout.get("dp_strategy"),
+        "mesh": meta.get("mesh"),  # [[name, size], ...] outermost first; older checkpoints: None
         "has_optimizer": meta.get("has_optimizer"),
         "per_rank_model": bool(meta.get("per_rank_model", False)),
         "per_rank_optimizer": per_rank_optim,
@@ -208,7 +209,8 @@ def format_report(r: dict[str, Any]) -> str:
     lines = [f"checkpoint   {r['path']}",
              f"step         {show(r['step'])}   saved {show(r['time_saved'])}",
              f"versions     format {show(r['format_version'])}, torch {show(r['torch'])}",
-             f"saved by     world size {show(r['world_size'])}, dp strategy {show(r['dp_strategy'])}",
+             f"saved by     world size {show(r['world_size'])}, dp strategy {show(r['dp_strategy'])}"
+             + (f", mesh {' x '.join(f'{n} {s}' for n, s in r['mesh'])}" if r.get("mesh") else ""),
              f"optimizer    {'yes' if r['has_optimizer'] else 'no'}; per-rank model: "
              f"{'yes' if r['per_rank_model'] else 'no'}, per-rank optimizer: {'yes' if r['per_rank_optimizer'] else 'no'}",
              f"tokenizer    {show(r['tokenizer'])}"]

@@ -246,7 +246,9 @@ class Trainer:
 
     def save_checkpoint(self) -> float:
         """Save (async by default: committed later by writer.poll/wait); returns the stall in seconds."""
-        meta = {**self.job.checkpoint_meta, "optimizer_layout": self.optimizer_layout()}
+        # The mesh the state was sharded over (shown by `checkpoint inspect`; DCP reshards on load).
+        mesh = [list(dim) for dim in self.parallel.dims.mesh_dims]
+        meta = {**self.job.checkpoint_meta, "optimizer_layout": self.optimizer_layout(), "mesh": mesh}
         stall = self.writer.save(self.step, self.model, self.optimizer, self.state_dict(),
                                  config_to_toml(self.cfg), meta, self.job.checkpoint_files)
         if self.resilience is not None:
