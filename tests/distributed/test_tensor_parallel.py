@@ -145,7 +145,6 @@ def _check_layout(layout: dict, sc: dict, dp: int) -> None:
     if sc["strategy"] == "hsdp":
         assert q["mesh"] == ["dp_replicate", "dp_shard", "tp"]
     assert layout["_tied"] is cfg.tie_embeddings
-    assert heads % tp == 0
 
 
 # --- bad input: refused before any work, with the fix in the message --------------------------
@@ -162,6 +161,7 @@ def _cfg(*extra: str):
     (("--train.fused_loss=true",), 2, "use --parallel.loss_parallel=true"),
     (("--model.dropout=0.1",), 2, "set --model.dropout=0"),
     (("--compile.scope=blocks",), 2, "set --compile.scope=off"),
+    (("--activations.checkpointing=offload",), 2, "use full or selective"),
 ])
 def test_tensor_parallel_refuses_what_it_cannot_split(extra, tp, message):
     from slipstream.distributed.tensor_parallel import check_tensor_parallel
@@ -198,6 +198,22 @@ def test_a_user_module_without_a_tp_plan_is_refused():
 
     with pytest.raises(UserError, match="parallelize_module to your model yourself"):
         apply_tensor_parallel(torch.nn.Linear(4, 4), None, _cfg("--parallel.tp=2"))
+
+
+def test_hsdp_shard_group_stays_inside_a_node_with_tp():
+    """hsdp's derived dp_shard is a node's ranks over its tp group: 8 per node at tp 2 -> 4."""
+    dims = resolve_parallel_dims(_cfg("--parallel.dp_strategy=hsdp", "--parallel.tp=2").parallel, 16, 8)
+    assert (dims.dp_replicate, dims.dp_shard, dims.tp) == (2, 4, 2)
+
+
+def test_context_parallel_refuses_an_uneven_batch():
+    from slipstream.distributed.context_parallel import ContextParallel
+
+    cp = object.__new__(ContextParallel)
+    cp.cp, cp.rank, cp.load_balance = 2, 0, True
+    assert cp.shard_batch(torch.zeros(2, 16)).shape == (2, 8)
+    with pytest.raises(UserError, match="cuts every sequence into 4 equal chunks; this batch has length 18"):
+        cp.shard_batch((torch.zeros(2, 18), torch.zeros(2, 18)))
 
 
 def test_auto_strategy_with_tensor_parallel():
@@ -293,3 +309,10 @@ def test_load_balanced_chunks_cover_the_sequence_once():
                 assert shard_sequence(x, cp, r, balance)[0].tolist() == local_positions(16, cp, r, balance).tolist()
     # balanced: rank 0 holds the first and the last chunk
     assert local_positions(16, 2, 0, True).tolist() == [0, 1, 2, 3, 12, 13, 14, 15]
+
+
+def test_sequence_parallel_refuses_a_batch_it_cannot_split(launches):
+    """A batch length not divisible by tp (Python API data) is refused before any collective,
+    instead of aborting inside the all-gather."""
+    error = json.loads((launches / "2" / "gpt2_tp2_sp_bad_batch" / "bad_batch.json").read_text())["error"]
+    assert error and "this batch has length 17" in error and "divisible by 2" in error

@@ -67,6 +67,7 @@ SCENARIOS: dict[int, list[dict[str, Any]]] = {
         scenario("llama_tp2", LLAMA, 2, extra=NO_SP),
         scenario("llama_tp2_sp_loss", LLAMA, 2, extra=SP_LOSS),
         scenario("llama_tp2_save", LLAMA, 2, extra=SAVE, kind="save"),
+        scenario("gpt2_tp2_sp_bad_batch", GPT2, 2, extra=SP, kind="bad_batch"),
         scenario("llama_tp2_selective_ac", LLAMA, 2, extra=(*SP_LOSS, "--activations.checkpointing=selective")),
         # Context parallel: the cp ranks average gradients through FSDP over the folded (dp_shard, cp) mesh.
         scenario("gpt2_cp2", GPT2, 1, "fsdp", cp=2),
@@ -170,6 +171,23 @@ def main(argv: list[str]) -> int:
         where = out_dir / sc["name"]
         try:
             dp = world // (sc["tp"] * sc["cp"])
+            if sc["kind"] == "bad_batch":  # a sequence length sequence parallel cannot split: a clear error
+                from slipstream import Trainer
+                from slipstream.errors import UserError
+                from slipstream.models.transformer import build_model
+
+                cfg = load_config(None, overrides(sc, where / "run", sc["tp"], sc["strategy"], MICRO))
+                trainer = Trainer(build_model(cfg.model, "cpu", seed=MODEL_SEED), make_dataset(), lm_batch_loss,
+                                  config=cfg)
+                try:
+                    trainer.model(torch.zeros(1, SEQ_LEN + 1, dtype=torch.long))
+                    message = None
+                except UserError as e:
+                    message = str(e)
+                if rank == 0:
+                    where.mkdir(parents=True, exist_ok=True)
+                    (where / "bad_batch.json").write_text(json.dumps({"error": message}))
+                continue
             if sc["kind"] != "equal":
                 # The global batch of the save run (tp2, one data-parallel rank, MICRO) at every layout.
                 resume = [f"--checkpoint.resume={out_dir.parent / SAVED_CHECKPOINT}"] if sc["kind"] == "resume" else []

@@ -36,11 +36,21 @@ def _records(run_dir: Path) -> tuple[list[float], list[float]]:
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory, data_dir) -> tuple[list[float], list[float]]:
+def reference_run(tmp_path_factory, data_dir) -> Path:
     """One process with the global batch: 8 sequences."""
     run = tmp_path_factory.mktemp("single") / "run"
     train_lm(load_config(None, COMMON + [f"--data.dir={data_dir}", f"--run.dir={run}", "--train.micro_batch_size=8"]))
-    return _records(run)
+    return run
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run) -> tuple[list[float], list[float]]:
+    return _records(reference_run)
+
+
+def _stderrs(run_dir: Path) -> list[float]:
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["val_loss_stderr"] for r in lines if "val_loss" in r]
 
 
 @pytest.mark.timeout(300)
@@ -152,7 +162,8 @@ def test_resuming_a_per_rank_layout_elsewhere_is_a_clear_error(data_dir, tmp_pat
     # one data-parallel rank of 8 sequences, split over cp 2 x tp 2 (the cp ranks average through FSDP)
     ("cp2 x tp2", ["--parallel.cp=2", "--parallel.tp=2", "--train.micro_batch_size=8"]),
 ])
-def test_launch_local_model_parallel_trains_like_one_process(layout, extra, reference, data_dir, tmp_path):
+def test_launch_local_model_parallel_trains_like_one_process(layout, extra, reference, reference_run, data_dir,
+                                                            tmp_path):
     """issue 13's "done means": the default model (here its tiny shape) at tp/cp on 4 CPU ranks
     logs the single process's losses and validation losses."""
     run = tmp_path / "run"
@@ -165,5 +176,7 @@ def test_launch_local_model_parallel_trains_like_one_process(layout, extra, refe
     for got, want in zip(losses, ref_losses):
         assert got == pytest.approx(want, rel=5e-6)
     assert val_losses == pytest.approx(ref_val, rel=5e-6)  # 1 or 2 data-parallel ranks of 8 or 4: as fsdp above
+    # Each validation batch counted once (not once per tp / cp rank): the standard error agrees too.
+    assert _stderrs(run) == pytest.approx(_stderrs(reference_run), rel=1e-4)
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 4 and summary["tokens"] == 6 * 8 * 32  # tokens counted once, not per rank

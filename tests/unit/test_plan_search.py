@@ -9,7 +9,7 @@ from slipstream.plan.hardware import make_cluster
 from slipstream.plan.memory import GIB
 from slipstream.plan.model import resolve_model
 from slipstream.plan.search import MICRO_BATCHES, evaluate, explain_infeasible, layouts, plan
-from slipstream.plan.space import TP_DP_STRATEGIES, Strategy, Workload, strategy_overrides
+from slipstream.plan.space import TP_DP_STRATEGIES, PlanModel, Strategy, Workload, strategy_overrides
 
 W70 = Workload(8192, 512)
 
@@ -270,6 +270,8 @@ def test_overrides_tp_and_refusals():
         strategy_overrides(Strategy("ddp", dp=4, tp=2), 1024)
     with pytest.raises(UserError, match="tensor parallel 2 with the fused loss"):
         strategy_overrides(Strategy("fsdp", dp=4, tp=2, fused_loss=True), 1024)
+    # tp / cp always written: a tp1 layout laid over a tp2 config must reset it
+    assert strategy_overrides(Strategy("ddp", dp=8), 1024)["parallel.tp"] == 1
     ov = strategy_overrides(Strategy("fsdp", dp=2, tp=2, cp=2), 4096)
     assert ov["parallel.cp"] == 2 and ov["parallel.tp"] == 2
     with pytest.raises(UserError, match="context parallel 2 with none"):
@@ -298,3 +300,17 @@ def test_overrides_of_every_runnable_layout_load():
             assert cfg.train.micro_batch_size == s.micro_batch
             assert cfg.activations.checkpointing == s.ac
     assert len(seen) > 50
+
+
+def test_tensor_parallel_degrees_divide_the_padded_vocabulary_and_sequence():
+    """The planner proposes only tp degrees the run's plan splits evenly (issue 13 review)."""
+    import dataclasses
+
+    from slipstream.plan.search import layouts
+
+    base = resolve_model("gpt2", seq_len=1024)
+    odd_vocab = PlanModel("gpt2", dataclasses.replace(base.cfg, vocab_size=50257, vocab_multiple=1))
+    cluster = make_cluster("8xH100")
+    assert {s.tp for s in layouts(odd_vocab, cluster, Workload(1024, 64))} == {1}
+    assert {s.tp for s in layouts(base, cluster, Workload(1026, 64))} == {1, 2}  # 1026 = 2 x 513
+    assert {2, 4} <= {s.tp for s in layouts(base, cluster, Workload(1024, 64))}

@@ -91,7 +91,8 @@ def resolve_parallel_dims(p: ParallelConfig, world_size: int, local_world_size: 
         elif replicate:
             shard = dp // replicate if dp % replicate == 0 else 0
         else:
-            shard = min(local_world_size, dp)
+            # A node's ranks minus its tp / cp / pp groups: the shard group stays inside the node.
+            shard = min(max(1, local_world_size // other), dp)
             replicate = dp // shard if dp % shard == 0 else 0
         if replicate * shard != dp:
             raise UserError(f"hsdp needs parallel.dp_replicate x dp_shard = {dp} (the data-parallel degree: world "

@@ -85,7 +85,13 @@ class ContextParallel:
     def shard_batch(self, batch: Any) -> Any:
         """Every tensor of a batch with a sequence dimension (dim 1) cut to this rank's tokens."""
         if isinstance(batch, torch.Tensor):
-            return shard_sequence(batch, self.cp, self.rank, self.load_balance) if batch.dim() >= 2 else batch
+            if batch.dim() < 2:
+                return batch
+            pieces = 2 * self.cp if self.load_balance else self.cp
+            if batch.shape[1] % pieces:
+                raise UserError(f"parallel.cp = {self.cp} cuts every sequence into {pieces} equal chunks; this batch "
+                                f"has length {batch.shape[1]}. Feed sequences whose length is divisible by {pieces}")
+            return shard_sequence(batch, self.cp, self.rank, self.load_balance)
         if isinstance(batch, (tuple, list)):
             return type(batch)(self.shard_batch(b) for b in batch)
         if isinstance(batch, dict):

@@ -119,6 +119,11 @@ def check_tensor_parallel(cfg: Config, tp: int) -> None:
                         "shards, logits never gathered) and --train.fused_loss=false")
     if cfg.precision.fp8:
         raise UserError("precision.fp8 with parallel.tp > 1 is not supported yet; turn one of them off")
+    if cfg.activations.checkpointing == "offload":
+        # On CUDA the saved tensors are copied to pinned host memory with plain tensor ops, which
+        # DTensors refuse (mixed torch.Tensor and DTensor).
+        raise UserError("activations.checkpointing = offload with parallel.tp > 1 is not supported yet; use full "
+                        "or selective")
     if cfg.compile.scope != "off":
         # Measured on torch 2.13 (CPU): a RoPE model's compiled block fails in backward inside
         # DTensor's redistribute, and a GPT-2 one compiled after other tp runs in the same process
@@ -179,6 +184,17 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
         # parallelize_module gave the head its own copy of the shared table: share the table's again.
         model.lm_head.weight = model.tok_emb.weight
     model.logits_masked_by_head = True  # VocabParallelHead masks each shard's padded columns
+    if sp:
+        tp = tp_mesh.size()
+
+        def check_sequence(module, args):
+            if args and isinstance(args[0], torch.Tensor) and args[0].dim() >= 2 and args[0].shape[1] % tp:
+                raise UserError(f"parallel.sequence_parallel splits every sequence over tp = {tp} ranks; this batch "
+                                f"has length {args[0].shape[1]}. Feed sequences whose length is divisible by {tp} "
+                                "(train.seq_len) or set --parallel.sequence_parallel=false")
+
+        # Before any collective: an uneven split would otherwise abort inside the all-gather.
+        model.register_forward_pre_hook(check_sequence)
     return model
 
 

@@ -182,7 +182,7 @@ def efficiency_from_runs(run_dirs: list[str], cluster) -> tuple[float, list[dict
         per_node = min(world, cluster.gpus_per_node)
         here = dataclasses.replace(cluster, gpus_per_node=per_node, nodes=max(1, world // per_node))
         strategy = strategy_from_config(cfg, world)
-        work = Workload(cfg.train.seq_len, cfg.train.micro_batch_size * cfg.train.grad_accum_steps * world)
+        work = Workload(cfg.train.seq_len, cfg.train.micro_batch_size * cfg.train.grad_accum_steps * strategy.dp)
         predicted = estimate_time(PlanModel(cfg.model.preset, cfg.model), strategy, work, here).tokens_per_s
         measured = read_trial(run_dir)["tokens_per_s"]
         if not measured:

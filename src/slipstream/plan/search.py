@@ -15,7 +15,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from slipstream.models.transformer import mlp_hidden
+from slipstream.models.transformer import mlp_hidden, padded_vocab_size
 from slipstream.errors import UserError
 from slipstream.plan.hardware import Cluster
 from slipstream.plan.memory import GIB, MemoryEstimate, estimate_memory
@@ -75,9 +75,11 @@ def layouts(model: PlanModel, cluster: Cluster, work: Workload, *, dp_strategies
     """Every layout worth evaluating (the constraints each parallelism puts on the shapes)."""
     cfg, world = model.cfg, cluster.world
     kv = cfg.n_kv_head or cfg.n_head
-    # What the run's tensor-parallel plan splits evenly: heads, KV heads and the MLP width.
+    # What the run's tensor-parallel plan splits evenly: heads, KV heads, the MLP width, the padded
+    # vocabulary, and the sequence (sequence parallel, which the planner always uses with tp).
     tp_options = tp or tuple(t for t in _divisors(cluster.gpus_per_node, MAX_TP)
-                             if cfg.n_head % t == 0 and kv % t == 0 and mlp_hidden(cfg) % t == 0)
+                             if cfg.n_head % t == 0 and kv % t == 0 and mlp_hidden(cfg) % t == 0
+                             and (cfg.vocab_size <= 0 or padded_vocab_size(cfg) % t == 0) and work.seq_len % t == 0)
     pp_options = pp or tuple(p for p in (1, 2, 4, 8, 16, 32) if p <= cfg.n_layer and p <= world)
     cp_options = cp or tuple(c for c in (1, 2, 4, 8, 16) if c == 1 or work.seq_len >= 8192 * c // 2)
     ep_options = (1,) if not model.moe else tuple(e for e in (1, 2, 4, 8, 16, 32, 64)

@@ -178,12 +178,11 @@ def strategy_overrides(s: Strategy, seq_len: int) -> dict[str, object]:
     if s.dp_strategy == "hsdp":
         values["parallel.dp_shard"] = s.dp_shard
         values["parallel.dp_replicate"] = s.dp // s.dp_shard
-    if s.cp > 1:
-        values["parallel.cp"] = s.cp
-    if s.tp > 1:
-        values["parallel.tp"] = s.tp
-        values["parallel.sequence_parallel"] = s.sequence_parallel
-        values["parallel.loss_parallel"] = True  # what the planner's memory model assumes: logits stay sharded
+    # Always written, so a layout laid over a config replaces its degrees (tp 1 over a tp 2 config too).
+    values["parallel.cp"] = s.cp
+    values["parallel.tp"] = s.tp
+    values["parallel.sequence_parallel"] = s.sequence_parallel
+    values["parallel.loss_parallel"] = True  # what the planner's memory model assumes: logits stay sharded
     return values
 
 

@@ -231,7 +231,8 @@ def tune_system(config_path: str, overrides: list[str], budget_s: float, top: in
     model = PlanModel(cfg.model.preset or Path(config_path).stem,
                       dataclasses.replace(cfg.model, vocab_size=_vocab(cfg)))
     current = strategy_from_config(cfg, nproc)
-    work = Workload(seq_len=cfg.train.seq_len, global_batch=current.micro_batch * current.grad_accum * nproc)
+    # The data-parallel ranks read different batches; tp / cp ranks share theirs.
+    work = Workload(seq_len=cfg.train.seq_len, global_batch=current.micro_batch * current.grad_accum * current.dp)
     # Predicted as `slipstream plan` predicts by default, so the fitted efficiency is a drop-in value for it.
     result = plan(model, cluster, work, efficiency=DEFAULT_EFFICIENCY, runnable_only=True, precision=precision)
     if not result.ranked:

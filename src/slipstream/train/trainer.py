@@ -357,7 +357,7 @@ class Trainer:
             print(f"resumed from {resume_from} at step {self.step}")
         if self.job.model_summary and main:
             print(self.job.model_summary)
-        if self.parallel.dims.strategy != "none" and main:
+        if (self.parallel.dims.strategy != "none" or self.parallel.world_size > 1) and main:
             from slipstream.distributed.mesh import describe
 
             print(describe(self.parallel))
@@ -488,6 +488,7 @@ class Trainer:
                 "backward_end_categories": report.phase_categories["backward"]["end"] if report is not None else None}
         per_device = summary["tokens_per_s"] / self.parallel.world_size if summary["tokens_per_s"] else None
         return {"world_size": self.parallel.world_size, "dp_strategy": self.parallel.dims.strategy,
+                "mesh": [list(dim) for dim in self.parallel.dims.mesh_dims],
                 "tokens_per_s_per_device": per_device, "ranks": self.parallel.gather(mine)}  # gather: a collective
 
     def _next_batch(self, it: Iterator) -> Any:
