@@ -4,6 +4,9 @@ group) and against the bytes autograd really keeps, plus its structural rules.""
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ from slipstream.config.presets import PRESETS
 from slipstream.config.schema import ModelConfig
 from slipstream.models.transformer import build_model
 from slipstream.optimize.activations import activation_memory_bytes, apply_activation_checkpointing
-from slipstream.plan.accuracy import TARGET_ERROR, Case, default_cases, measure_case, plan_case
+from slipstream.plan.accuracy import TARGET_ERROR, Case, default_cases, measure_case, plan_case, stratified_cases
 from slipstream.plan.memory import GIB, block_activation_bytes, estimate_memory, in_flight_microbatches, model_state_bytes
 from slipstream.plan.model import resolve_model
 from slipstream.plan.space import PlanModel, Strategy
@@ -22,18 +25,58 @@ def _cfg(preset: str, **overrides) -> ModelConfig:
     return ModelConfig(**{**PRESETS[preset], "preset": preset, "vocab_size": 256, **overrides})
 
 
+COMMITTED_REPORT = Path(__file__).resolve().parents[2] / "benchmarks" / "planner-accuracy-cpu.json"
+
+
+def _worst_error(cases: list[Case]) -> tuple[str, float]:
+    # Bytes are counted, not timed, and do not depend on the thread count: one thread, which other
+    # work on the 2 cores does not stall as it does two (the subset: 15 s, or 40 s on a loaded machine).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        errors = {}
+        for case in cases:
+            measured, planned = measure_case(case), plan_case(case)
+            errors[case.label()] = (planned - measured) / measured
+    finally:
+        torch.set_num_threads(threads)
+    worst = max(errors, key=lambda k: abs(errors[k]))
+    return worst, errors[worst]
+
+
+def test_planned_peak_within_target_of_measured_on_a_stratified_subset():
+    """The guard of the accuracy report, in CI: the planned peak within 10 % of the measured one
+    on `stratified_cases()`, 12 of the grid's cases covering every model family, data-parallel
+    strategy, AC mode, precision, accumulation (with and without sharding), the fused loss and
+    the 16-rank world, the committed grid's worst case among them.
+
+    Why not the whole grid: measuring all 52 cases took ~425 s on 2 shared cores before the
+    MemTracker speed-up (over the 300 s per-test limit) and still takes 27-60 s after, 2-4x the
+    subset, while the committed whole-grid result is pinned by
+    tests/unit/test_planner_accuracy_pins.py (every planned number recomputed, a measurement
+    re-taken). SLIPSTREAM_SLOW_BENCH=1 runs the whole grid (the next test)."""
+    grid, cases = default_cases(), stratified_cases()
+    assert len(grid) >= 40
+    assert {c.strategy.dp_strategy for c in grid} == {"none", "ddp", "zero1", "zero2", "fsdp"}
+    assert max(c.strategy.dp for c in grid) >= 16
+    assert {c.preset for c in cases} == {c.preset for c in grid}
+    for field in ("dp_strategy", "dp", "ac", "precision", "grad_accum", "fused_loss"):
+        assert {getattr(c.strategy, field) for c in cases} == {getattr(c.strategy, field) for c in grid}, field
+    assert {c.strategy.dp_strategy == "none" for c in cases if c.strategy.grad_accum > 1} == {True, False}
+    committed = json.loads(COMMITTED_REPORT.read_text())["memory_cases"]
+    worst_committed = max(committed, key=lambda r: abs(r["error"]))["case"]
+    assert worst_committed in [c.label() for c in cases], \
+        f"the committed grid's worst case {worst_committed} is not in stratified_cases(): add it there"
+    worst, error = _worst_error(cases)
+    assert abs(error) <= TARGET_ERROR, f"{worst}: {error:+.1%}"
+
+
+@pytest.mark.skipif(os.environ.get("SLIPSTREAM_SLOW_BENCH") != "1",
+                    reason="27-60 s on 2 cores; CI runs the stratified subset above; SLIPSTREAM_SLOW_BENCH=1 runs it")
 def test_planned_peak_within_target_of_measured_on_the_whole_grid():
     """The guard of the accuracy report: every case of `slipstream bench planner` within 10%."""
-    cases = default_cases()
-    assert len(cases) >= 40
-    assert {c.strategy.dp_strategy for c in cases} == {"none", "ddp", "zero1", "zero2", "fsdp"}
-    assert max(c.strategy.dp for c in cases) >= 16
-    errors = {}
-    for case in cases:
-        measured, planned = measure_case(case), plan_case(case)
-        errors[case.label()] = (planned - measured) / measured
-    worst = max(errors, key=lambda k: abs(errors[k]))
-    assert abs(errors[worst]) <= TARGET_ERROR, f"{worst}: {errors[worst]:+.1%}"
+    worst, error = _worst_error(default_cases())
+    assert abs(error) <= TARGET_ERROR, f"{worst}: {error:+.1%}"
 
 
 @pytest.mark.parametrize("preset,overrides", [

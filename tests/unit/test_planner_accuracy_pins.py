@@ -110,7 +110,8 @@ def test_committed_memory_predictions_equal_a_fresh_computation(committed):
 
 def test_committed_memory_measurement_reproduces_on_a_cheap_case(committed):
     """One of the cheapest cases (ZeRO-2 over the fake 8-rank group: FSDPMemTracker), measured again;
-    the whole grid is re-measured against the 10 % target by tests/unit/test_plan_memory.py."""
+    tests/unit/test_plan_memory.py re-measures a stratified subset against the 10 % target (the
+    whole grid with SLIPSTREAM_SLOW_BENCH=1)."""
     index = 10
     case = default_cases()[index]
     row = committed["memory_cases"][index]

@@ -1,11 +1,11 @@
 """`slipstream bench ...`: benchmarks whose JSON results go to benchmarks/ (or --out).
 
     slipstream bench overhead [--config FILE] [--section.key=value ...] [--rounds N] [--out FILE]
-    slipstream bench sharding [--nproc N --strategies ddp zero1 zero2 fsdp --steps N]
+    slipstream bench sharding [--nproc N --strategies ddp zero1 zero2 fsdp --steps N --size default|ci]
     slipstream bench checkpoint [--repeats N] [--model.* overrides]
     slipstream bench fused-ce [--rows N --d D --vocab V --dtype ... --chunk-size ...]
     slipstream bench ladder [memory|speed|both] [--device D --size S --repeats N --steps N --batch B]
-    slipstream bench planner [--device cpu|cuda] [--out FILE]
+    slipstream bench planner [--device cpu|cuda] [--cases grid|stratified] [--out FILE]
     slipstream bench gpu [--dry-run] [--only ITEM ...] [--out-dir DIR]
 """
 
@@ -51,7 +51,7 @@ def cmd_bench_sharding(args: argparse.Namespace, extra: list[str]) -> int:
     no_extra(extra)
     refuse_existing(args.out, args.force)
     run_sharding_bench(nproc=args.nproc, strategies=tuple(args.strategies), data_dir=args.data_dir,
-                       steps=args.steps, out=args.out)
+                       steps=args.steps, out=args.out, size=args.size)
     return 0
 
 
@@ -78,15 +78,19 @@ def cmd_bench_fused_ce(args: argparse.Namespace, extra: list[str]) -> int:
 
 def cmd_bench_planner(args: argparse.Namespace, extra: list[str]) -> int:
     from slipstream.observe.env import collect_env, write_json_atomic
-    from slipstream.plan.accuracy import TARGET_ERROR, run_accuracy
+    from slipstream.plan.accuracy import TARGET_ERROR, run_accuracy, stratified_cases
     from slipstream.plan.report import fit_efficiency, published_report
     from slipstream.plan.timing import DEFAULT_EFFICIENCY
 
     no_extra(extra)
     refuse_existing(args.out, args.force)  # an explicit --out; the default benchmarks/ file is refreshed
     if args.device != "cpu":
+        if args.cases != "grid":
+            raise UserError(f"--cases {args.cases} is for --device cpu (the fake-process-group grid)")
         return _bench_planner_on_device(args.device, args.out)
-    rows = run_accuracy()
+    if args.cases == "stratified" and not args.out:
+        raise UserError("--cases stratified needs --out: benchmarks/planner-accuracy-cpu.json holds the whole grid")
+    rows = run_accuracy(stratified_cases() if args.cases == "stratified" else None)
     worst = max(abs(r["error"]) for r in rows)
     fitted = fit_efficiency()
     published = published_report(DEFAULT_EFFICIENCY)
@@ -161,8 +165,9 @@ def add_commands(sub) -> None:
     p = bench.add_parser("ladder", help="the books' memory and speed optimization ladders, measured rung by rung")
     p.add_argument("ladder", nargs="?", default="both", choices=["memory", "speed", "both"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--size", default="tiny", choices=["tiny", "small", "book"],
-                   help="model scale: book = the books' settings (GPU), small/tiny for CPU")
+    p.add_argument("--size", default="tiny", choices=["ci", "tiny", "small", "book"],
+                   help="model scale: book = the books' settings (GPU), small/tiny for CPU, ci = the smallest "
+                        "shapes at which every rung still shows its effect (a seconds-long smoke run for tests)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per rung")
     p.add_argument("--steps", type=int, default=6, help="training steps per rung and repeat (step 1 is warm-up)")
     p.add_argument("--batch", type=int, default=32, help="global batch in sequences (the books used 32)")
@@ -176,6 +181,9 @@ def add_commands(sub) -> None:
     p.add_argument("--nproc", type=int, default=2, help="processes (ranks)")
     p.add_argument("--strategies", nargs="+", default=["ddp", "zero1", "zero2", "fsdp"])
     p.add_argument("--steps", type=int, default=3, help="training steps per strategy (step 2 is measured)")
+    p.add_argument("--size", default="default", choices=["default", "ci"],
+                   help="model scale: default = a wide 4-layer GPT-2 (35.4M parameters); ci = the same shape at a "
+                        "third of the width (3.9M; a seconds-long smoke run for tests; needs --out)")
     p.add_argument("--data-dir", default="", help="prepared data folder (default: the stdlib corpus, prepared once)")
     p.add_argument("--out", default="", help="JSON file (default benchmarks/sharding-cpu.json)")
     add_force(p)
@@ -199,6 +207,9 @@ def add_commands(sub) -> None:
     p.set_defaults(func=cmd_bench_fused_ce)
     p = bench.add_parser("planner", help="planner accuracy: planned vs measured memory on this CPU, vs published runs")
     p.add_argument("--device", default="cpu", help="cpu: the fake-process-group grid; cuda: GPT-2 steps on this GPU")
+    p.add_argument("--cases", default="grid", choices=["grid", "stratified"],
+                   help="cpu: grid = every case (the committed JSON); stratified = 12 of them covering every model "
+                        "family, strategy, AC mode and precision (a seconds-long smoke run for tests; needs --out)")
     p.add_argument("--out", default="", help="JSON file (default benchmarks/planner-accuracy-<cpu|gpu>.json)")
     p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
     p.set_defaults(func=cmd_bench_planner)

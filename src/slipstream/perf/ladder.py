@@ -12,8 +12,8 @@ rung alike; each rung reports the median and spread over its repeats.
         baseline -> larger batch -> data workers -> pinned memory + non-blocking copies ->
         compile -> mixed precision -> fused linear+cross-entropy. Reports tokens/s.
 
-On CPU, `--size` scales the models down so the ladders finish in minutes; the rungs and
-their order stay the same.
+On CPU, `--size` scales the models down so the ladders finish in minutes (`ci`: in
+seconds, for the tests); the rungs and their order stay the same.
 """
 
 from __future__ import annotations
@@ -46,14 +46,19 @@ def _cumulative(steps: list[tuple]) -> list[Rung]:
     return rungs
 
 
-# Model shape per (ladder, size). "book" is the books' own setting (for GPUs).
+# Model shape per (ladder, size). "book" is the books' own setting (for GPUs). "ci" is the
+# smallest shape at which every memory rung still shows its effect (activations outweigh the
+# model state, so accumulation and checkpointing lower the peak); the e2e tests run it with
+# --repeats 1 --steps 2. The speed ladder's time there is the compile rungs' cold compile.
 SIZES = {
     "memory": {"book": ["--model.preset=gpt2-large", "--train.seq_len=1024"],
                "small": ["--model.preset=gpt2", "--model.n_layer=4", "--train.seq_len=256"],
-               "tiny": ["--model.preset=gpt-mini", "--train.seq_len=128"]},
+               "tiny": ["--model.preset=gpt-mini", "--train.seq_len=128"],
+               "ci": ["--model.preset=gpt-mini", "--model.n_layer=2", "--train.seq_len=128"]},
     "speed": {"book": ["--model.preset=gpt-mini", "--train.seq_len=512"],
               "small": ["--model.preset=gpt-mini", "--train.seq_len=256"],
-              "tiny": ["--model.preset=gpt-mini", "--model.n_layer=2", "--train.seq_len=128"]},
+              "tiny": ["--model.preset=gpt-mini", "--model.n_layer=2", "--train.seq_len=128"],
+              "ci": ["--model.preset=gpt-mini", "--model.n_layer=1", "--train.seq_len=64"]},
 }
 
 

@@ -30,6 +30,13 @@ STRATEGIES = ("ddp", "zero1", "zero2", "fsdp")
 # Wide and shallow, small batch: model state dominates (about 30M parameters).
 MODEL = ["--model.preset=gpt2", "--model.n_layer=4", "--model.vocab_size=8192", "--train.seq_len=64",
          "--train.micro_batch_size=2"]
+# `--size ci`: the same shape at a third of the width (3.9M parameters; the e2e tests' smoke
+# run): model state still dominates, and with 4 blocks zero2's gathered parameters still raise
+# its peak above fsdp's, so every strategy's per-rank saving shows. A run's time is then the
+# torchrun start-up.
+SIZES = {"default": MODEL,
+         "ci": ["--model.preset=gpt2", "--model.n_layer=4", "--model.d_model=256", "--model.n_head=4",
+                "--model.vocab_size=2048", "--train.seq_len=32", "--train.micro_batch_size=2"]}
 
 
 def run_strategy(strategy: str, nproc: int, overrides: list[str], run_dir: str, steps: int = 3,
@@ -58,7 +65,7 @@ def _rank_rows(summary: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def run_sharding_bench(nproc: int = 2, strategies: tuple[str, ...] = STRATEGIES, data_dir: str = "",
-                       steps: int = 3, out: str = "") -> dict[str, Any]:
+                       steps: int = 3, out: str = "", size: str = "default") -> dict[str, Any]:
     from slipstream.config.load import load_config
     from slipstream.data.ensure import ensure_data
     from slipstream.observe.env import collect_env, write_json_atomic
@@ -70,9 +77,14 @@ def run_sharding_bench(nproc: int = 2, strategies: tuple[str, ...] = STRATEGIES,
     unknown = [s for s in strategies if s not in STRATEGIES]
     if unknown:
         raise UserError(f"unknown strategy {', '.join(unknown)}; choose from {', '.join(STRATEGIES)}")
-    overrides = MODEL + ([f"--data.dir={data_dir}"] if data_dir else [])
+    if size not in SIZES:
+        raise UserError(f"unknown --size '{size}'; choose one of {', '.join(SIZES)}")
+    if size != "default" and not out:
+        raise UserError(f"--size {size} needs --out: benchmarks/sharding-cpu.json holds the default size's result")
+    model = SIZES[size]
+    overrides = model + ([f"--data.dir={data_dir}"] if data_dir else [])
     data_dir = str(ensure_data(load_config(None, overrides))[0])  # prepare once, before the runs
-    overrides = [*MODEL, f"--data.dir={data_dir}", "--train.device=cpu"]
+    overrides = [*model, f"--data.dir={data_dir}", "--train.device=cpu"]
     rows = []
     with tempfile.TemporaryDirectory(prefix="slipstream-sharding-") as tmp:
         for strategy in strategies:

@@ -78,6 +78,39 @@ def default_cases() -> list[Case]:
     return cases
 
 
+# (preset, Strategy fields) of each case of stratified_cases(); each names one case of the grid.
+_STRATIFIED = (
+    ("tiny", dict(dp_strategy="none", ac="selective", precision="fp32")),
+    ("llama-tiny", dict(dp_strategy="none", ac="full", precision="bf16")),
+    ("gpt-mini", dict(dp_strategy="none", ac="selective", precision="bf16")),
+    ("llama-tiny", dict(dp_strategy="none", grad_accum=2)),
+    ("tiny", dict(fused_loss=True)),
+    ("tiny", dict(dp_strategy="ddp", precision="fp32")),
+    ("llama-tiny", dict(dp_strategy="zero1", precision="bf16")),
+    ("llama-tiny", dict(dp_strategy="zero2", precision="bf16")),
+    ("llama-tiny", dict(dp_strategy="fsdp", precision="fp32")),
+    ("tiny", dict(dp_strategy="fsdp", precision="bf16", grad_accum=1)),
+    ("tiny", dict(dp_strategy="fsdp", grad_accum=2)),
+    ("gpt-mini", dict(dp=16)),
+)
+
+
+def stratified_cases() -> list[Case]:
+    """12 of the grid's cases, measured in seconds instead of a minute: every model family,
+    data-parallel strategy, AC mode and precision, accumulation with and without sharding, the
+    fused loss and the 16-rank world, among them the grid's largest errors (sharded bf16, the
+    16-rank world). `bench planner --cases stratified` and the tests run these."""
+    grid = default_cases()
+    picked = []
+    for preset, fields in _STRATIFIED:
+        found = [c for c in grid if c.preset == preset
+                 and all(getattr(c.strategy, k) == v for k, v in fields.items())]
+        if len(found) != 1:
+            raise ValueError(f"stratified case {preset} {fields} matches {len(found)} grid cases, not 1")
+        picked.append(found[0])
+    return picked
+
+
 def _train_step(model, optimizer, batch, targets, s: Strategy, fused_loss) -> None:
     from slipstream.models.transformer import lm_loss
 
