@@ -2,6 +2,7 @@
 
     slipstream bench overhead [--config FILE] [--section.key=value ...] [--rounds N] [--out FILE]
     slipstream bench sharding [--nproc N --strategies ddp zero1 zero2 fsdp --steps N --size default|ci]
+    slipstream bench sharding --layouts tp1 tp2 tp4 cp2 cp4 cp2tp2
     slipstream bench checkpoint [--repeats N] [--model.* overrides]
     slipstream bench fused-ce [--rows N --d D --vocab V --dtype ... --chunk-size ...]
     slipstream bench ladder [memory|speed|both] [--device D --size S --repeats N --steps N --batch B]
@@ -50,6 +51,11 @@ def cmd_bench_sharding(args: argparse.Namespace, extra: list[str]) -> int:
 
     no_extra(extra)
     refuse_existing(args.out, args.force)
+    if args.layouts:  # the tensor- / context-parallel rungs
+        from slipstream.perf.model_parallel_bench import run_model_parallel_bench
+
+        run_model_parallel_bench(layouts=tuple(args.layouts), data_dir=args.data_dir, steps=args.steps, out=args.out)
+        return 0
     run_sharding_bench(nproc=args.nproc, strategies=tuple(args.strategies), data_dir=args.data_dir,
                        steps=args.steps, out=args.out, size=args.size)
     return 0
@@ -184,6 +190,9 @@ def add_commands(sub) -> None:
     p.add_argument("--size", default="default", choices=["default", "ci"],
                    help="model scale: default = a wide 4-layer GPT-2 (35.4M parameters); ci = the same shape at a "
                         "third of the width (3.9M; a seconds-long smoke run for tests; needs --out)")
+    p.add_argument("--layouts", nargs="+", default=None, metavar="LAYOUT",
+                   help="instead of the data-parallel strategies: tensor / context-parallel layouts (tp1 tp2 tp4 cp2 "
+                        "cp4 cp2tp2), memory per rank vs the planner (default file benchmarks/model-parallel-cpu.json)")
     p.add_argument("--data-dir", default="", help="prepared data folder (default: the stdlib corpus, prepared once)")
     p.add_argument("--out", default="", help="JSON file (default benchmarks/sharding-cpu.json)")
     add_force(p)
