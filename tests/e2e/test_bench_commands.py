@@ -96,13 +96,7 @@ def _by_rung(result: dict, key: str) -> dict[str, int | float | None]:
     return {r["rung"]: (r.get(key) or {}).get("median") for r in result["rungs"]}
 
 
-@pytest.mark.parametrize("ladder", [
-    "memory",
-    pytest.param("speed", marks=pytest.mark.xfail(strict=True, reason=(
-        "benchmarks/ladder-speed-cpu-tiny.json (6949033) predates optimizer_phase_peak_bytes (51add89): its "
-        "pre-compile rungs lack the key the code writes; rerun `slipstream bench ladder speed --repeats 3 --steps 6 "
-        "--batch 32` on an idle machine (and the README's speed-ladder figures), then drop this mark"))),
-])
+@pytest.mark.parametrize("ladder", ["memory", "speed"])
 @pytest.mark.parametrize("size", SIZES)
 def test_bench_ladder_json_has_the_committed_shape(ladder_run, ladder, size):
     fresh, _ = ladder_run(ladder, size)

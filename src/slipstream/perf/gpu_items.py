@@ -95,15 +95,15 @@ ITEMS: tuple[Item, ...] = (
          "GPT-2 124M training step at the best single-GPU switches (bf16, TF32, regional compile, fused loss, "
          "fused AdamW, pinned prefetch; 32 x 1024 tokens): tokens/s and MFU after warm-up", collect="train",
          config_overrides=True),
-    Item("planner", 90, "slipstream", ("bench", "planner", "--device", "cuda", "--out", "{out}/gpu-planner.json", "--force"),
+    Item("planner", 75, "slipstream", ("bench", "planner", "--device", "cuda", "--out", "{out}/gpu-planner.json", "--force"),
          "the planner's predicted peak memory and step time vs the CUDA allocator and the clock on GPT-2 and "
          "GPT-2 medium steps (17 cases)", outputs=("{out}/gpu-planner.json",)),
-    Item("ladder-memory", 140, "slipstream",
+    Item("ladder-memory", 120, "slipstream",
          ("bench", "ladder", "memory", "--size", "book", "--device", "cuda", "--repeats", "1", "--steps", "3",
           "--batch", "8", "--out-dir", "{out}", "--force"),
          "the memory ladder at the book's size (gpt2-large, seq 1024; global batch 8 to fit the budget): "
          "allocator peak per rung", outputs=("{out}/ladder-memory-cuda-book.json", "{out}/ladder-memory-cuda-book.png")),
-    Item("ladder-speed", 45, "slipstream",
+    Item("ladder-speed", 40, "slipstream",
          ("bench", "ladder", "speed", "--size", "book", "--device", "cuda", "--repeats", "1", "--steps", "6",
           "--batch", "32", "--out-dir", "{out}", "--force"),
          "the speed ladder at the book's size (gpt-mini, seq 512, batch 32): tokens/s per rung, pinned + "
