@@ -26,12 +26,23 @@ def _meta_model(cfg) -> Transformer:
         return Transformer(cfg.model)
 
 
-@pytest.mark.parametrize("dim, kind", [("pp", "pipeline"), ("tp", "tensor"), ("cp", "context")])
-def test_model_parallel_stages_are_named_and_refused_above_degree_one(dim, kind):
+def test_pipeline_stage_is_named_and_refused_above_degree_one():
     cfg = _cfg()
     parallel = init_parallel(cfg)
+    wider = dataclasses.replace(parallel, dims=dataclasses.replace(parallel.dims, pp=2))
+    with pytest.raises(UserError, match=r"parallel\.pp = 2: pipeline parallelism is planned but not implemented"):
+        parallelize(Transformer(cfg.model), wider, cfg)
+
+
+@pytest.mark.parametrize("dim, message", [("tp", "must divide model.n_head = 3"),
+                                          ("cp", "train.seq_len = 30 must be divisible by 2 x cp = 4")])
+def test_tensor_and_context_parallel_steps_run_in_the_chain(dim, message):
+    """The chain's tp / cp steps check the model against their degree first (the splits
+    themselves are tested against one process in tests/distributed/test_tensor_parallel.py)."""
+    cfg = _cfg("--model.n_head=3", "--model.d_model=48", "--train.seq_len=30")
+    parallel = init_parallel(cfg)
     wider = dataclasses.replace(parallel, dims=dataclasses.replace(parallel.dims, **{dim: 2}))
-    with pytest.raises(UserError, match=rf"parallel\.{dim} = 2: {kind} parallelism is planned but not implemented"):
+    with pytest.raises(UserError, match=message):
         parallelize(Transformer(cfg.model), wider, cfg)
 
 
