@@ -111,10 +111,12 @@ class ContextParallel:
 
     def gather_sequence(self, t: torch.Tensor) -> torch.Tensor:
         """(B, H, T/cp, D) of every rank -> (B, H, T, D) in sequence order (autograd-aware)."""
-        from torch.distributed._functional_collectives import all_gather_tensor_autograd
+        import torch.distributed._functional_collectives as fc
 
+        # all_gather_tensor_autograd is deprecated in newer torch; the same op under its new name.
+        gather = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
         # Communicates: all-gather over the cp group (backward: reduce-scatter of the gradient).
-        gathered = all_gather_tensor_autograd(t.contiguous(), gather_dim=2, group=self.group)
+        gathered = gather(t.contiguous(), gather_dim=2, group=self.group)
         pieces = 2 * self.cp if self.load_balance else self.cp
         per_rank = len(chunk_order(self.cp, 0, self.load_balance))
         chunks = gathered.chunk(self.cp * per_rank, dim=2)  # rank-major: rank r's chunks in its order

@@ -156,7 +156,7 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
         return _traced_memory(model, s, seq_len, device, optimizer_state_bytes)
     cfg, dt = model.cfg, _dtypes(s)
     pc = param_count(cfg, (model.moe.n_experts, model.moe.top_k) if model.moe else None)
-    shard_grad, group = s.shards()[1], s.shard_group
+    shard_grad, group = s.shards()[1], s.state_shard_group
     layers = _stage_layers(model, s)
     notes: list[str] = []
 
@@ -316,7 +316,7 @@ def model_state_bytes(params: float, s: Strategy, optimizer_state_bytes: int = 4
     moments, each divided by the shard group where the strategy shards it (`shard_group`
     overrides it: experts shard over the ranks that hold the same experts)."""
     shard_opt, shard_grad, shard_param = s.shards()
-    group = s.shard_group if shard_group is None else shard_group
+    group = s.state_shard_group if shard_group is None else shard_group
     return (params * 4 / (group if shard_param else 1),
             params * 4 / (group if shard_grad else 1),
             params * 2 * optimizer_state_bytes / (group if shard_opt else 1))

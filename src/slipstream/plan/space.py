@@ -108,6 +108,13 @@ class Strategy:
             return self.dp_shard
         return self.dp if SHARDS[self.dp_strategy][0] else 1
 
+    @property
+    def state_shard_group(self) -> int:
+        """Ranks over which a rank's model state is split: the shard group times cp (the run's
+        FSDP / ZeRO shards over the data-parallel dims with the cp ranks folded in). The timing
+        model keeps `shard_group` for the communication groups."""
+        return self.shard_group * self.cp if SHARDS[self.dp_strategy][0] else 1
+
     def shards(self) -> tuple[bool, bool, bool]:
         return SHARDS[self.dp_strategy]
 
