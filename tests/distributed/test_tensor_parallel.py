@@ -108,6 +108,12 @@ def test_tensor_parallel_equals_one_process(launches, world, name, tmp_path):
 
     layout = json.loads((got_dir / "layout.json").read_text())
     assert layout["_seen_seq_len"] == [w.SEQ_LEN // sc["cp"]]  # context parallel cut every sequence
+    sp = sc["tp"] > 1 and "--parallel.sequence_parallel=true" in sc["extra"]
+    loss_parallel = sc["tp"] > 1 and "--parallel.loss_parallel=true" in sc["extra"]
+    # sequence parallel: the final norm holds 1/tp of the rank's tokens; without it, all of them
+    assert layout["_norm_tokens"] == [w.SEQ_LEN // sc["cp"] // (sc["tp"] if sp else 1)]
+    # loss parallel: the logits leave the head as vocabulary shards; without it, whole (64 padded rows)
+    assert layout["_head_out"] == (["S(2)", 64 // sc["tp"]] if loss_parallel else [64])
     if sc["tp"] > 1:
         _check_layout(layout, sc, dp)
     if sc["cp"] > 1:  # the cp ranks shard (FSDP) or replicate (DDP) over the folded dp x cp mesh

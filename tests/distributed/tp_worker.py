@@ -127,9 +127,19 @@ def run(cfg) -> dict[str, Any]:
 
     trainer = Trainer(build_model(cfg.model, "cpu", seed=MODEL_SEED), make_dataset(), lm_batch_loss, config=cfg)
     seen = []  # the sequence length the model's embedding really gets (context parallel: T / cp)
-    unwrap(trainer.model).tok_emb.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
+    model = unwrap(trainer.model)
+    model.tok_emb.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape[1]))
+    # What sequence parallel and loss parallel really did: the tokens the final norm holds on this
+    # rank (T / cp / tp with SP), and the head's output (vocabulary-sharded DTensor with loss parallel).
+    local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
+    norm_tokens, head_out = [], []
+    model.final_norm.register_forward_pre_hook(lambda m, args: norm_tokens.append(local(args[0]).shape[1]))
+    model.lm_head.register_forward_hook(lambda m, args, out: head_out.append(
+        [str(p) for p in out.placements] + [local(out).shape[-1]] if hasattr(out, "placements") else [out.shape[-1]]))
     trainer.fit()
     trainer.seen_seq_len = sorted(set(seen))
+    trainer.norm_tokens = sorted(set(norm_tokens))
+    trainer.head_out = head_out[-1]
     return {"step": step, "final": full_state(dict(unwrap(trainer.model).named_parameters())), "trainer": trainer}
 
 
@@ -155,6 +165,8 @@ def layout(trainer) -> dict[str, Any]:
     model = unwrap(trainer.model)
     out["_tied"] = model.lm_head.weight is model.tok_emb.weight
     out["_seen_seq_len"] = trainer.seen_seq_len
+    out["_norm_tokens"] = trainer.norm_tokens
+    out["_head_out"] = trainer.head_out
     return out
 
 
