@@ -592,11 +592,10 @@ class DatasetLoader:
 
     def load_state_dict(self, state: dict) -> None:
         identity = self._identity()
-        if isinstance(state, dict) and state.get("world_size", 0) * state.get("batch_size", 0) == (
-                self.world_size * self.batch_size):
-            # Resharded at the same global batch (e.g. 1 rank x 4 -> 2 ranks x 2): global batch k
-            # holds the same samples, perm[k*W*B : (k+1)*W*B], at either layout; the position carries.
-            identity = {**identity, "world_size": state["world_size"], "batch_size": state["batch_size"]}
+        # Resharded at the same global batch (1 rank x 4 -> 2 x 2): batch k holds perm[k*W*B : (k+1)*W*B] either way.
+        same_global = self.world_size * self.batch_size
+        if isinstance(state, dict) and state.get("world_size", 0) * state.get("batch_size", 0) == same_global:
+            identity.update(world_size=state["world_size"], batch_size=state["batch_size"])
         _check_state("DatasetLoader", state, identity)
         self._epoch = int(state["epoch"])
         self._batch_in_epoch = int(state["batch_in_epoch"])

@@ -200,14 +200,17 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
 
 class LossParallel:
     """A re-enterable context for the forward and backward of one micro-batch: torch's
-    loss_parallel() (cross-entropy on vocabulary-sharded logits) when enabled, else nothing."""
+    loss_parallel() (cross-entropy on vocabulary-sharded logits) when enabled, else nothing.
+    `inside`: another re-enterable context entered first (the evaluator's autocast)."""
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
+    def __init__(self, enabled: bool, inside: Any = None):
+        self.enabled, self.inside = enabled, inside
         self._stack: list[contextlib.ExitStack] = []
 
     def __enter__(self) -> None:
         stack = contextlib.ExitStack()
+        if self.inside is not None:
+            stack.enter_context(self.inside)
         if self.enabled:
             from torch.distributed.tensor.parallel import loss_parallel
 

@@ -36,8 +36,8 @@ def run_model_parallel_bench(layouts: tuple[str, ...] = tuple(LAYOUTS), data_dir
                              out: str = "") -> dict[str, Any]:
     from slipstream.config.load import load_config
     from slipstream.data.ensure import ensure_data
-    from slipstream.observe.env import collect_env, write_json_atomic
-    from slipstream.perf.sharding import run_strategy
+    from slipstream.observe.env import collect_env
+    from slipstream.perf.sharding import run_strategy, write_result
 
     unknown = [name for name in layouts if name not in LAYOUTS]
     if unknown:
@@ -70,12 +70,7 @@ def run_model_parallel_bench(layouts: tuple[str, ...] = tuple(LAYOUTS), data_dir
     result = {"bench": "model-parallel", "steps": steps, "overrides": base,
               "measured": "training step 2 of rank 0 (MemTracker on CPU): bytes by category at the step's peak",
               "layouts": rows, "env": collect_env()}
-    path = Path(out or "benchmarks/model-parallel-cpu.json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(path, result)
-    _print_table(result)
-    print(f"wrote {path}")
-    return result
+    return write_result(result, Path(out or "benchmarks/model-parallel-cpu.json"), _print_table)
 
 
 def _print_table(result: dict[str, Any]) -> None:

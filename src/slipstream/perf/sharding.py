@@ -68,7 +68,7 @@ def run_sharding_bench(nproc: int = 2, strategies: tuple[str, ...] = STRATEGIES,
                        steps: int = 3, out: str = "", size: str = "default") -> dict[str, Any]:
     from slipstream.config.load import load_config
     from slipstream.data.ensure import ensure_data
-    from slipstream.observe.env import collect_env, write_json_atomic
+    from slipstream.observe.env import collect_env
 
     if nproc < 2:
         raise UserError(f"--nproc must be >= 2 to shard anything, got {nproc}")
@@ -99,10 +99,16 @@ def run_sharding_bench(nproc: int = 2, strategies: tuple[str, ...] = STRATEGIES,
     result = {"bench": "sharding", "nproc": nproc, "steps": steps, "overrides": overrides,
               "measured": "training step 2 on every rank (MemTracker on CPU, CUDA allocator stats on GPU)",
               "strategies": rows, "env": collect_env()}
-    path = Path(out or "benchmarks/sharding-cpu.json")
+    return write_result(result, Path(out or "benchmarks/sharding-cpu.json"), _print_table)
+
+
+def write_result(result: dict[str, Any], path: Path, print_table) -> dict[str, Any]:
+    """Write a memory bench's JSON (atomically), print its table, say where it went."""
+    from slipstream.observe.env import write_json_atomic
+
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, result)
-    _print_table(result)
+    print_table(result)
     print(f"wrote {path}")
     return result
 

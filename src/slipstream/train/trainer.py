@@ -81,27 +81,6 @@ def _as_loader(data: Any, cfg: Config, device: torch.device, shuffle: bool, coll
                     f"got {type(data).__name__}")
 
 
-class _Both:
-    """Two re-enterable contexts entered together (the evaluator's autocast + loss parallel)."""
-
-    def __init__(self, first: Any, second: Any):
-        self.first, self.second = first, second
-
-    def __enter__(self) -> None:
-        self.first.__enter__()
-        try:
-            self.second.__enter__()
-        except BaseException:
-            self.first.__exit__(None, None, None)
-            raise
-
-    def __exit__(self, *exc: Any) -> None:
-        try:
-            self.second.__exit__(*exc)
-        finally:
-            self.first.__exit__(*exc)
-
-
 def _batch_size(batch: Any) -> int:
     if isinstance(batch, torch.Tensor):
         return batch.shape[0]
@@ -182,7 +161,8 @@ class Trainer:
             from slipstream.train.evaluate import Evaluator
 
             self.evaluator = Evaluator(self.val_loader, loss_fn, self.parallel,
-                                       _Both(self._autocast, self._loss_parallel), context_parallel=self._cp,
+                                       LossParallel(self._loss_parallel.enabled, inside=self._autocast),
+                                       context_parallel=self._cp,
                                        max_batches=self.cfg.train.eval_steps, sequence_loss_fn=sequence_loss_fn)
         c = self.cfg.checkpoint
         async_save = c.async_save and (self.parallel.world_size == 1 or self.parallel.side_group is not None)
