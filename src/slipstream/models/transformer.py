@@ -160,6 +160,7 @@ class Transformer(nn.Module):
         positions: the (T,) positions of the tokens in their sequence (default 0..T-1), e.g. for a
         piece of a longer sequence."""
         T = idx.shape[1]
+        given = positions
         if positions is None:
             if T > self.cfg.max_seq_len:
                 raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
@@ -168,7 +169,10 @@ class Transformer(nn.Module):
         if self.pos_emb is not None:
             x = x + self.pos_emb(positions)
         x = self.emb_dropout(x)
-        rope = (self.rope_cos[positions], self.rope_sin[positions]) if self.rope_cos is not None else None
+        rope = None
+        if self.rope_cos is not None:  # the default positions are a slice (a view); given ones a gather
+            where = slice(0, T) if given is None else given
+            rope = (self.rope_cos[where], self.rope_sin[where])
         for block in self.blocks:
             x = block(x, rope)
         x = self.final_norm(x)
