@@ -69,14 +69,20 @@ SCENARIOS: dict[int, list[dict[str, Any]]] = {
         scenario("llama_tp2_save", LLAMA, 2, extra=SAVE, kind="save"),
         scenario("gpt2_tp2_sp_bad_batch", GPT2, 2, extra=SP, kind="bad_batch"),
         scenario("llama_tp2_selective_ac", LLAMA, 2, extra=(*SP_LOSS, "--activations.checkpointing=selective")),
+        # Compiled blocks over DTensor (the RoPE model's block takes the embedding's output directly).
+        scenario("llama_tp2_compile", LLAMA, 2, extra=(*SP_LOSS, "--compile.scope=blocks")),
         # Context parallel: the cp ranks average gradients through FSDP over the folded (dp_shard, cp) mesh.
         scenario("gpt2_cp2", GPT2, 1, "fsdp", cp=2),
         scenario("llama_cp2_no_balance", LLAMA, 1, "fsdp", ("--parallel.cp_load_balance=false",), cp=2),
         scenario("llama_cp2_ddp_ac", LLAMA, 1, "ddp", ("--activations.checkpointing=full",), cp=2),
+        # The context-parallel attention inside compiled blocks, with full checkpointing (which tp refuses).
+        scenario("gpt2_cp2_ac_compile", GPT2, 1, "fsdp", ("--compile.scope=blocks", "--activations.checkpointing=full"),
+                 cp=2),
     ],
     4: [
         scenario("gpt2_fsdp2_tp2", GPT2, 2, "fsdp", SP_LOSS),
-        scenario("llama_fsdp2_tp2_ac", LLAMA, 2, "fsdp", (*SP_LOSS, "--activations.checkpointing=full")),
+        scenario("llama_fsdp2_tp2_sac_compile", LLAMA, 2, "fsdp",
+                 (*SP_LOSS, "--activations.checkpointing=selective", "--compile.scope=blocks")),
         scenario("llama_hsdp_tp2", LLAMA, 2, "hsdp", (*SP_LOSS, "--parallel.dp_replicate=2")),
         scenario("llama_tp4", LLAMA, 4, extra=(*SP_LOSS, "--model.n_head=4", "--model.n_kv_head=4")),
         scenario("llama_resume_fsdp2_tp2", LLAMA, 2, "fsdp", SAVE, kind="resume"),
@@ -116,6 +122,9 @@ def run(cfg) -> dict[str, Any]:
     from slipstream import Trainer
     from slipstream.models.transformer import build_model
 
+    from torch._dynamo.utils import counters
+
+    graphs_before = counters["stats"]["unique_graphs"]  # compile.scope really compiled (layout.json)
     trainer = Trainer(build_model(cfg.model, "cpu", seed=MODEL_SEED), make_dataset(), lm_batch_loss, config=cfg)
     loss, _, _ = trainer.accumulate_gradients(iter(trainer.train_loader))
     from slipstream.distributed.data_parallel import unwrap
@@ -140,6 +149,7 @@ def run(cfg) -> dict[str, Any]:
     trainer.seen_seq_len = sorted(set(seen))
     trainer.norm_tokens = sorted(set(norm_tokens))
     trainer.head_out = head_out[-1]
+    trainer.compiled_graphs = counters["stats"]["unique_graphs"] - graphs_before
     return {"step": step, "final": full_state(dict(unwrap(trainer.model).named_parameters())), "trainer": trainer}
 
 
@@ -167,6 +177,7 @@ def layout(trainer) -> dict[str, Any]:
     out["_seen_seq_len"] = trainer.seen_seq_len
     out["_norm_tokens"] = trainer.norm_tokens
     out["_head_out"] = trainer.head_out
+    out["_compiled_graphs"] = trainer.compiled_graphs
     return out
 
 

@@ -14,9 +14,9 @@ into 2 x cp chunks and rank r holds chunks r and 2cp - 1 - r: one early, one lat
 work on every rank. Positions (RoPE tables and learned positions) are those of the full
 sequence: the model is called with `positions=`.
 
-The batch is split by the trainer (`shard_batch`, dim 1 of every (B, T) tensor); the model's
-scaled_dot_product_attention calls are replaced inside its forward by a TorchFunctionMode, so
-the model code knows nothing of this. Gradients of the replicated parameters are averaged over
+The batch is split by the trainer (`shard_batch`, dim 1 of every (B, T) tensor); each
+attention module's kernel (`attn.attend`, scaled_dot_product_attention by default) is replaced
+by the context-parallel one, so the model code knows nothing of this. Gradients of the replicated parameters are averaged over
 the cp ranks with the data-parallel ones: FSDP shards over the flattened (dp_shard, cp) mesh,
 DDP reduces over (dp_replicate, cp).
 """
@@ -28,7 +28,6 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from slipstream.config.schema import Config
 from slipstream.errors import UserError
@@ -46,12 +45,11 @@ def check_context_parallel(cfg: Config, cp: int, tp: int) -> None:
         raise UserError(f"parallel.cp = {cp}: train.seq_len = {cfg.train.seq_len} must be divisible by {what} = "
                         f"{pieces * sp} (the sequence is cut into {pieces} equal chunks"
                         f"{', each split again over tp by sequence parallel' if sp > 1 else ''})")
-    if cfg.model.dropout > 0:
-        raise UserError("model.dropout > 0 with parallel.cp > 1 is not supported yet (attention dropout over "
-                        "gathered keys); set --model.dropout=0")
-    if cfg.compile.scope != "off":
-        raise UserError("compile.scope with parallel.cp > 1 is not supported yet (the attention is replaced at "
-                        "run time); set --compile.scope=off")
+    if cfg.model.dropout > 0 and cfg.compile.scope != "off":
+        # As under tp (check_tensor_parallel): the per-rank dropout streams break the compiled graphs.
+        raise UserError(f"model.dropout > 0 with compile.scope = {cfg.compile.scope} and parallel.cp > 1 is not "
+                        "supported yet (the per-rank dropout streams cannot be traced); set --compile.scope=off "
+                        "or --model.dropout=0")
 
 
 def chunk_order(cp: int, rank: int, load_balance: bool) -> list[int]:
@@ -137,20 +135,6 @@ class ContextParallel:
                                               scale=scale, enable_gqa=enable_gqa)
 
 
-class _AttentionOverCP(TorchFunctionMode):
-    """Replaces F.scaled_dot_product_attention by the context-parallel attention (inside the model's forward)."""
-
-    def __init__(self, cp: ContextParallel):
-        super().__init__()
-        self.cp = cp
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention:  # (the mode is off inside its own handler: no recursion)
-            return self.cp.attention(*args, **kwargs)
-        return func(*args, **kwargs)
-
-
 def apply_context_parallel(model: nn.Module, cp: ContextParallel) -> nn.Module:
     """Call the model with its tokens' global positions and the context-parallel attention."""
     from slipstream.models.transformer import Transformer
@@ -162,20 +146,13 @@ def apply_context_parallel(model: nn.Module, cp: ContextParallel) -> nn.Module:
         return args, {**kwargs, "positions": cp.positions(args[0].shape[1], args[0].device)}
 
     model.register_forward_pre_hook(with_positions, with_kwargs=True)
-    # Per attention module, not around the whole model: activation checkpointing re-runs a
-    # block's forward during backward, and its attention must be the same one again.
-    modes: list[_AttentionOverCP] = []
-
-    def enter(module, args):
-        modes.append(_AttentionOverCP(cp))
-        modes[-1].__enter__()
-
-    def leave(module, args, output):
-        modes.pop().__exit__(None, None, None)
-        return output
-
+    # The kernel itself, not a mode around the forward: activation checkpointing re-runs a
+    # block's forward during backward and finds the same attention again, and a compiled
+    # checkpoint region traces a plain call (entering a mode there is a side effect it refuses).
     for block in model.blocks:
-        block.attn.register_forward_pre_hook(enter)
-        block.attn.register_forward_hook(leave, always_call=True)
+        block.attn.attend = cp.attention
     model.context_parallel = cp  # the trainer splits batches with it
+    from slipstream.distributed.sharded_dropout import shard_dropout_rng
+
+    shard_dropout_rng(model, cp.mesh, stream_sharded=True)  # every activation is sequence-sharded: a mask per rank
     return model

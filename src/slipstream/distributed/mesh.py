@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime
 import os
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -96,11 +97,15 @@ class Parallel:
         names = tuple(name for name, _ in self.dims.dp_mesh_dims)
         return self.mesh if tuple(self.mesh.mesh_dim_names) == names else self.mesh[names]
 
-    @property
+    # One submesh object per process, not a new one per lookup: DTensor caches sharding decisions
+    # by mesh *value*, so a second, equal mesh object (a second Trainer in the same process) gets
+    # specs holding the first one, and a compiled backward then fails to trace the stranger
+    # (torch 2.13, Inductor: "device_mesh._get_submesh is not an OpOverload").
+    @cached_property
     def tp_mesh(self):
         return self.mesh["tp"]
 
-    @property
+    @cached_property
     def cp_mesh(self):
         return self.mesh["cp"]
 

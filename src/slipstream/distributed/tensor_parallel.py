@@ -110,26 +110,32 @@ def check_tensor_parallel(cfg: Config, tp: int) -> None:
     if p.sequence_parallel and cfg.train.seq_len % tp:
         raise UserError(f"parallel.sequence_parallel splits the sequence over tp = {tp} ranks: train.seq_len = "
                         f"{cfg.train.seq_len} must be divisible by {tp}")
-    if m.dropout > 0:
-        raise UserError("model.dropout > 0 with parallel.tp > 1 is not supported yet (the masks of sharded "
-                        "activations would repeat across tensor-parallel ranks); set --model.dropout=0")
     if cfg.train.fused_loss:
         raise UserError("train.fused_loss applies the whole output head in one op; with parallel.tp > 1 the head "
                         "is vocabulary-sharded: use --parallel.loss_parallel=true (the cross-entropy runs on the "
                         "shards, logits never gathered) and --train.fused_loss=false")
     if cfg.precision.fp8:
         raise UserError("precision.fp8 with parallel.tp > 1 is not supported yet; turn one of them off")
+    if m.dropout > 0 and cfg.compile.scope != "off":
+        # Measured on torch 2.13 (CPU): the per-rank dropout streams (distributed.sharded_dropout)
+        # break a compiled block's graph at every hooked module, and an activation-checkpointed
+        # block then runs wholly in eager: compile would be silently lost.
+        raise UserError(f"model.dropout > 0 with compile.scope = {cfg.compile.scope} and parallel.tp > 1 is not "
+                        "supported yet (the per-rank dropout streams cannot be traced); set --compile.scope=off "
+                        "or --model.dropout=0")
+    if cfg.activations.checkpointing == "full" and cfg.compile.scope != "off":
+        # Measured on torch 2.13 (CPU): a compiled block under full checkpointing saves the
+        # DTensor's DeviceMesh among its tensors and AOT autograd asserts in forward (GPT-2 and
+        # RoPE models alike); selective checkpointing compiles and trains exactly.
+        raise UserError(f"activations.checkpointing = full with compile.scope = {cfg.compile.scope} and "
+                        "parallel.tp > 1 is not supported yet (torch 2.13 cannot save a compiled tensor-parallel "
+                        "block's mesh for recomputation); use --activations.checkpointing=selective or "
+                        "--compile.scope=off")
     if cfg.activations.checkpointing == "offload":
         # On CUDA the saved tensors are copied to pinned host memory with plain tensor ops, which
         # DTensors refuse (mixed torch.Tensor and DTensor).
         raise UserError("activations.checkpointing = offload with parallel.tp > 1 is not supported yet; use full "
                         "or selective")
-    if cfg.compile.scope != "off":
-        # Measured on torch 2.13 (CPU): a RoPE model's compiled block fails in backward inside
-        # DTensor's redistribute, and a GPT-2 one compiled after other tp runs in the same process
-        # fails in Inductor (device_mesh._get_submesh); one GPT-2 run alone trained. Not yet trusted.
-        raise UserError("compile.scope with parallel.tp > 1 is not supported yet (compiled tensor-parallel blocks "
-                        "fail in torch 2.13's DTensor backward for RoPE models); set --compile.scope=off")
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
@@ -180,6 +186,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
             "mlp.down_proj": RowwiseParallel(output_layouts=stream),
             **({"mlp.gate_proj": ColwiseParallel()} if block.mlp.gate_proj is not None else {}),
         })
+    # The embedding's output is to_local()'s view of a DTensor's local tensor. A compiled block
+    # that takes such a view as its input hands backward a plain-tensor gradient where DTensor's
+    # redistribute needs a DTensor (torch 2.13, AttributeError '_local_tensor'), so the stream
+    # starts as a tensor of its own: one copy of (B, T, d) per step, exact.
+    model.tok_emb.register_forward_hook(lambda module, args, output: output.clone())
     if model.cfg.tie_embeddings:
         # parallelize_module gave the head its own copy of the shared table: share the table's again.
         model.lm_head.weight = model.tok_emb.weight
@@ -195,6 +206,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
 
         # Before any collective: an uneven split would otherwise abort inside the all-gather.
         model.register_forward_pre_hook(check_sequence)
+    from slipstream.distributed.sharded_dropout import shard_dropout_rng
+
+    # Dropout: the same masks on the replicated stream, a mask per rank on heads (and SP's shards).
+    shard_dropout_rng(model, tp_mesh, stream_sharded=sp)
     return model
 
 

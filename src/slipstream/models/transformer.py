@@ -82,6 +82,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.d_model, self.n_kv_head * self.head_dim, bias=cfg.bias)
         self.o_proj = nn.Linear(cfg.n_head * self.head_dim, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
+        # The attention kernel, an attribute so a technique applied from outside can replace it
+        # (context parallelism attends over the keys of every sequence shard).
+        self.attend = F.scaled_dot_product_attention
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         B, T, _ = x.shape
@@ -92,7 +95,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         if rope is not None:  # the (T, head_dim) tables of this sequence's positions
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        y = F.scaled_dot_product_attention(
+        y = self.attend(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
             enable_gqa=self.n_kv_head != self.n_head)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
