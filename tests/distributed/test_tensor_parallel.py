@@ -172,11 +172,21 @@ def _cfg(*extra: str):
      "use --activations.checkpointing=selective or --compile.scope=off"),
 ])
 def test_tensor_parallel_refuses_what_it_cannot_split(extra, tp, message):
+    from slipstream.distributed.tensor_parallel import check_model_splits, check_tensor_parallel
+
+    cfg = _cfg(*extra)
+    with pytest.raises(UserError, match="parallel.tp|tp =|tp > 1|parallel.sequence_parallel") as info:
+        check_model_splits(cfg.model, tp)  # the model's shapes (the LM job, a slipstream model)
+        check_tensor_parallel(cfg, tp)     # the run's settings (any model)
+    assert message in str(info.value)
+
+
+def test_a_user_model_is_not_held_to_the_config_model_shapes():
+    """The config's model section describes slipstream's own model: a user model at tp 8 is not
+    refused for the default preset's 12 heads (its own plan decides what it splits)."""
     from slipstream.distributed.tensor_parallel import check_tensor_parallel
 
-    with pytest.raises(UserError, match="parallel.tp|tp =|tp > 1|parallel.sequence_parallel") as info:
-        check_tensor_parallel(_cfg(*extra), tp)
-    assert message in str(info.value)
+    check_tensor_parallel(load_config(None, ["--train.seq_len=64"]), 8)
 
 
 def test_sequence_parallel_off_lifts_the_seq_len_rule():
@@ -204,7 +214,8 @@ def test_mesh_puts_tp_innermost_and_dp_rank_follows():
 def test_a_user_module_without_a_tp_plan_is_refused():
     from slipstream.distributed.tensor_parallel import apply_tensor_parallel
 
-    with pytest.raises(UserError, match="parallelize_module to your model yourself"):
+    with pytest.raises(UserError, match=r"define a method `tensor_parallel_plan\(self, sequence_parallel, "
+                                        r"loss_parallel\)`.*or run with --parallel.tp=1"):
         apply_tensor_parallel(torch.nn.Linear(4, 4), None, _cfg("--parallel.tp=2"))
 
 

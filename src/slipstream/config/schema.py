@@ -169,7 +169,7 @@ class ParallelConfig:
                               choices=("auto", "none", "ddp", "zero1", "zero2", "fsdp", "hsdp"))
     dp_replicate: int = option(0, "Replicas (DDP-style all-reduce groups); 0 = derived: the data-parallel degree for ddp/zero1, 1 for zero2/fsdp, world / dp_shard for hsdp.", min=0)
     dp_shard: int = option(0, "Shards per replica (FSDP groups); 0 = derived: the data-parallel degree for zero2/fsdp, 1 for ddp/zero1, the processes per node for hsdp.", min=0)
-    tp: int = option(1, "Tensor-parallel degree (Megatron-style, on DTensor): each block's matmuls, the embedding and the head are split over tp ranks, which read the same batch. Must divide the heads, KV heads, MLP width and padded vocabulary; slipstream transformers only.", min=1)
+    tp: int = option(1, "Tensor-parallel degree (Megatron-style, on DTensor): each block's matmuls, the embedding and the head are split over tp ranks, which read the same batch. Must divide the heads, KV heads, MLP width and padded vocabulary; a user nn.Module needs a `tensor_parallel_plan` method (README).", min=1)
     sequence_parallel: bool = option(True, "tp > 1: norms and the residual stream between the TP regions run on sequence shards (activations 1/tp per rank; all-gather + reduce-scatter instead of all-reduce). train.seq_len must be divisible by tp.")
     loss_parallel: bool = option(True, "tp > 1: the cross-entropy runs on the vocabulary-sharded logits (torch's loss_parallel); the full logits are never gathered on one rank.")
     pp: int = option(1, "Pipeline-parallel degree (validated; runs with 1 until pipeline parallelism lands).", min=1)

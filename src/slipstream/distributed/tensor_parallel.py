@@ -19,11 +19,21 @@ Every parameter becomes a DTensor on the tp mesh: sharded ones as above, the res
 learned positions) replicated, so gradient clipping, FSDP on the data-parallel dims and
 checkpoints see one kind of tensor. Tied embeddings (GPT-2) stay tied: the table and the head
 are sharded the same way (rows = vocabulary) and the head takes the table's DTensor.
+
+A user model (any nn.Module) supplies its own plan: a method
+
+    def tensor_parallel_plan(self, sequence_parallel: bool, loss_parallel: bool) -> dict[str, ParallelStyle]
+
+mapping module paths ("layers.*.attn.q_proj" wildcards as parallelize_module reads them) to
+torch's styles, applied over the tp mesh with parallelize_module. Every parameter must end up a
+DTensor on that mesh (`ReplicateParallel()` from this module for the ones that stay whole).
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
+import functools
 from typing import Any
 
 import torch
@@ -33,6 +43,15 @@ from slipstream.config.schema import Config
 from slipstream.errors import UserError
 
 
+def __getattr__(name: str):
+    # ReplicateParallel is public (user plans need it) but built lazily: importing
+    # torch.distributed.tensor costs ~0.4 s that a run without tp should not pay.
+    if name == "ReplicateParallel":
+        return _styles()[6]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+@functools.cache
 def _styles():
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
@@ -88,26 +107,12 @@ def _styles():
 
 
 def check_tensor_parallel(cfg: Config, tp: int) -> None:
-    """Refuse what tensor parallelism cannot split evenly or does not support (before any work starts)."""
+    """Refuse run settings tensor parallelism does not support (before any work starts). The
+    model's own shapes are checked by `check_model_splits` (the LM job: before it starts; a
+    slipstream model given to the Trainer: when it is split)."""
     if tp <= 1:
         return
-    from slipstream.models.transformer import kv_heads, mlp_hidden, padded_vocab_size
-
-    m, p = cfg.model, cfg.parallel
-    valid = lambda n: ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)  # noqa: E731
-    if m.n_head % tp:
-        raise UserError(f"parallel.tp = {tp} must divide model.n_head = {m.n_head} (each rank computes whole "
-                        f"heads); valid degrees: {valid(m.n_head)}")
-    if kv_heads(m) % tp:
-        raise UserError(f"parallel.tp = {tp} must divide the key/value heads (model.n_kv_head = {kv_heads(m)}); "
-                        f"valid degrees: {valid(kv_heads(m))}")
-    if mlp_hidden(m) % tp:
-        raise UserError(f"parallel.tp = {tp} must divide the MLP width {mlp_hidden(m)}; valid degrees: "
-                        f"{valid(mlp_hidden(m))}")
-    if m.vocab_size > 0 and padded_vocab_size(m) % tp:
-        raise UserError(f"parallel.tp = {tp} must divide the padded vocabulary {padded_vocab_size(m)}; set "
-                        f"model.vocab_multiple to a multiple of {tp} (e.g. {64 * tp})")
-    if p.sequence_parallel and cfg.train.seq_len % tp:
+    if cfg.parallel.sequence_parallel and cfg.train.seq_len % tp:
         raise UserError(f"parallel.sequence_parallel splits the sequence over tp = {tp} ranks: train.seq_len = "
                         f"{cfg.train.seq_len} must be divisible by {tp}")
     if cfg.train.fused_loss:
@@ -116,7 +121,7 @@ def check_tensor_parallel(cfg: Config, tp: int) -> None:
                         "shards, logits never gathered) and --train.fused_loss=false")
     if cfg.precision.fp8:
         raise UserError("precision.fp8 with parallel.tp > 1 is not supported yet; turn one of them off")
-    if m.dropout > 0 and cfg.compile.scope != "off":
+    if cfg.model.dropout > 0 and cfg.compile.scope != "off":
         # Measured on torch 2.13 (CPU): the per-rank dropout streams (distributed.sharded_dropout)
         # break a compiled block's graph at every hooked module, and an activation-checkpointed
         # block then runs wholly in eager: compile would be silently lost.
@@ -138,17 +143,38 @@ def check_tensor_parallel(cfg: Config, tp: int) -> None:
                         "or selective")
 
 
+def check_model_splits(m, tp: int) -> None:
+    """Refuse a slipstream model config (ModelConfig `m`) whose heads, MLP or vocabulary tp
+    cannot split evenly; the messages list the valid degrees."""
+    if tp <= 1:
+        return
+    from slipstream.models.transformer import kv_heads, mlp_hidden, padded_vocab_size
+
+    valid = lambda n: ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)  # noqa: E731
+    if m.n_head % tp:
+        raise UserError(f"parallel.tp = {tp} must divide model.n_head = {m.n_head} (each rank computes whole "
+                        f"heads); valid degrees: {valid(m.n_head)}")
+    if kv_heads(m) % tp:
+        raise UserError(f"parallel.tp = {tp} must divide the key/value heads (model.n_kv_head = {kv_heads(m)}); "
+                        f"valid degrees: {valid(kv_heads(m))}")
+    if mlp_hidden(m) % tp:
+        raise UserError(f"parallel.tp = {tp} must divide the MLP width {mlp_hidden(m)}; valid degrees: "
+                        f"{valid(mlp_hidden(m))}")
+    if m.vocab_size > 0 and padded_vocab_size(m) % tp:
+        raise UserError(f"parallel.tp = {tp} must divide the padded vocabulary {padded_vocab_size(m)}; set "
+                        f"model.vocab_multiple to a multiple of {tp} (e.g. {64 * tp})")
+
+
 def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
-    """Split a slipstream Transformer over `tp_mesh` (in place; see the module doc)."""
+    """Split a slipstream Transformer (or a user model with a plan) over `tp_mesh`, in place (see
+    the module doc)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
     from slipstream.models.transformer import Transformer, padded_vocab_size
 
     if not isinstance(model, Transformer):
-        raise UserError(f"parallel.tp > 1 needs a tensor-parallel plan for the model; slipstream has one for its "
-                        f"own transformers, not for {type(model).__name__}. Apply "
-                        "torch.distributed.tensor.parallel.parallelize_module to your model yourself (before "
-                        "the Trainer) and run with --parallel.tp=1, or use a slipstream model")
+        return apply_user_plan(model, tp_mesh, cfg)
+    check_model_splits(model.cfg, tp_mesh.size())
     (Replicate, Shard, ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput,
      ReplicateParallel, VocabParallelHead) = _styles()
     sp, loss_parallel = cfg.parallel.sequence_parallel, cfg.parallel.loss_parallel
@@ -210,6 +236,46 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
 
     # Dropout: the same masks on the replicated stream, a mask per rank on heads (and SP's shards).
     shard_dropout_rng(model, tp_mesh, stream_sharded=sp)
+    return model
+
+
+
+def apply_user_plan(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
+    """Split a user model by its own `tensor_parallel_plan` (see the module doc)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import parallelize_module
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    name = type(model).__name__
+    make_plan = getattr(model, "tensor_parallel_plan", None)
+    if not callable(make_plan):
+        raise UserError(f"parallel.tp > 1 needs a tensor-parallel plan for {name}: define a method "
+                        "`tensor_parallel_plan(self, sequence_parallel, loss_parallel)` returning {module path: "
+                        "torch.distributed.tensor.parallel style} (README: Tensor and context parallelism), or "
+                        "run with --parallel.tp=1")
+    plan = make_plan(sequence_parallel=cfg.parallel.sequence_parallel, loss_parallel=cfg.parallel.loss_parallel)
+    if not isinstance(plan, dict) or not plan:
+        raise UserError(f"{name}.tensor_parallel_plan() returned {type(plan).__name__}; it must return a non-empty "
+                        "dict {module path: ParallelStyle}")
+    paths = [path for path, _ in model.named_modules()]
+    for key, style in plan.items():
+        if not isinstance(style, ParallelStyle):
+            raise UserError(f"{name}.tensor_parallel_plan()[{key!r}] is {type(style).__name__}, not a ParallelStyle "
+                            "(ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput, "
+                            "slipstream's ReplicateParallel, ...)")
+        # parallelize_module only warns about a path that matches nothing: a typo would leave a
+        # layer whole and silently replicated. "" is the model itself.
+        if not isinstance(key, str) or not any(fnmatch.fnmatchcase(path, key) for path in paths):
+            raise UserError(f"{name}.tensor_parallel_plan() names {key!r}, which is no module of the model; "
+                            f"its modules are: {', '.join(p for p in paths if p) or '(none)'}")
+    parallelize_module(model, tp_mesh, plan)
+    whole = [n for n, p in model.named_parameters() if not isinstance(p, DTensor)]
+    if whole:
+        # A plain parameter next to DTensors fails later inside an op (mixed torch.Tensor and
+        # DTensor) or, worse, trains on one rank's gradient only: refuse it here.
+        raise UserError(f"{name}.tensor_parallel_plan() leaves {len(whole)} parameter(s) outside the tp mesh: "
+                        f"{', '.join(whole[:8])}{' ...' if len(whole) > 8 else ''}. Give their modules a style; "
+                        "for ones that stay whole use slipstream.distributed.tensor_parallel.ReplicateParallel()")
     return model
 
 

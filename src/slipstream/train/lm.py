@@ -56,12 +56,14 @@ def build_lm_trainer(cfg: Config):
     from slipstream.data.eval_windows import EvalWindows
     from slipstream.distributed.data_parallel import materialize_sharded
     from slipstream.distributed.mesh import init_parallel
+    from slipstream.distributed.tensor_parallel import check_model_splits
     from slipstream.models.transformer import Transformer, materialize
     from slipstream.models.flops import flops_per_token
     from slipstream.runtime import seed_all
     from slipstream.train.rundir import check_run_dir, make_run_dir, on_rank0
     from slipstream.train.trainer import JobInfo, Trainer
 
+    check_model_splits(cfg.model, cfg.parallel.tp)  # heads, MLP, vocabulary: before any rank waits for the others
     par = init_parallel(cfg)  # under torchrun: join the job first; errors in the layout stop every rank
     device = par.device
     # Rank 0 names the run directory (a default name holds a timestamp) and every rank uses it.
