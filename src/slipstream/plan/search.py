@@ -98,12 +98,19 @@ def layouts(model: PlanModel, cluster: Cluster, work: Workload, *, dp_strategies
     for t, p, c, e in itertools.product(tp_options, pp_options, cp_options, ep_options):
         if world % (t * p * c):
             continue
+        # Context parallel cuts every sequence into 2 x cp load-balanced chunks, and sequence
+        # parallel (always on with tp here) splits each chunk over tp again.
+        if c > 1 and work.seq_len % (2 * c * t):
+            continue
         dp = world // (t * p * c)
         if e > 1 and (dp * c) % e:
             continue
-        strategies = dp_strategies or (("none",) if dp == 1 else ("ddp", "zero1", "zero2", "fsdp", "hsdp"))
+        # The cp ranks average their gradients like data-parallel ranks, so cp needs a
+        # data-parallel strategy even when dp is 1 (the run's FSDP / DDP spans the cp ranks).
+        replicated = dp > 1 or c > 1
+        strategies = dp_strategies or (("ddp", "zero1", "zero2", "fsdp", "hsdp") if replicated else ("none",))
         for dp_strategy in strategies:
-            if (dp == 1) != (dp_strategy == "none"):
+            if replicated == (dp_strategy == "none"):
                 continue
             if precision == "fp16" and dp_strategy in ("zero2", "fsdp", "hsdp"):
                 continue  # fp16 needs loss scaling, which slipstream runs with autocast (none/ddp/zero1) only
