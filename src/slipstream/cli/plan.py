@@ -4,7 +4,7 @@
                     [--write-config best.toml] [--json]
     slipstream cost --model llama-70b --tokens 300e9 --gpus 8xH100 --nodes 8 [--price 3.5]
     slipstream tune system --config F [--budget 10m] [--top K] [--nproc N] [--steps S]
-                           [--json] [--write-config OUT] [--section.key=value ...]
+                           [--layouts L ...] [--json] [--write-config OUT] [--section.key=value ...]
 
 (`slipstream bench planner` is in cli/bench.py.)
 """
@@ -192,8 +192,13 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     """Arguments of `slipstream tune system`; config overrides come as extra `--section.key=value`."""
     parser.add_argument("--config", help="TOML training config whose layout to tune")
     parser.add_argument("--budget", default="10m", help="wall time for all trials, e.g. 90s, 10m, 1h (split evenly)")
-    parser.add_argument("--top", type=int, default=3, help="the planner's K best layouts to try (plus the current one)")
+    parser.add_argument("--top", type=int, default=3, help="the planner's K best layouts to try (plus the current one "
+                        "and --layouts; 0 with --layouts: only those)")
     parser.add_argument("--nproc", type=int, default=1, help="processes (GPUs or CPU ranks) on this machine")
+    parser.add_argument("--layouts", nargs="+", default=[], metavar="LAYOUT",
+                        help="also try these layouts, whatever their rank: a label as `plan` prints it (quoted: "
+                             "'none tp2+sp mb8x1') or some of its words ('tp2', 'cp2 ac:full': the best-ranked "
+                             "layout with all of them); commas separate layouts too")
     parser.add_argument("--steps", type=int, default=20, help="training steps per trial (the first two are not timed)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--write-config", default=None, metavar="OUT", help="write the winner as a TOML config")
@@ -212,7 +217,9 @@ def cmd_tune_system(args: argparse.Namespace, extra: list[str]) -> int:
     refuse_existing(args.write_config, args.force, "--write-config")
     if args.write_config:
         refuse_same_file(args.write_config, [args.config], "--write-config", "the --config it would extend")
-    result = tune_system(args.config, split_overrides(extra), budget, top=args.top, nproc=args.nproc, steps=args.steps)
+    layouts = [p for value in args.layouts for p in value.split(",") if p.strip()]
+    result = tune_system(args.config, split_overrides(extra), budget, top=args.top, nproc=args.nproc, steps=args.steps,
+                         layouts=layouts)
     if args.write_config and result["winner"] is not None:
         result["written_config"] = str(write_winner_config(result, args.write_config))
     if args.json:
@@ -221,5 +228,6 @@ def cmd_tune_system(args: argparse.Namespace, extra: list[str]) -> int:
         print(format_report(result))
         if "written_config" in result:
             path = result["written_config"]
-            print(f"wrote {path}; train it with `slipstream train --config {path}`")
+            launch = f"slipstream launch local --nproc {args.nproc} -- " if args.nproc > 1 else "slipstream "
+            print(f"wrote {path}; train it with `{launch}train --config {path}`")
     return 0 if result["winner"] is not None else 1

@@ -1,13 +1,19 @@
 """`slipstream tune system`: run short real trials of the planner's best layouts, keep the fastest that fits.
 
     slipstream tune system --config F [--budget 10m] [--top K] [--nproc N] [--steps S]
-                           [--json] [--write-config OUT] [--section.key=value ...]
+                           [--layouts L ...] [--json] [--write-config OUT] [--section.key=value ...]
 
 The planner ranks layouts from shapes and datasheets; this command checks its top K on this
 machine. Every trial trains the same thing as the config (same model, optimizer, precision,
 sequence length and global batch); only the layout changes: the micro-batch / accumulation
-split, activation checkpointing, the fused loss, the data-parallel strategy and offload.
+split, activation checkpointing, the fused loss, the data-parallel strategy and offload, and
+with N > 1 the tensor-parallel (with sequence and loss parallel) and context-parallel degrees.
 The user's own layout always runs too (labelled "current"), so the gain is measured.
+`--layouts` adds layouts by name, whatever their rank: a label as `slipstream plan` and this
+command print it ("none tp2+sp mb8x1"), or some of its words ("tp2", "cp2 ac:full"), which
+pick the best-ranked layout that has them all. Only layouts `slipstream train` accepts with
+this config are trialled: each candidate's config goes through the trainer's own layout
+checks first (divisibility of heads and sequence, strategy compositions, compile rules).
 
 Each trial is a `slipstream train` subprocess (under `launch local` for N > 1) killed at its
 share of the budget. Speed is the median tokens/s of the steps after the first two (step 1
@@ -47,6 +53,9 @@ TRIAL_SETTINGS = {"train.eval_steps": 0, "checkpoint.save_final": False, "checkp
                   "metrics.memory_breakdown": True, "metrics.memory_snapshot": False, "profile.enabled": False}
 
 RunTrial = Callable[[dict, float], dict]
+# Context-parallel degrees the tuner plans whenever the processes divide by them: `slipstream
+# plan` proposes cp only for long sequences (where it pays on GPUs), but here it is measured.
+CP_DEGREES = (1, 2, 4, 8, 16)
 
 
 def _arg(key: str, value: object) -> str:
@@ -208,8 +217,52 @@ def subprocess_trials(config_path: str, overrides: list[str], nproc: int, steps:
     return run_trial
 
 
+# A label's tensor / context-parallel word: "tp2+sp", "cp4".
+_DEGREE_WORD = re.compile(r"(tp|cp)\d")
+
+
+def matches(pattern: str, label: str) -> bool:
+    """Whether a --layouts entry names this layout label: each of its words is a word of the
+    label, or a word's start before its ':' or '+' ("tp2" names "tp2+sp", "fsdp" "fsdp:2").
+    The tensor / context-parallel degrees are named or 1: "tp2" names tp2 layouts without
+    cp, not cp2 x tp2 ("cp2 tp2" does); "tp1" and "cp1" may be written."""
+    def names(p: str, w: str) -> bool:
+        return w == p or w.startswith(p + ":") or w.startswith(p + "+")
+
+    words, wanted = label.split(), [p for p in pattern.split() if p not in ("tp1", "cp1")]
+    if not pattern.split() or not all(any(names(p, w) for w in words) for p in wanted):
+        return False
+    return all(any(names(p, w) for p in wanted) for w in words if _DEGREE_WORD.match(w))
+
+
+def trainer_refusal(config_path: str, overrides: list[str], layout: dict, nproc: int, vocab: int) -> str:
+    """Why `slipstream train` would refuse this layout on `nproc` processes ("" when it starts):
+    the trainer's own layout checks on the config the trial would load, run here, so a layout
+    it refuses costs no trial (and is never proposed)."""
+    from slipstream.config import load_config
+    from slipstream.config.dims import check_compatibility, resolve_parallel_dims
+
+    try:
+        cfg = load_config(config_path, [*overrides, *(_arg(k, v) for k, v in {**layout, **TRIAL_SETTINGS}.items())])
+        dims = resolve_parallel_dims(cfg.parallel, nproc, nproc)
+        check_compatibility(cfg, dims)
+        # As init_parallel and the LM job check them (imported only when needed: DTensor is slow to import).
+        if dims.tp > 1:
+            from slipstream.distributed.tensor_parallel import check_model_splits, check_tensor_parallel
+
+            check_tensor_parallel(cfg, dims.tp)
+            check_model_splits(dataclasses.replace(cfg.model, vocab_size=vocab), dims.tp)
+        if dims.cp > 1:
+            from slipstream.distributed.context_parallel import check_context_parallel
+
+            check_context_parallel(cfg, dims.cp, dims.tp)
+    except UserError as e:
+        return str(e)
+    return ""
+
+
 def tune_system(config_path: str, overrides: list[str], budget_s: float, top: int = 3, nproc: int = 1,
-                steps: int = 20, run_trial: RunTrial | None = None) -> dict:
+                steps: int = 20, run_trial: RunTrial | None = None, layouts: list[str] | tuple[str, ...] = ()) -> dict:
     """Plan, run the trials, and return the JSON-ready result (see the module doc)."""
     from slipstream.config import load_config
     from slipstream.plan.search import evaluate, explain_infeasible, plan
@@ -218,37 +271,70 @@ def tune_system(config_path: str, overrides: list[str], budget_s: float, top: in
 
     if not config_path:
         raise UserError("tune system needs --config FILE: the training config whose layout to tune")
-    if top < 1 or nproc < 1:
-        raise UserError(f"--top and --nproc must be >= 1 (got {top} and {nproc})")
+    layouts = [" ".join(p.split()) for p in layouts]
+    if top < 0 or (top == 0 and not layouts) or nproc < 1:
+        raise UserError(f"--top must be >= 1 (0 with --layouts) and --nproc >= 1 (got {top} and {nproc})")
+    if any(not p for p in layouts):
+        raise UserError("--layouts entries must name a layout, e.g. 'tp2' or 'none tp2+sp mb8x1'")
     if steps < MIN_STEPS:
         raise UserError(f"--steps must be >= {MIN_STEPS}: step 1 warms up and step 2 measures memory (got {steps})")
+    wanted = 1 + len(layouts) + top
     if budget_s < MIN_TRIAL_S:
         raise UserError(f"--budget {budget_s:g}s is too small: one trial needs at least {MIN_TRIAL_S:g}s "
-                        f"(the current layout plus the top {top} need {MIN_TRIAL_S * (top + 1):g}s)")
+                        f"(the current layout plus {wanted - 1} more need {MIN_TRIAL_S * wanted:g}s)")
     cfg = load_config(config_path, overrides)
     precision = precision_of(cfg)
     cluster = _cluster(cfg, nproc)
-    model = PlanModel(cfg.model.preset or Path(config_path).stem,
-                      dataclasses.replace(cfg.model, vocab_size=_vocab(cfg)))
+    vocab = _vocab(cfg)
+    model = PlanModel(cfg.model.preset or Path(config_path).stem, dataclasses.replace(cfg.model, vocab_size=vocab))
     current = strategy_from_config(cfg, nproc)
     # The data-parallel ranks read different batches; tp / cp ranks share theirs.
     work = Workload(seq_len=cfg.train.seq_len, global_batch=current.micro_batch * current.grad_accum * current.dp)
     # Predicted as `slipstream plan` predicts by default, so the fitted efficiency is a drop-in value for it.
-    result = plan(model, cluster, work, efficiency=DEFAULT_EFFICIENCY, runnable_only=True, precision=precision)
+    result = plan(model, cluster, work, efficiency=DEFAULT_EFFICIENCY, runnable_only=True, precision=precision,
+                  cp=tuple(c for c in CP_DEGREES if nproc % c == 0))
     if not result.ranked:
         raise UserError(explain_infeasible(result) if result.rejected else "no layout fits this machine")
 
-    # The current layout first (it runs exactly the config), then the planner's best distinct ones.
+    refusals: dict[str, str] = {}  # label -> why the trainer would refuse it ("" = it would run)
+
+    def runs(candidate) -> bool:
+        label = candidate.strategy.label()
+        if label not in refusals:
+            layout = strategy_overrides(candidate.strategy, work.seq_len)
+            refusals[label] = trainer_refusal(config_path, overrides, layout, nproc, vocab)
+        return not refusals[label]
+
+    # The current layout first (it runs exactly the config), then the requested layouts (kept
+    # first when the budget is short: the user asked for them), then the planner's best.
     device = "cpu" if cluster.short_name == "cpu" else "cuda"
-    trials = [("current", evaluate(model, current, work, cluster, DEFAULT_EFFICIENCY, device), {})]
+    ranks = {c.strategy.label(): i + 1 for i, c in enumerate(result.ranked)}
+    trials = [("current", evaluate(model, current, work, cluster, DEFAULT_EFFICIENCY, device), {}, None)]
     seen = {current.label()}
+    for pattern in layouts:
+        named = [c for c in result.ranked if matches(pattern, c.strategy.label())]
+        # The exact label first, else the best-ranked layout with every word of the pattern.
+        named.sort(key=lambda c: c.strategy.label() != pattern)
+        chosen = next((c for c in named if runs(c)), None)
+        if chosen is None:
+            raise UserError(_no_such_layout(pattern, named, refusals, result.ranked, nproc))
+        if chosen.strategy.label() not in seen:
+            seen.add(chosen.strategy.label())
+            trials.append((chosen.strategy.label(), chosen, strategy_overrides(chosen.strategy, work.seq_len), pattern))
+    picked = 0
     for candidate in result.ranked:
-        if len(trials) > top:
+        if picked >= top:
             break
-        if candidate.strategy.label() not in seen:
+        if candidate.strategy.label() not in seen and runs(candidate):
             seen.add(candidate.strategy.label())
-            trials.append((candidate.strategy.label(), candidate, strategy_overrides(candidate.strategy, work.seq_len)))
+            picked += 1
+            trials.append((candidate.strategy.label(), candidate, strategy_overrides(candidate.strategy, work.seq_len),
+                           None))
     notes = []
+    skipped = [label for label, why in refusals.items() if why]
+    if skipped:
+        notes.append(f"skipped {len(skipped)} layout(s) slipstream train refuses with this config, e.g. "
+                     f"{skipped[0]}: {refusals[skipped[0]]}")
     affordable = int(budget_s // MIN_TRIAL_S)
     if affordable < len(trials):
         notes.append(f"the budget allows {affordable} of {len(trials)} trials ({MIN_TRIAL_S:g}s each at least); "
@@ -265,8 +351,9 @@ def tune_system(config_path: str, overrides: list[str], budget_s: float, top: in
             quiet = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, progress=False))
             data_dir, _ = ensure_data(quiet)
             run_trial = subprocess_trials(config_path, [*overrides, f"--data.dir={data_dir}"], nproc, steps, Path(tmp))
-        records = [_run_one(label, candidate, layout, run_trial, timeout_s, cluster.memory_bytes)
-                   for label, candidate, layout in trials]
+        records = [_run_one(label, candidate, layout, run_trial, timeout_s, cluster.memory_bytes,
+                            ranks.get(candidate.strategy.label()), requested)
+                   for label, candidate, layout, requested in trials]
     finally:
         # The trials' logs stay when one failed (the reasons point into them), else they go.
         interrupted = "records" not in locals()
@@ -282,16 +369,35 @@ def tune_system(config_path: str, overrides: list[str], budget_s: float, top: in
     base = records[0]["measured"]["tokens_per_s"] if records[0]["status"] == "ok" else None
     ratios = [r["measured"]["tokens_per_s"] / r["predicted"]["tokens_per_s"] for r in ok]
     return {"config": str(config_path), "overrides": list(overrides), "cluster": f"{nproc}x{cluster.short_name}",
-            "memory_bytes": cluster.memory_bytes, "precision": precision, "seq_len": work.seq_len,
+            "nproc": nproc, "memory_bytes": cluster.memory_bytes, "precision": precision, "seq_len": work.seq_len,
             "global_batch": work.global_batch, "budget_s": budget_s, "trial_timeout_s": timeout_s, "steps": steps,
             "candidates": records, "winner": winner,
             "speedup": winner["measured"]["tokens_per_s"] / base if winner and base else None,
             "efficiency": DEFAULT_EFFICIENCY * statistics.median(ratios) if ratios else None, "notes": notes}
 
 
-def _run_one(label, candidate, layout: dict, run_trial: RunTrial, timeout_s: float, memory_bytes: int) -> dict:
-    """One trial as a record; whatever goes wrong becomes its status and reason, never an exception."""
+def _no_such_layout(pattern: str, named: list, refusals: dict[str, str], ranked: list, nproc: int) -> str:
+    """The error for a --layouts entry no trial can be made of: what it matched and why those
+    cannot run, or which layouts there are."""
+    if named:
+        label = named[0].strategy.label()
+        return (f"--layouts {pattern!r}: slipstream train refuses every matching layout with this config; "
+                f"{label}: {refusals[label]}")
+    best: dict[tuple[int, int], str] = {}
+    for c in ranked:  # the best-ranked layout of each tensor x context-parallel degree, as examples
+        best.setdefault((c.strategy.tp, c.strategy.cp), c.strategy.label())
+    examples = "; ".join(best[k] for k in sorted(best))
+    return (f"--layouts {pattern!r} names no runnable layout that fits {nproc} process(es); the best of each "
+            f"tensor / context-parallel degree here: {examples}")
+
+
+def _run_one(label, candidate, layout: dict, run_trial: RunTrial, timeout_s: float, memory_bytes: int,
+             rank: int | None = None, requested: str | None = None) -> dict:
+    """One trial as a record; whatever goes wrong becomes its status and reason, never an exception.
+    `rank`: the layout's place in the planner's ranking (None: not ranked, e.g. a current layout
+    that does not fit the plan); `requested`: the --layouts entry that chose it."""
     record = {"label": label, "layout": candidate.strategy.label(), "overrides": layout,
+              "rank": rank, "requested": requested,
               "predicted": {"tokens_per_s": candidate.time.tokens_per_s, "peak_bytes": candidate.memory.total_bytes},
               "measured": None, "error_pct": None, "status": "ok", "reason": ""}
     try:
@@ -318,11 +424,12 @@ def _mib(value) -> str:
 
 def format_report(result: dict) -> str:
     """The plain-text table: predicted vs measured per trial, then the winner and the calibration."""
-    rows = [("layout", "pred tok/s", "meas tok/s", "error", "pred peak", "meas peak", "status")]
+    # "plan #": the layout's rank among the planner's runnable layouts (a --layouts pick may be far down).
+    rows = [("layout", "plan #", "pred tok/s", "meas tok/s", "error", "pred peak", "meas peak", "status")]
     for r in result["candidates"]:
         m = r["measured"] or {}
         name = f"current ({r['layout']})" if r["label"] == "current" else r["label"]
-        rows.append((name, f"{r['predicted']['tokens_per_s']:,.0f}",
+        rows.append((name, "-" if r.get("rank") is None else str(r["rank"]), f"{r['predicted']['tokens_per_s']:,.0f}",
                      "-" if not m else f"{m['tokens_per_s']:,.0f}",
                      "-" if r["error_pct"] is None else f"{r['error_pct']:+.0f}%",
                      _mib(r["predicted"]["peak_bytes"]), _mib(m.get("peak_bytes")),
