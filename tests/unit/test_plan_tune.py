@@ -14,8 +14,8 @@ from slipstream.config.load import load_config
 from slipstream.errors import UserError
 from slipstream.cli.plan import add_tune_arguments, cmd_tune_system
 from slipstream.plan.timing import DEFAULT_EFFICIENCY
-from slipstream.plan.tune import (MIN_TRIAL_S, failure_reason, format_report, gpu_short_name, read_trial,
-                                  subprocess_trials, tune_system, write_winner_config)
+from slipstream.plan.tune import (MIN_TRIAL_S, failure_reason, format_report, gpu_short_name, matches, read_trial,
+                                  subprocess_trials, trainer_refusal, tune_system, write_winner_config)
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = str(ROOT / "configs" / "tiny.toml")
@@ -205,3 +205,140 @@ def test_subprocess_trial_is_killed_at_its_timeout(tmp_path):
 ])
 def test_local_gpu_names_map_to_planner_names(device_name, short):
     assert gpu_short_name(device_name) == short
+
+
+# --- tensor / context parallel layouts (issue 13): what is proposed at --nproc 2 and 4 -----------------
+
+def _ok(layout, timeout_s):
+    return {"tokens_per_s": 1000.0, "peak_bytes": 1000}
+
+
+def _degrees(record) -> tuple[int, int]:
+    o = record["overrides"]
+    return o["parallel.tp"], o["parallel.cp"]
+
+
+def _every_layout(nproc: int, overrides: list[str]) -> list[dict]:
+    """Every layout the tuner would trial for this config (a top K larger than the space)."""
+    result = tune_system(CONFIG, overrides, budget_s=MIN_TRIAL_S * 400, top=300, nproc=nproc, steps=10, run_trial=_ok)
+    return result["candidates"][1:]
+
+
+@pytest.mark.parametrize("nproc, requested, expected", [
+    (2, ["tp2", "cp2"], [(2, 1), (1, 2)]),
+    (4, ["tp2", "cp2", "cp4", "cp2 tp2"], [(2, 1), (1, 2), (1, 4), (2, 2)]),
+])
+def test_requested_tp_and_cp_layouts_are_trialled_with_train_overrides(nproc, requested, expected):
+    fake = FakeTrials()
+    result = tune_system(CONFIG, OVERRIDES, budget_s=600, top=1, nproc=nproc, steps=10, run_trial=fake,
+                         layouts=requested)
+    current, *picked, best = result["candidates"]
+    assert current["label"] == "current" and current["layout"] == f"ddp:{nproc} mb4x1"
+    assert [r["requested"] for r in picked] == requested and best["requested"] is None
+    assert [_degrees(r) for r in picked] == expected
+    assert result["global_batch"] == 4 * nproc  # micro-batch 4 on each of the nproc data-parallel ranks
+    for r in picked:
+        o, (tp, cp) = r["overrides"], _degrees(r)
+        dp = nproc // (tp * cp)
+        # the same global batch: tp and cp ranks share one batch, only the dp ranks read different ones
+        assert o["train.micro_batch_size"] * o["train.grad_accum_steps"] * dp == result["global_batch"]
+        assert o["parallel.sequence_parallel"] is True and o["parallel.loss_parallel"] is True
+        if tp > 1:
+            assert o["train.fused_loss"] is False and o["parallel.dp_strategy"] in ("none", "fsdp", "hsdp")
+            assert f"tp{tp}+sp" in r["layout"]
+        if cp > 1:
+            assert o["parallel.dp_strategy"] in (("fsdp", "hsdp") if tp > 1 else ("ddp", "fsdp", "hsdp"))
+            assert f"cp{cp}" in r["layout"]
+        if dp == 1 and cp == 1:
+            assert o["parallel.dp_strategy"] == "none"  # tp2 on 2 ranks: one tensor-parallel group, no dp
+        assert r["rank"] >= 1 and r["predicted"]["tokens_per_s"] > 0 and r["predicted"]["peak_bytes"] > 0
+        # exactly what `slipstream train` loads and its layout checks accept on nproc processes
+        assert trainer_refusal(CONFIG, OVERRIDES, o, nproc, 257) == ""
+        cfg = load_config(CONFIG, [*OVERRIDES, *(f"--{k}={str(v).lower() if isinstance(v, bool) else v}"
+                                                 for k, v in o.items())])
+        assert (cfg.parallel.tp, cfg.parallel.cp) == (tp, cp)
+    # the fake saw these overrides, in this order (current first: no overrides)
+    assert [layout for layout, _ in fake.calls] == [r["overrides"] for r in result["candidates"]]
+
+
+def test_every_layout_offered_at_nproc_4_is_one_the_trainer_runs():
+    """tiny has 2 heads: no tp4. seq 36: tp2 splits it, cp2 cuts it into 4 chunks, but cp4 (8
+    chunks) and cp2 x tp2 (4 chunks split over 2) do not divide it."""
+    offered = _every_layout(4, ["--model.vocab_size=257", "--train.seq_len=36", "--train.device=cpu"])
+    degrees = {_degrees(r) for r in offered}
+    assert degrees == {(1, 1), (2, 1), (1, 2)}
+    for r in offered:
+        assert trainer_refusal(CONFIG, ["--model.vocab_size=257", "--train.seq_len=36", "--train.device=cpu"],
+                               r["overrides"], 4, 257) == ""
+    # at seq 32 they all fit
+    assert {_degrees(r) for r in _every_layout(4, OVERRIDES)} == {(1, 1), (2, 1), (1, 2), (1, 4), (2, 2)}
+
+
+@pytest.mark.parametrize("overrides, requested, message", [
+    ([], "tp4", "names no runnable layout"),                         # 2 heads
+    (["--train.seq_len=36"], "cp4", "names no runnable layout"),       # 36 % (2 x 4)
+    (["--train.seq_len=36"], "cp2 tp2", "names no runnable layout"),   # 36 % (2 x 2 x 2)
+    (["--compile.scope=blocks"], "tp2 ac:full", "activations.checkpointing = full with compile.scope"),
+])
+def test_a_layout_the_trainer_cannot_run_is_refused_before_any_trial(overrides, requested, message):
+    with pytest.raises(UserError, match=message):
+        tune_system(CONFIG, [*OVERRIDES, *overrides], budget_s=600, top=1, nproc=4, steps=10, run_trial=FakeTrials(),
+                    layouts=[requested])
+
+
+def test_layouts_the_trainer_refuses_with_this_config_are_skipped():
+    """compile + full activation checkpointing under tp is refused by the trainer: never proposed."""
+    overrides = [*OVERRIDES, "--compile.scope=blocks"]
+    offered = _every_layout(2, overrides)
+    assert any(_degrees(r) == (2, 1) for r in offered)
+    assert not any(_degrees(r)[0] > 1 and r["overrides"]["activations.checkpointing"] == "full" for r in offered)
+    assert any(r["overrides"]["activations.checkpointing"] == "full" for r in offered)  # tp1 may
+    result = tune_system(CONFIG, overrides, budget_s=MIN_TRIAL_S * 400, top=300, nproc=2, steps=10, run_trial=_ok)
+    assert any("refuses with this config" in n and "compile.scope" in n for n in result["notes"])
+    # dropout under compile: no tp and no cp layout at all
+    offered = _every_layout(2, [*overrides, "--model.dropout=0.1"])
+    assert {_degrees(r) for r in offered} == {(1, 1)}
+
+
+def test_exact_label_and_words():
+    assert matches("tp2", "none tp2+sp mb8x1") and matches("none tp2+sp mb8x1", "none tp2+sp mb8x1")
+    assert matches("fsdp cp2", "fsdp:2 cp2 mb8x1 ac:full") and matches("cp2 ac:full", "fsdp cp2 mb8x1 ac:full")
+    assert not matches("tp2", "fsdp tp2+sp cp2 mb16x1")      # tp2 means cp1
+    assert matches("cp2 tp2", "fsdp tp2+sp cp2 mb16x1") and matches("tp1 ddp", "ddp:2 mb4x1")
+    assert not matches("ac:full", "none tp2+sp mb8x1 ac:full")  # no tp word: tp1
+    assert not matches("tp2 ac:full", "none tp2+sp mb8x1 ac:selective") and not matches("", "ddp:2 mb4x1")
+    # an exact label wins over a faster layout that has the same words
+    result = tune_system(CONFIG, OVERRIDES, budget_s=600, top=1, nproc=2, steps=10, run_trial=_ok,
+                         layouts=["tp2", "none tp2+sp mb4x2"])
+    assert [r["layout"] for r in result["candidates"][1:3]] == ["none tp2+sp mb8x1", "none tp2+sp mb4x2"]
+
+
+def test_requested_layouts_survive_a_short_budget_and_top_0_runs_only_them():
+    result = tune_system(CONFIG, OVERRIDES, budget_s=2 * MIN_TRIAL_S, top=3, nproc=2, steps=10, run_trial=_ok,
+                         layouts=["tp2"])
+    assert [r["requested"] for r in result["candidates"]] == [None, "tp2"] and "allows 2 of 5" in result["notes"][0]
+    result = tune_system(CONFIG, OVERRIDES, budget_s=600, top=0, nproc=2, steps=10, run_trial=_ok, layouts=["cp2"])
+    assert [r["label"] for r in result["candidates"]][0] == "current" and len(result["candidates"]) == 2
+    assert "plan #" in format_report(result)
+
+
+def test_cli_layouts_split_on_commas_and_the_winner_runs_under_launch(tmp_path, capsys, monkeypatch):
+    import slipstream.plan.tune as tune
+
+    seen = {}
+
+    def fake_tune(config_path, overrides, budget_s, **kwargs):
+        seen.update(kwargs)
+        faster = lambda layout, t: {"tokens_per_s": 5000.0 if layout else 1000.0, "peak_bytes": 1000}  # noqa: E731
+        return tune_system(config_path, overrides, budget_s, **{**kwargs, "run_trial": faster})
+
+    monkeypatch.setattr(tune, "tune_system", fake_tune)
+    out = tmp_path / "best.toml"
+    args, extra = add_tune_arguments(argparse.ArgumentParser()).parse_known_args(
+        ["--config", CONFIG, "--nproc", "2", "--top", "0", "--layouts", "tp2,cp2", "none tp2+sp mb4x2",
+         "--write-config", str(out), *OVERRIDES])
+    assert cmd_tune_system(args, extra) == 0
+    assert seen["layouts"] == ["tp2", "cp2", "none tp2+sp mb4x2"] and seen["nproc"] == 2 and seen["top"] == 0
+    assert "slipstream launch local --nproc 2 -- train --config" in capsys.readouterr().out
+    cfg = load_config(out)
+    assert cfg.parallel.tp == 2 and cfg.parallel.cp == 1  # the first of the equally fast: tp2 mb8x1
