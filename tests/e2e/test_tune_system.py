@@ -72,6 +72,9 @@ def test_tune_system_trials_tensor_and_context_parallel_at_nproc_2(tiny_override
     for r in (current, tp2, cp2):
         assert r["status"] == "ok", r
         assert r["measured"]["tokens_per_s"] > 0 and r["measured"]["peak_bytes"] > 0
+        # Per-rank peak against the per-rank plan (measured within 10 %): mixing up one rank and
+        # the whole model, or the ranks' sum, would be 2x off.
+        assert 0.67 < r["measured"]["peak_bytes"] / r["predicted"]["peak_bytes"] < 1.5, r
         # The same global batch in every layout: tp / cp ranks share one batch (micro-batch 8 at dp 1).
         o = r["overrides"]
         if o:

@@ -342,3 +342,12 @@ def test_cli_layouts_split_on_commas_and_the_winner_runs_under_launch(tmp_path, 
     assert "slipstream launch local --nproc 2 -- train --config" in capsys.readouterr().out
     cfg = load_config(out)
     assert cfg.parallel.tp == 2 and cfg.parallel.cp == 1  # the first of the equally fast: tp2 mb8x1
+
+
+def test_read_trial_counts_the_job_not_one_rank(tmp_path):
+    """Under tp / cp the ranks of a group share one batch: the job's tokens/s (each batch once)
+    is what the planner predicts, not the per-device share."""
+    lines = [{"step": s, "tokens_per_s": 900.0, "tokens_per_s_per_device": 450.0} for s in (1, 2, 3, 4)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n")
+    (tmp_path / "summary.json").write_text(json.dumps({"ranks": [{"step_peak_bytes": 5}, {"step_peak_bytes": 6}]}))
+    assert read_trial(tmp_path) == {"tokens_per_s": 900.0, "peak_bytes": 6}
