@@ -44,6 +44,7 @@ LLAMA = ("--model.preset=tiny", "--model.position=rope", "--model.norm=rmsnorm",
 NO_SP = ("--parallel.sequence_parallel=false", "--parallel.loss_parallel=false")
 SP = ("--parallel.sequence_parallel=true", "--parallel.loss_parallel=false")
 SP_LOSS = ("--parallel.sequence_parallel=true", "--parallel.loss_parallel=true")
+FP8 = "--precision.fp8=true"
 
 
 def scenario(name: str, model: tuple[str, ...], tp: int, strategy: str = "none", extra: tuple[str, ...] = (),
@@ -71,6 +72,10 @@ SCENARIOS: dict[int, list[dict[str, Any]]] = {
         scenario("llama_tp2_selective_ac", LLAMA, 2, extra=(*SP_LOSS, "--activations.checkpointing=selective")),
         # Compiled blocks over DTensor (the RoPE model's block takes the embedding's output directly).
         scenario("llama_tp2_compile", LLAMA, 2, extra=(*SP_LOSS, "--compile.scope=blocks")),
+        # fp8 linears (torchao) under tp, with torchao's float8 styles. Run here on CPU with the
+        # device guard lifted (FP8_ON_CPU): torch 2.13 has CPU fp8 matmuls, gloo cannot all-gather
+        # fp8 tensors, so no sequence parallel (its gathers are fp8); on CUDA both run.
+        scenario("llama_tp2_fp8", LLAMA, 2, extra=(*NO_SP, FP8)),
         # Context parallel: the cp ranks average gradients through FSDP over the folded (dp_shard, cp) mesh.
         scenario("gpt2_cp2", GPT2, 1, "fsdp", cp=2),
         scenario("llama_cp2_no_balance", LLAMA, 1, "fsdp", ("--parallel.cp_load_balance=false",), cp=2),
@@ -84,6 +89,7 @@ SCENARIOS: dict[int, list[dict[str, Any]]] = {
         scenario("llama_fsdp2_tp2_sac_compile", LLAMA, 2, "fsdp",
                  (*SP_LOSS, "--activations.checkpointing=selective", "--compile.scope=blocks")),
         scenario("llama_hsdp_tp2", LLAMA, 2, "hsdp", (*SP_LOSS, "--parallel.dp_replicate=2")),
+        scenario("llama_fsdp2_tp2_fp8", LLAMA, 2, "fsdp", (*NO_SP, FP8)),
         scenario("llama_tp4", LLAMA, 4, extra=(*SP_LOSS, "--model.n_head=4", "--model.n_kv_head=4")),
         scenario("llama_resume_fsdp2_tp2", LLAMA, 2, "fsdp", SAVE, kind="resume"),
         scenario("llama_cp4", LLAMA, 1, "fsdp", cp=4),  # a ring of 4 exposes chunk-order bugs
@@ -91,6 +97,14 @@ SCENARIOS: dict[int, list[dict[str, Any]]] = {
         scenario("llama_fsdp2_cp2", LLAMA, 1, "fsdp", cp=2),
     ],
 }
+
+
+def allow_fp8_on_cpu() -> None:
+    """Lift slipstream's CUDA-only guard on precision.fp8 for this process: the fp8 scenarios
+    check tp's float8 styles for numbers on CPU (what the guard protects users from is speed)."""
+    import slipstream.optimize.precision as precision
+
+    precision.fp8_support = lambda device: None
 
 
 def overrides(sc: dict[str, Any], run_dir: Path | str, tp: int, strategy: str, micro: int, cp: int = 1) -> list[str]:
@@ -178,6 +192,7 @@ def layout(trainer) -> dict[str, Any]:
     out["_norm_tokens"] = trainer.norm_tokens
     out["_head_out"] = trainer.head_out
     out["_compiled_graphs"] = trainer.compiled_graphs
+    out["_float8_linears"] = sorted(n for n, m in model.named_modules() if type(m).__name__ == "Float8Linear")
     return out
 
 
@@ -188,6 +203,8 @@ def main(argv: list[str]) -> int:
     from slipstream.distributed.mesh import shutdown
 
     failed = False
+    if any(FP8 in sc["extra"] for sc in SCENARIOS[world]):
+        allow_fp8_on_cpu()
     for sc in SCENARIOS[world]:
         if names and sc["name"] not in names:
             continue

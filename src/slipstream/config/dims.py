@@ -130,6 +130,17 @@ def check_compatibility(cfg: Config, dims: ParallelDims) -> None:
                         f"ranks, which dp_strategy = {s} does not do; use --parallel.dp_strategy=fsdp (or ddp)")
     if dims.cp > 1 and dims.tp > 1 and s == "ddp":
         raise UserError("parallel.cp and parallel.tp together need dp_strategy = fsdp or hsdp")
+    if p.async_tp:
+        # Inductor's micro-pipeline pass rewrites the all-gather -> matmul and matmul ->
+        # reduce-scatter pairs of sequence parallelism inside compiled graphs: without tp, SP or
+        # compile there is nothing for it to overlap, and the switch would silently do nothing.
+        missing = [what for what, ok in (("--parallel.tp > 1", dims.tp > 1),
+                                         ("--parallel.sequence_parallel=true", p.sequence_parallel),
+                                         ("--compile.scope=blocks (or model)", cfg.compile.scope != "off")) if not ok]
+        if missing:
+            raise UserError("parallel.async_tp overlaps sequence parallelism's all-gathers and reduce-scatters with "
+                            f"the matmuls inside compiled graphs; it needs {', '.join(missing)}, or set "
+                            "--parallel.async_tp=false")
     if s == "none":
         return
     if cfg.optim.in_backward:
@@ -145,8 +156,6 @@ def check_compatibility(cfg: Config, dims: ParallelDims) -> None:
         if cfg.precision.autocast == "fp16":
             raise UserError(f"fp16 loss scaling is not supported with dp_strategy = {s}; use "
                             "--precision.autocast=bf16 or --parallel.param_dtype=bf16")
-        if cfg.precision.fp8:
-            raise UserError(f"precision.fp8 is not supported with dp_strategy = {s} yet; use ddp or turn fp8 off")
         if cfg.optim.state_dtype != "fp32" and p.offload:
             raise UserError("optim.state_dtype = bf16 with parallel.offload is not supported; choose one")
     else:

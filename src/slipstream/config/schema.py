@@ -172,6 +172,7 @@ class ParallelConfig:
     tp: int = option(1, "Tensor-parallel degree (Megatron-style, on DTensor): each block's matmuls, the embedding and the head are split over tp ranks, which read the same batch. Must divide the heads, KV heads, MLP width and padded vocabulary; a user nn.Module needs a `tensor_parallel_plan` method (README).", min=1)
     sequence_parallel: bool = option(True, "tp > 1: norms and the residual stream between the TP regions run on sequence shards (activations 1/tp per rank; all-gather + reduce-scatter instead of all-reduce). train.seq_len must be divisible by tp.")
     loss_parallel: bool = option(True, "tp > 1: the cross-entropy runs on the vocabulary-sharded logits (torch's loss_parallel); the full logits are never gathered on one rank.")
+    async_tp: bool = option(False, "CUDA, tp > 1 with sequence parallel and compile: async tensor parallel (Inductor's micro-pipelined all-gather / reduce-scatter matmuls over symmetric memory), which overlaps tp communication with the matmuls; refused elsewhere.")
     pp: int = option(1, "Pipeline-parallel degree (validated; runs with 1 until pipeline parallelism lands).", min=1)
     cp: int = option(1, "Context-parallel degree: the sequence of every batch is split over cp ranks (attention all-gathers keys and values); the cp ranks average gradients with the data-parallel ones (dp_strategy fsdp, hsdp or ddp). slipstream transformers only.", min=1)
     cp_load_balance: bool = option(True, "cp > 1: cut the sequence into 2 x cp chunks and give each rank one early and one late chunk, so causal attention costs every rank the same; train.seq_len must be divisible by 2 x cp (x tp with sequence parallel).")
@@ -250,6 +251,7 @@ class MetricsConfig:
 
     peak_tflops: float = option(0.0, "Device peak TFLOP/s for MFU; 0 = GPU table / measured CPU probe.", min=0.0)
     memory_breakdown: bool = option(True, "Measure one training step's memory by phase and category (at step 2) for the summary and metrics.jsonl.")
+    comm_volume: bool = option(True, "Distributed runs: count the bytes every collective of one training step moves (step 2, with the memory breakdown), by mesh dim and kind, for the summary's `comm` next to the planner's prediction. Not under torch.compile.")
     memory_snapshot: bool = option(False, "CUDA: record an allocator snapshot of steps 2-3 into the run directory (for pytorch.org/memory_viz).")
 
 

@@ -157,6 +157,9 @@ def check_device_rules(cfg: Config, device: torch.device) -> None:
     if cfg.profile.enabled and cfg.profile.nvtx and device.type != "cuda":
         raise UserError(f"profile.nvtx emits NVTX ranges for Nsight Systems, which needs CUDA; this run is on "
                         f"{device.type}. Use --profile.nvtx=false (the torch profiler trace has the same ranges)")
+    if cfg.parallel.async_tp and device.type != "cuda":
+        raise UserError(f"parallel.async_tp uses CUDA symmetric memory (Inductor's micro-pipelined tensor parallel); "
+                        f"this run is on {device.type}. Set --parallel.async_tp=false")
     if cfg.precision.fp8:
         from slipstream.optimize.precision import fp8_support
 

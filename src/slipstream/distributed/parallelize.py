@@ -1,6 +1,6 @@
 """The one ordered chain that turns a model into the model a rank trains.
 
-    [pipeline split] -> tensor/sequence parallel -> context parallel -> fp8
+    [pipeline split] -> fp8 -> tensor/sequence parallel -> context parallel
         -> activation checkpointing -> compile -> FSDP/HSDP or DDP -> materialize + init
 
 `parallelize(model, parallel, cfg)` is called once, by the Trainer. Each step is one
@@ -48,22 +48,30 @@ def parallelize(model: nn.Module, parallel: Parallel, cfg: Config,
         model = model.to(device)  # an init function may build on the host: train where the batches are
         on_meta = False
 
-    # Model parallelism first: it splits the module structure (stages, sharded linears) that
-    # every later step wraps (context parallel: the positions and the attention of the model).
-    # Pipeline parallelism is not implemented yet: refused here above degree 1, as in the config
-    # check (config.dims.resolve_parallel_dims) that runs before joining the job.
+    # Pipeline parallelism first: it cuts the module structure every later step works on.
+    # Not implemented yet: refused here above degree 1, as in the config check
+    # (config.dims.resolve_parallel_dims) that runs before joining the job.
     if dims.pp > 1:
         model = apply_pipeline_split(model, parallel, cfg)
-    if dims.tp > 1:
-        model = apply_tensor_parallel(model, parallel, cfg)
-    if dims.cp > 1:
-        model = apply_context_parallel(model, parallel, cfg)
 
-    # fp8 swaps nn.Linear modules: before anything wraps them (AC, compile, FSDP units).
+    # fp8 replaces nn.Linear modules with torchao's Float8Linear: before any step that hooks or
+    # wraps a module (tensor parallel's styles register hooks on the linears themselves; with
+    # fp8 they are torchao's float8 styles, which cast to fp8 before their all-gathers).
     if cfg.precision.fp8:
         from slipstream.optimize.precision import apply_fp8
 
-        model = apply_fp8(model, device)
+        model = apply_fp8(model, device, tp=dims.tp)
+
+    # Model parallelism inside the layer next: it splits the linears (tp) and the attention
+    # (cp) that activation checkpointing, compile and data parallelism then wrap.
+    if dims.tp > 1:
+        model = apply_tensor_parallel(model, parallel, cfg)
+        if cfg.parallel.async_tp:  # before compile: Inductor reads the switch when it compiles the blocks
+            from slipstream.distributed.tensor_parallel import enable_async_tp
+
+            enable_async_tp(parallel.tp_mesh)
+    if dims.cp > 1:
+        model = apply_context_parallel(model, parallel, cfg)
 
     # AC before compile, so compile traces the recompute regions (selective AC is then a
     # compiler-visible policy, not a graph break).
@@ -105,9 +113,12 @@ def apply_pipeline_split(model: nn.Module, parallel: Parallel, cfg: Config) -> n
 
 def apply_tensor_parallel(model: nn.Module, parallel: Parallel, cfg: Config) -> nn.Module:
     from slipstream.distributed.tensor_parallel import apply_tensor_parallel as split_over_tp
-    from slipstream.distributed.tensor_parallel import check_tensor_parallel
+    from slipstream.distributed.tensor_parallel import check_model_splits, check_tensor_parallel
+    from slipstream.models.transformer import Transformer
 
     check_tensor_parallel(cfg, parallel.dims.tp)
+    if isinstance(model, Transformer):  # a user model's own plan decides what it splits
+        check_model_splits(model.cfg, parallel.dims.tp)
     return split_over_tp(model, parallel.tp_mesh, cfg)
 
 

@@ -119,8 +119,6 @@ def check_tensor_parallel(cfg: Config, tp: int) -> None:
         raise UserError("train.fused_loss applies the whole output head in one op; with parallel.tp > 1 the head "
                         "is vocabulary-sharded: use --parallel.loss_parallel=true (the cross-entropy runs on the "
                         "shards, logits never gathered) and --train.fused_loss=false")
-    if cfg.precision.fp8:
-        raise UserError("precision.fp8 with parallel.tp > 1 is not supported yet; turn one of them off")
     if cfg.model.dropout > 0 and cfg.compile.scope != "off":
         # Measured on torch 2.13 (CPU): the per-rank dropout streams (distributed.sharded_dropout)
         # break a compiled block's graph at every hooked module, and an activation-checkpointed
@@ -174,9 +172,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
 
     if not isinstance(model, Transformer):
         return apply_user_plan(model, tp_mesh, cfg)
-    check_model_splits(model.cfg, tp_mesh.size())
     (Replicate, Shard, ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput,
      ReplicateParallel, VocabParallelHead) = _styles()
+    Colwise, Rowwise, PrepareInput, input_kwargs = _block_linear_styles(model, tp_mesh.size())
     sp, loss_parallel = cfg.parallel.sequence_parallel, cfg.parallel.loss_parallel
     stream = Shard(1) if sp else Replicate()  # the residual stream between the TP regions
     norm = SequenceParallel if sp else ReplicateParallel
@@ -198,19 +196,22 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
     for block in model.blocks:
         parallelize_module(block, tp_mesh, {
             "attn_norm": norm(),
-            # The block's input arrives on sequence shards (SP) and is gathered for the matmuls.
+            # The block's input arrives on sequence shards (SP) and is gathered for the matmuls
+            # (in fp8 with precision.fp8: cast first, then all-gathered, half the bytes of bf16).
             # (The RoPE tables come as a keyword, untouched: a tuple given layout None as a
             # positional input breaks the backward of a compiled block.)
-            "attn": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
-            "attn.q_proj": ColwiseParallel(),
-            "attn.k_proj": ColwiseParallel(),
-            "attn.v_proj": ColwiseParallel(),
-            "attn.o_proj": RowwiseParallel(output_layouts=stream),
+            "attn": PrepareInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),),
+                                 **input_kwargs("q_proj")),
+            "attn.q_proj": Colwise(),
+            "attn.k_proj": Colwise(),
+            "attn.v_proj": Colwise(),
+            "attn.o_proj": Rowwise(output_layouts=stream),
             "mlp_norm": norm(),
-            "mlp": PrepareModuleInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),)),
-            "mlp.up_proj": ColwiseParallel(),
-            "mlp.down_proj": RowwiseParallel(output_layouts=stream),
-            **({"mlp.gate_proj": ColwiseParallel()} if block.mlp.gate_proj is not None else {}),
+            "mlp": PrepareInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),),
+                                **input_kwargs("up_proj")),
+            "mlp.up_proj": Colwise(),
+            "mlp.down_proj": Rowwise(output_layouts=stream),
+            **({"mlp.gate_proj": Colwise()} if block.mlp.gate_proj is not None else {}),
         })
     # The embedding's output is to_local()'s view of a DTensor's local tensor. A compiled block
     # that takes such a view as its input hands backward a plain-tensor gradient where DTensor's
@@ -238,6 +239,33 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
     shard_dropout_rng(model, tp_mesh, stream_sharded=sp)
     return model
 
+
+
+def _block_linear_styles(model: nn.Module, tp: int):
+    """(column-parallel, row-parallel, input-preparing style, its extra kwargs by first linear)
+    for the blocks' linears: torch's, or torchao's float8 ones when precision.fp8 turned the
+    linears into Float8Linear (chain order: fp8 before tp), which all-gather in fp8."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput, RowwiseParallel
+
+    linears = {name: mod for name, mod in model.blocks.named_modules() if isinstance(mod, nn.Linear)}
+    float8 = {name for name, mod in linears.items() if type(mod).__name__ == "Float8Linear"}
+    if not float8:
+        return ColwiseParallel, RowwiseParallel, PrepareModuleInput, lambda first: {}
+    if len(float8) < len(linears):
+        # A block half in fp8 cannot take one fp8 input for all of its projections.
+        from slipstream.models.transformer import kv_heads, mlp_hidden
+
+        m = model.cfg
+        raise UserError(f"precision.fp8 with parallel.tp = {tp}: each rank's shard of every block linear must be "
+                        f"fp8-sized (a multiple of 16), so d_model ({m.d_model}), the key/value width "
+                        f"({kv_heads(m) * (m.d_model // m.n_head)}) and the MLP width ({mlp_hidden(m)}) must be "
+                        f"multiples of 16 x tp = {16 * tp}; not fp8: {', '.join(sorted(set(linears) - float8)[:4])}")
+    from torchao.float8.float8_tensor_parallel import (Float8ColwiseParallel, Float8RowwiseParallel,
+                                                       PrepareFloat8ModuleInput)
+
+    # The input cast takes its fp8 settings from the module's first projection.
+    return (Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput,
+            lambda first: {"fwd_config_submodule_fqn": first})
 
 
 def apply_user_plan(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
@@ -277,6 +305,22 @@ def apply_user_plan(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
                         f"{', '.join(whole[:8])}{' ...' if len(whole) > 8 else ''}. Give their modules a style; "
                         "for ones that stay whole use slipstream.distributed.tensor_parallel.ReplicateParallel()")
     return model
+
+
+def enable_async_tp(tp_mesh) -> None:
+    """parallel.async_tp (CUDA): let Inductor micro-pipeline the tp collectives of the compiled
+    graphs (each all-gather -> matmul and matmul -> reduce-scatter becomes a chunked loop that
+    overlaps the transfer of one chunk with the matmul of another, over symmetric memory)."""
+    import warnings
+
+    import torch._inductor.config as inductor_config
+    from torch.distributed import _symmetric_memory
+
+    inductor_config._micro_pipeline_tp = True
+    with warnings.catch_warnings():
+        # Newer torch (2.13 here) sets symmetric memory up by itself and deprecates this call; older needs it.
+        warnings.simplefilter("ignore", FutureWarning)
+        _symmetric_memory.enable_symm_mem_for_group(tp_mesh.get_group().group_name)
 
 
 class LossParallel:

@@ -54,18 +54,20 @@ def fp8_support(device: torch.device) -> str | None:
     return None
 
 
-def apply_fp8(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+def apply_fp8(model: torch.nn.Module, device: torch.device, tp: int = 1) -> torch.nn.Module:
     """Convert nn.Linear layers to float8 training (torchao). The output head stays in high
-    precision: its logits feed the loss directly and fp8 there costs accuracy."""
+    precision: its logits feed the loss directly and fp8 there costs accuracy. tp: the
+    tensor-parallel degree the linears will be split by (their shards must stay fp8-sized)."""
     reason = fp8_support(device)
     if reason:
         raise UserError(f"precision.fp8 = true: {reason}; set --precision.fp8=false")
     from torchao.float8 import convert_to_float8_training
 
     def keep_linear(module: torch.nn.Module, fqn: str) -> bool:
-        # fp8 matmuls need dimensions divisible by 16.
+        # fp8 matmuls need dimensions divisible by 16, on each rank's shard under tensor
+        # parallelism (column-parallel splits out_features, row-parallel in_features).
         return (isinstance(module, torch.nn.Linear) and fqn != "lm_head"
-                and module.in_features % 16 == 0 and module.out_features % 16 == 0)
+                and module.in_features % (16 * tp) == 0 and module.out_features % (16 * tp) == 0)
 
     convert_to_float8_training(model, module_filter_fn=keep_linear)
     return model
