@@ -39,6 +39,7 @@ from slipstream.config.schema import Config
 from slipstream.distributed.data_parallel import full_value, gradients_live_in_buckets, no_sync, unwrap
 from slipstream.distributed.tensor_parallel import LossParallel
 from slipstream.errors import UserError
+from slipstream.observe.comm import StepComm
 from slipstream.observe.console import TrainProgress
 from slipstream.observe.flops import mfu
 from slipstream.observe.loggers import RunLoggers
@@ -279,6 +280,8 @@ class Trainer:
         loggers = RunLoggers(cfg, self.run_dir, self.parallel, self.step, resumed=resume_from is not None)
         self.memory = MemoryProbe(cfg, self.device, self.step, self._snapshot_path(), self.job.planned_peak_bytes,
                                   is_main=self.parallel.is_main)
+        # metrics.comm_volume: the collectives of the step the memory probe measures (both dispatch modes).
+        self.comm = StepComm(cfg, self.step, self.parallel, unwrap(self.model), is_main=self.parallel.is_main)
         start_step, wall_start = self.step, time.perf_counter()
         last_eval = None
         self.model.train()
@@ -292,7 +295,8 @@ class Trainer:
             while self.step < cfg.train.max_steps:
                 self.memory.before_step(self.step)
                 run_step = self._measured_train_step if self.memory.measures(self.step + 1) else self.train_step
-                loss, grad_norm, wait, items = run_step(it)
+                with self.comm.counting(self.step + 1):
+                    loss, grad_norm, wait, items = run_step(it)
                 verdict = self._verdict
                 self.step += 1
                 self.tokens_seen += items
@@ -434,6 +438,8 @@ class Trainer:
             summary["trace_files"] = [str(p) for p in self.profiler.trace_files]
         if (memory := self.memory.summary()) is not None:
             summary["memory"] = memory
+        if (comm := self.comm.summary()) is not None:
+            summary["comm"] = comm
         if self.parallel.world_size > 1:
             summary.update(self._job_summary(summary))  # a collective: every rank's memory
         if not main:
@@ -442,8 +448,9 @@ class Trainer:
         from slipstream.observe.env import write_json_atomic
 
         write_json_atomic(self.run_dir / "summary.json", summary)
-        print_summary({k: v for k, v in summary.items() if k not in ("memory", "ranks")})
+        print_summary({k: v for k, v in summary.items() if k not in ("memory", "ranks", "comm")})
         self.memory.print_report()
+        self.comm.print_report()
         return summary
 
     def _print_profiler_outputs(self) -> None:
