@@ -142,10 +142,11 @@ def step_collectives(model: PlanModel, s: Strategy, work: Workload) -> list[Coll
         add("tp", "all_reduce", "loss", s.tp, tokens_micro * 4, 3 * micro)
         if s.sequence_parallel:
             # The norms' weights see a sequence shard each: their gradients stay partial sums
-            # (DTensor Partial) and every reader reduces them, once per step: the gradient norm
-            # and the optimizer (fp32 gradients).
+            # (DTensor Partial), reduced once per step by each reader: the gradient norm and the
+            # optimizer; under FSDP once, when it takes the gradients (measured: cp2tp2).
             tensors = (2 * layers + 1) * (2 if cfg.norm == "layernorm" and cfg.bias else 1)  # weight (+ bias)
-            add("tp", "all_reduce", "gradients", s.tp, cfg.d_model * 4, 2 * tensors)
+            readers = 1 if s.dp_strategy in ("zero2", "fsdp", "hsdp") else 2
+            add("tp", "all_reduce", "gradients", s.tp, cfg.d_model * 4, readers * tensors)
 
     if model.traced is None and s.cp > 1:
         head_dim = cfg.d_model // cfg.n_head
@@ -166,7 +167,8 @@ def _data_parallel_collectives(model: PlanModel, s: Strategy) -> list[Collective
     group = s.dp * s.cp  # the cp ranks average gradients with the data-parallel ones
     if s.dp_strategy == "none" or group <= 1:
         return []
-    params = _params_per_gpu(model, s)
+    # tp splits the matmuls; the norms and the row-parallel biases stay whole on every tp rank
+    params = _params_per_gpu(model, s) + _tp_replicated_params(model, s) * (1 - 1 / s.tp)
     grad_bytes = params * 4
     rows = []
     if s.dp_strategy in ("ddp", "zero1"):
@@ -194,6 +196,17 @@ def _data_parallel_collectives(model: PlanModel, s: Strategy) -> list[Collective
         rows.append(Collective("dp_replicate", "all_reduce", "gradients", s.dp // s.dp_shard,
                                grad_bytes / shard * syncs, syncs))
     return rows
+
+
+def _tp_replicated_params(model: PlanModel, s: Strategy) -> float:
+    """Parameters tensor parallelism leaves whole on a rank (per pipeline stage): every norm's
+    weight (and bias), and the biases of o_proj and down_proj (row-parallel: added after the reduction)."""
+    if model.traced is not None or s.tp <= 1:
+        return 0.0
+    cfg = model.cfg
+    per_norm = cfg.d_model * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
+    layers = cfg.n_layer / s.pp
+    return (2 * layers + 1) * per_norm + (2 * layers * cfg.d_model if cfg.bias else 0)
 
 
 def _fsdp_units(model: PlanModel, s: Strategy) -> int:
