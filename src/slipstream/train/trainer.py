@@ -104,6 +104,24 @@ class JobInfo:
     planned_peak_bytes: int | None = None                            # slipstream plan's step peak, if any
 
 
+def _rng_layout(dims) -> list[int]:
+    """The degrees whose groups must hold equal generators (tp and cp ranks draw the same dropout
+    base, distributed.sharded_dropout), and the pipeline's."""
+    return [dims.tp, dims.cp, dims.pp]
+
+
+def rng_state_for(state: dict[str, Any], rank: int, world_size: int, layout: list[int]) -> dict[str, Any]:
+    """The generator states a resuming rank restores: its own when the checkpoint's ranks map one
+    to one onto this run's (same world size and tp/cp/pp degrees), else rank 0's on every rank.
+    Resharded, a tp group could otherwise gather ranks that held different states (tp2 -> tp4 at
+    one world size) and draw different masks on activations that must stay replicated."""
+    per_rank = state.get("rng_per_rank")
+    saved_layout = state.get("rng_layout", layout)  # older checkpoints: the world size decides alone
+    if per_rank and len(per_rank) == world_size and saved_layout == layout:
+        return per_rank[rank]
+    return state["rng"]
+
+
 class Trainer:
     """Trains `model` on `train_data` with `loss_fn(model, batch) -> mean loss`.
 
@@ -191,6 +209,7 @@ class Trainer:
             # Each rank's own generators (dropout masks differ per rank only through them).
             "rng": ckpt.capture_rng_state(),
             "rng_per_rank": par.gather(ckpt.capture_rng_state()) if par.world_size > 1 else None,
+            "rng_layout": _rng_layout(par.dims),
             # A checkpoint may fall inside a logging interval: keep its partial sums so the
             # resumed run logs exactly what the uninterrupted one does.
             "interval": self.meter.state_dict(),
@@ -207,10 +226,8 @@ class Trainer:
             self.meter.reset()
         else:
             self.train_loader.load_state_dict(state["train_loader"])
-            per_rank = state.get("rng_per_rank")
-            same_ranks = per_rank and len(per_rank) == self.parallel.world_size
-            # Resharded: no rank's generators carry over one to one; every rank takes rank 0's.
-            ckpt.restore_rng_state(per_rank[self.parallel.rank] if same_ranks else state["rng"])
+            ckpt.restore_rng_state(rng_state_for(state, self.parallel.rank, self.parallel.world_size,
+                                                 _rng_layout(self.parallel.dims)))
             if self.resilience is not None:
                 self.resilience.load_state_dict(state.get("resilience"))
             self.meter.load_state_dict(state.get("interval"))
