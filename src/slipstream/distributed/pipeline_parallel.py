@@ -1,0 +1,407 @@
+"""Pipeline parallelism: a slipstream Transformer cut into stages, run by torch's schedules.
+
+    split_layers         which blocks each stage holds (balanced by cost, or the user's split)
+    stage_indices        which stages a pp rank holds (loop placement, or V for zbv / dualpipev)
+    build_stage_modules  the stage modules of one rank, initialized exactly as one process would
+    build_pipeline       all of the above + torch.distributed.pipelining's PipelineStage and schedule
+    pipeline_step        one forward/backward over the global batch (replaces fwd/bwd x grad_accum)
+
+The model code (models/transformer.py) knows nothing of this: a stage holds the original
+submodules under their original names (`tok_emb`, `blocks.3`, `lm_head`), so the parameter names
+of every stage are those of the unsplit model and checkpoints match across pp degrees.
+
+Loss scaling: the schedules' own `scale_grads` divides each stage's gradients by the number of
+micro-batches after the step; a weight shared by two stages of one rank (tied embeddings under a
+V schedule) would be divided twice. So we never let the schedule scale: the loss of each
+micro-batch is divided by the number of micro-batches before its backward (scale_grads=False),
+which gives the single process's mean over the global batch, and the sum of the micro-batch
+losses is the logged (mean) loss.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from slipstream.config.schema import ModelConfig
+from slipstream.errors import UserError
+from slipstream.models.transformer import Transformer, rope_tables
+
+# parallel.pp_schedule -> the class in torch.distributed.pipelining.schedules
+SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved-1f1b": "ScheduleInterleaved1F1B",
+    "looped-bfs": "ScheduleLoopedBFS",
+    "interleaved-zero-bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+ONE_STAGE_PER_RANK = ("gpipe", "1f1b")  # torch's PipelineScheduleSingle
+V_SHAPED = ("zbv", "dualpipev")         # exactly 2 stages per rank: rank r holds r and 2*pp-1-r
+
+
+# --- 1. which layers each stage holds ------------------------------------------------------------
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Relative cost of the parts of a stage (any unit, e.g. training FLOPs per token)."""
+    block: float = 1.0      # one transformer block
+    embedding: float = 0.0  # the embedding lookup(s), carried by the first stage
+    head: float = 0.0       # final norm + output head + loss, carried by the last stage
+
+
+def stage_costs(cfg: ModelConfig, seq_len: int) -> StageCosts:
+    """Training FLOPs per token of a block, the embedding and the head, from models/flops.py's counts
+    (the same 6 x matmul parameters + attention scores formula as flops_per_token)."""
+    from slipstream.models.flops import param_count
+    from slipstream.models.transformer import padded_vocab_size
+
+    count = param_count(cfg)
+    block_params = count.attn + count.mlp + count.norm
+    block = 6.0 * block_params + 12.0 * cfg.d_model * seq_len
+    head = 6.0 * padded_vocab_size(cfg) * cfg.d_model  # the head's matmul (its loss is a few % more)
+    # An embedding is a lookup (no matmul): its backward is a scatter-add of one row per token.
+    embedding = 2.0 * cfg.d_model
+    return StageCosts(block=block, embedding=embedding, head=head)
+
+
+def split_layers(n_layer: int, n_stages: int, layers: list[int] | None = None,
+                 weights: StageCosts | None = None) -> list[range]:
+    """The contiguous block ranges of each stage (every layer exactly once, every stage >= 1 layer).
+
+    layers: the user's split (layers per stage, e.g. [2, 1, 2]); default: the split that minimizes
+    the most expensive stage, the first stage also paying `weights.embedding` and the last
+    `weights.head` (weights default: every block costs 1, embedding and head nothing)."""
+    if n_stages < 1:
+        raise UserError(f"pipeline stages = {n_stages}: need at least 1 (parallel.pp x pp_virtual_stages)")
+    if n_stages > n_layer:
+        raise UserError(f"{n_stages} pipeline stages (parallel.pp x pp_virtual_stages) for a model of {n_layer} "
+                        f"layers: every stage needs at least one block; lower parallel.pp or pp_virtual_stages")
+    if layers is not None:
+        return _user_split(n_layer, n_stages, list(layers))
+    w = weights or StageCosts()
+    return _balanced_split(n_layer, n_stages, w)
+
+
+def _user_split(n_layer: int, n_stages: int, layers: list[int]) -> list[range]:
+    given = ",".join(str(n) for n in layers)
+    if len(layers) != n_stages:
+        raise UserError(f"parallel.pp_layers = {given!r} gives {len(layers)} stages, the pipeline has {n_stages} "
+                        f"(parallel.pp x pp_virtual_stages); give one layer count per stage")
+    if any(n < 1 for n in layers):
+        raise UserError(f"parallel.pp_layers = {given!r}: every stage needs at least one layer")
+    if sum(layers) != n_layer:
+        raise UserError(f"parallel.pp_layers = {given!r} sums to {sum(layers)} layers, the model has {n_layer}; "
+                        f"the counts must add up to model.n_layer")
+    starts = [sum(layers[:i]) for i in range(n_stages)]
+    return [range(start, start + n) for start, n in zip(starts, layers)]
+
+
+def _balanced_split(n_layer: int, n_stages: int, w: StageCosts) -> list[range]:
+    """Exact min-max contiguous partition by dynamic programming (n_layer is at most a few hundred)."""
+
+    def cost(stage: int, n_blocks: int) -> float:
+        extra = (w.embedding if stage == 0 else 0.0) + (w.head if stage == n_stages - 1 else 0.0)
+        return n_blocks * w.block + extra
+
+    # best[s][k] = the smallest possible max stage cost of putting the first k layers in stages 0..s-1
+    inf = math.inf
+    best = [[inf] * (n_layer + 1) for _ in range(n_stages + 1)]
+    cut = [[0] * (n_layer + 1) for _ in range(n_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, n_stages + 1):
+        for k in range(s, n_layer - (n_stages - s) + 1):
+            for j in range(s - 1, k):  # stage s-1 holds layers j..k-1
+                candidate = max(best[s - 1][j], cost(s - 1, k - j))
+                # Ties go to the latest cut: earlier stages take the extra layers, the last stage
+                # (which also holds the logits and the loss) the fewest.
+                if candidate <= best[s][k] * (1 + 1e-9):
+                    best[s][k], cut[s][k] = candidate, j
+    ranges, k = [], n_layer
+    for s in range(n_stages, 0, -1):
+        j = cut[s][k]
+        ranges.append(range(j, k))
+        k = j
+    return ranges[::-1]
+
+
+# --- 2. which stages a rank holds ----------------------------------------------------------------
+
+def check_schedule(name: str, virtual_stages: int) -> None:
+    if name not in SCHEDULES:
+        raise UserError(f"parallel.pp_schedule = {name!r} is not a pipeline schedule; "
+                        f"valid: {', '.join(SCHEDULES)}")
+    import torch.distributed.pipelining.schedules as schedules
+
+    if not hasattr(schedules, SCHEDULES[name]):
+        raise UserError(f"parallel.pp_schedule = {name!r} needs torch's {SCHEDULES[name]}, which torch "
+                        f"{torch.__version__} lacks; upgrade torch or pick another schedule")
+    if name in ONE_STAGE_PER_RANK and virtual_stages != 1:
+        raise UserError(f"parallel.pp_schedule = {name!r} runs exactly 1 stage per rank, got "
+                        f"parallel.pp_virtual_stages = {virtual_stages}; set it to 1 or use interleaved-1f1b")
+    if name in V_SHAPED and virtual_stages != 2:
+        raise UserError(f"parallel.pp_schedule = {name!r} runs exactly 2 stages per rank (a V), got "
+                        f"parallel.pp_virtual_stages = {virtual_stages}; set it to 2")
+    if virtual_stages < 1:
+        raise UserError(f"parallel.pp_virtual_stages = {virtual_stages}: need at least 1")
+
+
+def stage_indices(schedule: str, pp_rank: int, pp_size: int, virtual_stages: int) -> list[int]:
+    """The global stage indices of `pp_rank`, in the order its schedule expects them: loop placement
+    (rank r holds r, r + pp, ...) except the V schedules (rank r holds r and 2 * pp - 1 - r)."""
+    check_schedule(schedule, virtual_stages)
+    if schedule in V_SHAPED:
+        return [pp_rank, 2 * pp_size - 1 - pp_rank]
+    return [pp_rank + v * pp_size for v in range(virtual_stages)]
+
+
+def stage_rank(schedule: str, stage: int, pp_size: int) -> int:
+    """The pp rank holding global stage `stage`."""
+    if schedule in V_SHAPED:
+        return stage if stage < pp_size else 2 * pp_size - 1 - stage
+    return stage % pp_size
+
+
+# --- 3. the stage module ---------------------------------------------------------------------------
+
+class TransformerStage(nn.Module):
+    """The part of a Transformer one pipeline stage runs, holding the model's own submodules under
+    their own names: `tok_emb`/`pos_emb` on the first stage, `blocks.<original index>`, `final_norm`
+    and `lm_head` on the last. Its forward is Transformer.forward's part: token ids -> hidden states
+    on the first stage, hidden -> hidden in the middle, hidden -> logits (padded columns -inf) on the last."""
+
+    def __init__(self, model: Transformer, layers: range, is_first: bool, is_last: bool):
+        super().__init__()
+        self.cfg = model.cfg
+        self.is_first, self.is_last = is_first, is_last
+        self.layers = layers
+        if is_first:
+            self.tok_emb = model.tok_emb
+            self.pos_emb = model.pos_emb
+            self.emb_dropout = model.emb_dropout
+        # Keyed by the block's index in the unsplit model: the names stay `blocks.3.attn...`.
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        if is_last:
+            self.final_norm = model.final_norm
+            self.lm_head = model.lm_head
+        if model.cfg.position == "rope":  # every stage's blocks need them; recomputed by init_stage_buffers
+            head_dim = model.cfg.d_model // model.cfg.n_head
+            cos, sin = rope_tables(head_dim, model.cfg.max_seq_len, model.cfg.rope_theta, device="meta")
+            self.register_buffer("rope_cos", cos, persistent=False)  # derived from the config: not saved
+            self.register_buffer("rope_sin", sin, persistent=False)
+        else:
+            self.rope_cos = self.rope_sin = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[1]
+        if T > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
+        if self.is_first:  # x: token ids (B, T)
+            h = self.tok_emb(x)
+            if self.pos_emb is not None:
+                h = h + self.pos_emb(torch.arange(T, device=x.device))
+            x = self.emb_dropout(h)
+        rope = None if self.rope_cos is None else (self.rope_cos[:T], self.rope_sin[:T])
+        for block in self.blocks.values():  # insertion order = ascending layer index
+            x = block(x, rope)
+        if not self.is_last:
+            return x
+        logits = self.lm_head(self.final_norm(x))
+        if logits.shape[-1] > self.cfg.vocab_size:
+            # As Transformer.forward: padded vocabulary rows take no probability (in place: linear's
+            # backward needs its inputs, not its output).
+            logits[..., self.cfg.vocab_size:] = float("-inf")
+        return logits
+
+    @torch.no_grad()
+    def init_stage_buffers(self) -> None:
+        if self.rope_cos is not None:
+            cos, sin = rope_tables(self.cfg.d_model // self.cfg.n_head, self.cfg.max_seq_len, self.cfg.rope_theta,
+                                   device=self.rope_cos.device)
+            self.rope_cos.copy_(cos)
+            self.rope_sin.copy_(sin)
+
+
+def build_stage_modules(cfg: ModelConfig, stages: list[int], splits: list[range],
+                        device: str | torch.device = "cpu", seed: int = 0) -> list[TransformerStage]:
+    """The stage modules for the global stage indices `stages` (of len(splits) stages), each with
+    exactly the weights build_model(cfg, seed=seed) gives one process.
+
+    The full model is built on the meta device (no memory); each stage keeps its parts of it. The
+    full model's own init_weights then runs on meta - it draws every parameter in name order from
+    one generator, as in one process - and we keep only the values of the stages' parameters.
+    A tied head on a stage without the embedding gets the embedding's values (its copy); a tied
+    head on the same rank as the embedding (V schedules) shares the embedding's parameter."""
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    n_stages = len(splits)
+    modules = [TransformerStage(model, splits[s], s == 0, s == n_stages - 1) for s in stages]
+
+    # id of a (meta) parameter of the full model -> the (stage, name) slots that want its values
+    wanted: dict[int, list[tuple[int, str]]] = {}
+    for i, module in enumerate(modules):
+        for name, param in module.named_parameters(remove_duplicate=False):
+            wanted.setdefault(id(param), []).append((i, name))
+    values: dict[tuple[int, str], torch.Tensor] = {}
+
+    def keep(param: torch.Tensor, full_values: torch.Tensor) -> None:
+        for slot in wanted.get(id(param), ()):
+            values[slot] = full_values
+
+    model.init_weights(seed, write=keep)  # every parameter is meta: nothing is written, only drawn
+
+    first = next((m for m in modules if m.is_first), None)
+    for module in modules:
+        module.to_empty(device=device)  # allocates this stage's parameters only
+    last = next((m for m in modules if m.is_last), None)
+    if cfg.tie_embeddings and first is not None and last is not None and last is not first:
+        last.lm_head.weight = first.tok_emb.weight  # to_empty() made them two: re-tie (same rank)
+    with torch.no_grad():
+        for i, module in enumerate(modules):
+            for name, param in module.named_parameters(remove_duplicate=False):
+                param.copy_(values[(i, name)])
+            module.init_stage_buffers()
+    return modules
+
+
+def named_parameters(modules: list[TransformerStage]) -> dict[str, nn.Parameter]:
+    """The unique parameters of a rank's stages by their unsplit names (a weight shared by two
+    stages of the rank, the V schedules' tied embedding, once, under its first name)."""
+    out: dict[str, nn.Parameter] = {}
+    seen: set[int] = set()
+    for module in modules:
+        for name, param in module.named_parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                out[name] = param
+    return out
+
+
+# --- 4. schedule and step --------------------------------------------------------------------------
+
+@dataclass
+class Pipeline:
+    """One pp rank's part of the pipeline."""
+    schedule: Any                      # a torch.distributed.pipelining schedule
+    modules: list[TransformerStage]    # this rank's stage modules, in the schedule's order
+    stages: list[Any]                  # their PipelineStage wrappers
+    n_microbatches: int
+    tied_group: Any = None             # the group of the 2 ranks holding a copy of a tied embedding, or None
+    has_first: bool = field(init=False)
+    has_last: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.has_first = any(m.is_first for m in self.modules)
+        self.has_last = any(m.is_last for m in self.modules)
+
+    def named_parameters(self) -> dict[str, nn.Parameter]:
+        return named_parameters(self.modules)
+
+
+def build_schedule(name: str, stages: list[Any], n_microbatches: int,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> Any:
+    """torch's schedule `name` over this rank's PipelineStages. loss_fn(logits, targets) is the mean
+    loss of one micro-batch; the schedule backpropagates loss_fn / n_microbatches (see the module
+    doc: scale_grads=False), so gradients are those of the mean over the global batch."""
+    import torch.distributed.pipelining.schedules as schedules
+
+    check_schedule(name, len(stages))
+    if n_microbatches < 1:
+        raise UserError(f"parallel.pp_microbatches = {n_microbatches}: need at least 1")
+    n_stages = stages[0].num_stages
+
+    def scaled_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return loss_fn(output, target) / n_microbatches
+
+    cls = getattr(schedules, SCHEDULES[name])
+    first_arg = stages[0] if name in ONE_STAGE_PER_RANK else stages
+    try:
+        return cls(first_arg, n_microbatches=n_microbatches, loss_fn=scaled_loss, scale_grads=False)
+    except ValueError as e:  # torch's own checks (micro-batches vs stages, rounds)
+        raise UserError(f"parallel.pp_schedule = {name!r} cannot run {n_microbatches} micro-batches over "
+                        f"{n_stages} stages: {e}; set parallel.pp_microbatches to a multiple of the stage "
+                        f"count ({n_stages}) or pick another schedule") from e
+
+
+def build_pipeline(cfg: ModelConfig, schedule: str, pp_group: dist.ProcessGroup, n_microbatches: int,
+                   loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
+                   virtual_stages: int = 1, layers: list[int] | None = None, seq_len: int | None = None,
+                   device: str | torch.device = "cpu", seed: int = 0) -> Pipeline:
+    """This rank's stages of `cfg`'s Transformer over `pp_group`, and the schedule that runs them.
+    layers: the user's layers per stage (parallel.pp_layers), default balanced by stage_costs."""
+    from torch.distributed.pipelining import PipelineStage
+
+    check_schedule(schedule, virtual_stages)
+    pp_rank, pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
+    n_stages = pp_size * virtual_stages
+    splits = split_layers(cfg.n_layer, n_stages, layers, stage_costs(cfg, seq_len or cfg.max_seq_len))
+    indices = stage_indices(schedule, pp_rank, pp_size, virtual_stages)
+    modules = build_stage_modules(cfg, indices, splits, device, seed)
+    stages = [PipelineStage(module, index, n_stages, torch.device(device), group=pp_group)
+              for module, index in zip(modules, indices)]
+    pipe = Pipeline(build_schedule(schedule, stages, n_microbatches, loss_fn), modules, stages, n_microbatches)
+    pipe.tied_group = _tied_group(cfg, schedule, pp_group, n_stages)
+    return pipe
+
+
+def _tied_group(cfg: ModelConfig, schedule: str, pp_group: dist.ProcessGroup, n_stages: int):
+    """Tied embeddings with the embedding and the head on two ranks: both hold a copy, and each copy
+    must get the sum of both gradients. Returns the group of those two ranks on them, else None."""
+    pp_size = dist.get_world_size(pp_group)
+    owners = (stage_rank(schedule, 0, pp_size), stage_rank(schedule, n_stages - 1, pp_size))
+    if not cfg.tie_embeddings or owners[0] == owners[1]:
+        return None  # untied, or both stages on one rank (V): one shared parameter
+    if dist.get_rank(pp_group) not in owners:
+        return None
+    if pp_size == 2:
+        return pp_group
+    ranks = dist.get_process_group_ranks(pp_group)
+    # communicates: creates a group of the 2 owners (only they call it: local synchronization)
+    return dist.new_group([ranks[owners[0]], ranks[owners[1]]], use_local_synchronization=True)
+
+
+def sum_tied_embedding_grads(pipe: Pipeline) -> None:
+    """Make both copies of a tied embedding hold the sum of the embedding's and the head's gradient
+    (what the single parameter gets in one process)."""
+    if pipe.tied_group is None:
+        return
+    module = next(m for m in pipe.modules if m.is_first or m.is_last)
+    weight = module.tok_emb.weight if module.is_first else module.lm_head.weight
+    if weight.grad is None:
+        weight.grad = torch.zeros_like(weight)
+    dist.all_reduce(weight.grad, group=pipe.tied_group)  # communicates: the tied table's gradient, 2 pp ranks
+
+
+def pipeline_step(pipe: Pipeline, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor | None:
+    """One forward + backward of the global batch (B, T), split into pipe.n_microbatches micro-batches:
+    the pipeline's replacement of `fwd/bwd x grad_accum`. inputs are read on the rank of the first
+    stage, targets on the rank of the last (pass None elsewhere). Gradients accumulate into .grad
+    (zero them before). Returns the mean loss over the micro-batches on the rank of the last stage,
+    None on the others."""
+    for name, batch, needed in (("inputs", inputs, pipe.has_first), ("targets", targets, pipe.has_last)):
+        if needed and (batch is None or batch.shape[0] % pipe.n_microbatches):
+            size = None if batch is None else batch.shape[0]
+            raise UserError(f"the pipeline's global batch ({name}: {size} sequences) must be divisible by "
+                            f"parallel.pp_microbatches = {pipe.n_microbatches}; change train.micro_batch_size "
+                            f"x grad_accum_steps or pp_microbatches")
+    args = (inputs,) if pipe.has_first else ()
+    if targets is not None:
+        targets = targets.contiguous()  # lm_loss views them flat; a (B, T+1) window's slice is not (no copy if it is)
+    losses: list[torch.Tensor] = []
+    # Newer torch can skip concatenating the last stage's outputs (we only need the losses); an
+    # older step() would pass the unknown keyword on to the model, so ask only where it exists.
+    extra = {"return_outputs": False} if "return_outputs" in inspect.signature(pipe.schedule.step).parameters else {}
+    # communicates: activations forward and gradients backward between the pp ranks (send/recv)
+    pipe.schedule.step(*args, target=targets if pipe.has_last else None, losses=losses, **extra)
+    sum_tied_embedding_grads(pipe)
+    if not pipe.has_last:
+        return None
+    return torch.stack([loss.detach() for loss in losses]).sum()  # each is already divided by n_microbatches
