@@ -245,9 +245,9 @@ def test_a_sequential_position_is_resharded_without_repeats(data_dir, saved, res
     assert not read & following
     import numpy as np
 
-    from slipstream.data.loader import _seed_key
+    from slipstream.data.loader_checks import seed_key
 
-    epoch_order = np.random.default_rng([_seed_key(3), 0]).permutation(old[0]._n_windows) * 32  # window starts
+    epoch_order = np.random.default_rng([seed_key(3), 0]).permutation(old[0]._n_windows) * 32  # window starts
     first_new = min(list(epoch_order).index(s) for s in following)
     assert first_new >= len(read) and first_new - len(read) < 2 * new_batch * new_world
 

@@ -176,8 +176,8 @@ def test_workers_match_in_process(tmp_path, monkeypatch):
     make_corpus(tmp_path / "corpus", n_docs=20)
     monkeypatch.setattr(prep, "CHUNK_CHARS", 1000)  # several chunks, so the pool is really used
     pools = []
-    make_pool = prep._make_pool
-    monkeypatch.setattr(prep, "_make_pool", lambda *args: pools.append(args) or make_pool(*args))
+    make_pool = prep.make_pool
+    monkeypatch.setattr(prep, "make_pool", lambda *args: pools.append(args) or make_pool(*args))
     m1 = prepare_dataset([str(tmp_path / "corpus")], "byte", str(tmp_path / "one"), num_workers=1, progress=False)
     assert pools == []
     m2 = prepare_dataset([str(tmp_path / "corpus")], "byte", str(tmp_path / "two"), num_workers=2, progress=False)

@@ -1,4 +1,5 @@
-"""Batches for training: prepared token shards (TokenLoader) and any map-style dataset (DatasetLoader).
+"""Batches for training: prepared token shards (TokenLoader) and any map-style dataset
+(DatasetLoader, in dataset_loader.py; importable from here too).
 
 Both loaders are infinite iterators whose position is a single counter, which makes
 them resumable: `state_dict()` is a few plain ints, and after `load_state_dict()` the
@@ -33,47 +34,19 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
-from slipstream.data.prepare import load_manifest, shard_problem
+from slipstream.data.dataset_loader import DatasetLoader  # noqa: F401  (callers import it from here)
+from slipstream.data.loader_checks import check_positive, check_rank, check_state, seed_key
+from slipstream.data.manifest import load_manifest, shard_problem
 from slipstream.errors import UserError
 
 MODES = ("random", "sequential")
 AUGMENTATIONS = ("none", "swap_tokens")
 PREFETCH_DEPTH = 2
-
-
-def _seed_key(seed: int) -> int:
-    # numpy SeedSequence needs non-negative entropy; keep negative seeds distinct and valid.
-    return int(seed) % 2**64
-
-
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 1:
-            raise UserError(f"{name}={value!r} must be a positive integer")
-
-
-def _check_rank(rank: int, world_size: int) -> None:
-    _check_positive(world_size=world_size)
-    if not 0 <= rank < world_size:
-        raise UserError(f"rank={rank} must be in [0, world_size={world_size})")
-
-
-def _check_state(kind: str, state: dict, expected: dict) -> None:
-    """Refuse to resume from a state saved with different data settings: the batches would silently differ."""
-    if not isinstance(state, dict) or state.get("kind") != kind:
-        got = state.get("kind") if isinstance(state, dict) else type(state).__name__
-        raise UserError(f"cannot load a {got!r} data loader state into a {kind}; the checkpoint belongs to a different kind of run")
-    diffs = [f"{k}: saved {state.get(k)!r}, now {v!r}" for k, v in expected.items() if state.get(k) != v]
-    if diffs:
-        raise UserError(
-            f"{kind} state does not match this loader ({'; '.join(diffs)}); resume with the same data "
-            f"settings as the saved run, or start a fresh run"
-        )
 
 
 class TokenLoader:
@@ -97,14 +70,14 @@ class TokenLoader:
         augment_prob: float = 0.1,
         augment_cost_ms: float = 0.0,
     ) -> None:
-        _check_positive(batch_size=batch_size, seq_len=seq_len)
+        check_positive(batch_size=batch_size, seq_len=seq_len)
         if augment not in AUGMENTATIONS:
             raise UserError(f"unknown augmentation {augment!r}; use one of {', '.join(AUGMENTATIONS)}")
         if not 0.0 <= augment_prob <= 1.0:
             raise UserError(f"augment_prob={augment_prob} must be in [0, 1]")
         if num_workers < 0 or int(prefetch) < 0:
             raise UserError(f"num_workers={num_workers} and prefetch={prefetch} must be >= 0")
-        _check_rank(rank, world_size)
+        check_rank(rank, world_size)
         if mode not in MODES:
             raise UserError(f"unknown data loader mode {mode!r}; use one of {', '.join(MODES)}")
         manifest = load_manifest(data_dir)
@@ -177,7 +150,7 @@ class TokenLoader:
     def _epoch_windows(self, epoch: int) -> np.ndarray:
         """Window numbers this rank visits in `epoch`, in order."""
         if epoch not in self._epoch_cache:
-            order = np.random.default_rng([_seed_key(self.seed), epoch]).permutation(self._n_windows)
+            order = np.random.default_rng([seed_key(self.seed), epoch]).permutation(self._n_windows)
             mine = order[self.rank :: self.world_size][: self._per_rank]
             self._epoch_cache = {k: v for k, v in self._epoch_cache.items() if k >= epoch - 1}  # keep it small
             self._epoch_cache[epoch] = mine
@@ -185,7 +158,7 @@ class TokenLoader:
 
     def _batch_starts(self, index: int) -> np.ndarray:
         if self.mode == "random":
-            rng = np.random.default_rng([_seed_key(self.seed), self.rank, index])
+            rng = np.random.default_rng([seed_key(self.seed), self.rank, index])
             return rng.integers(self._lo, self._hi - self.seq_len, size=self.batch_size)  # high is exclusive
         positions = index * self.batch_size + np.arange(self.batch_size)
         epochs, offsets = positions // self._per_rank, positions % self._per_rank
@@ -229,7 +202,7 @@ class TokenLoader:
                            pin_memory=self._pin if pin is None else pin)
         self._fill(index, host.numpy())
         if self.augment != "none":
-            _augment_swap_tokens(host[0].numpy(), self.augment_prob, [_seed_key(self.seed), self.rank, index, 1])
+            _augment_swap_tokens(host[0].numpy(), self.augment_prob, [seed_key(self.seed), self.rank, index, 1])
             _busy_cpu(self.augment_cost_ms * self.batch_size / 1e3)
         return host
 
@@ -344,7 +317,7 @@ class TokenLoader:
         size is resharded (see `_resharded_index`); everything else must match."""
         layout = ("batch_size", "world_size")
         same_data = {k: v for k, v in self._identity().items() if k not in layout}
-        _check_state("TokenLoader", state, same_data)
+        check_state("TokenLoader", state, same_data)
         self.close()  # drop batches prefetched from the old position
         if all(state.get(k) == getattr(self, k) for k in layout):
             self._batch_index = int(state["batch_index"])
@@ -437,166 +410,3 @@ def _prefetch_worker(loader_ref: Callable, index: int, stop: threading.Event, ou
         if isinstance(item, BaseException):
             return
         index += 1
-
-
-# ----------------------------------------------------------------------------- generic datasets
-
-
-class _EpochBatchSampler(torch.utils.data.Sampler):
-    """This rank's index batches for one epoch, starting at a given batch.
-
-    The DatasetLoader sets `epoch` and `start` before each pass; the DataLoader (and its
-    workers) only ever see the indices still to be loaded, so resuming never loads the
-    skipped samples. It holds no reference back to the DatasetLoader: a reference cycle
-    would leave worker shutdown to the garbage collector, which stalls for seconds.
-    """
-
-    def __init__(self, n: int, batch_size: int, shuffle: bool, seed: int, drop_last: bool, rank: int, world_size: int) -> None:
-        self.n, self.batch_size, self.shuffle, self.seed = n, batch_size, shuffle, seed
-        self.drop_last, self.rank, self.world_size = drop_last, rank, world_size
-        self.per_rank = n // world_size  # equal for all ranks, so they stay in lockstep
-        full, rest = divmod(self.per_rank, batch_size)
-        self.batches_per_epoch = full + (1 if rest and not drop_last else 0)
-        self.epoch = 0
-        self.start = 0
-        self._cache: tuple[int, list[list[int]]] | None = None
-
-    def epoch_batches(self, epoch: int) -> list[list[int]]:
-        if self._cache is None or self._cache[0] != epoch:
-            if self.shuffle:
-                order = np.random.default_rng([_seed_key(self.seed), epoch]).permutation(self.n)
-            else:
-                order = np.arange(self.n)
-            mine = order[self.rank : self.per_rank * self.world_size : self.world_size].tolist()
-            batches = [mine[i : i + self.batch_size] for i in range(0, len(mine), self.batch_size)]
-            self._cache = (epoch, batches[: self.batches_per_epoch])
-        return self._cache[1]
-
-    def __iter__(self):
-        yield from self.epoch_batches(self.epoch)[self.start :]
-
-    def __len__(self) -> int:
-        return self.batches_per_epoch - self.start
-
-
-def _to_device(batch: Any, device: torch.device, non_blocking: bool) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device, non_blocking) for k, v in batch.items()}
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
-        return type(batch)(*(_to_device(v, device, non_blocking) for v in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(v, device, non_blocking) for v in batch)
-    return batch
-
-
-class DatasetLoader:
-    """Infinite, resumable batches from any map-style Dataset, sharded across ranks.
-
-    Each epoch shuffles all indices with a permutation seeded by (seed, epoch); rank r
-    takes every world_size-th index of it, truncated so all ranks get the same count
-    (up to world_size - 1 samples sit out each epoch, different ones every epoch).
-    """
-
-    def __init__(
-        self,
-        dataset,
-        batch_size: int,
-        shuffle: bool = True,
-        seed: int = 0,
-        drop_last: bool = True,
-        collate_fn: Callable | None = None,
-        num_workers: int = 0,
-        rank: int = 0,
-        world_size: int = 1,
-        device: str | torch.device = "cpu",
-        pin_memory: bool | None = None,
-    ) -> None:
-        _check_positive(batch_size=batch_size)
-        _check_rank(rank, world_size)
-        if isinstance(dataset, torch.utils.data.IterableDataset) or not hasattr(dataset, "__len__"):
-            raise UserError("DatasetLoader needs a map-style dataset (with __len__ and __getitem__); wrap streaming data in one")
-        if num_workers < 0:
-            raise UserError(f"num_workers={num_workers} must be >= 0")
-        self.dataset, self.batch_size, self.shuffle, self.seed = dataset, batch_size, shuffle, seed
-        self.drop_last, self.rank, self.world_size = drop_last, rank, world_size
-        self.device = torch.device(device)
-        self._n = len(dataset)
-        self._sampler = _EpochBatchSampler(self._n, batch_size, shuffle, seed, drop_last, rank, world_size)
-        if self.batches_per_epoch == 0:
-            raise UserError(
-                f"dataset too small: {self._n} samples over {world_size} rank(s) is {self._sampler.per_rank} per rank, "
-                f"less than batch_size={batch_size}; lower batch_size{' or set drop_last=False' if drop_last else ''}"
-            )
-        cuda = self.device.type == "cuda"
-        self._pin = cuda if pin_memory is None else (pin_memory and cuda)
-        self._loader = torch.utils.data.DataLoader(
-            dataset,
-            batch_sampler=self._sampler,
-            collate_fn=collate_fn,
-            num_workers=num_workers,
-            pin_memory=self._pin,
-            persistent_workers=num_workers > 0,
-            # Our own generator: worker seeds must not consume (or depend on) the global torch RNG.
-            generator=torch.Generator().manual_seed(_seed_key(seed) % 2**63 + rank),
-        )
-        self._epoch = 0
-        self._batch_in_epoch = 0
-        self._it = None
-
-    @property
-    def batches_per_epoch(self) -> int:
-        return self._sampler.batches_per_epoch
-
-    def __iter__(self) -> "DatasetLoader":
-        return self
-
-    def __next__(self) -> Any:
-        while True:
-            if self._it is None:
-                self._sampler.epoch, self._sampler.start = self._epoch, self._batch_in_epoch
-                self._it = iter(self._loader)
-            try:
-                batch = next(self._it)
-                break
-            except StopIteration:
-                self._it = None
-                self._epoch += 1
-                self._batch_in_epoch = 0
-        self._batch_in_epoch += 1
-        return _to_device(batch, self.device, non_blocking=self._pin)
-
-    @property
-    def epoch(self) -> int:
-        return self._epoch
-
-    def close(self) -> None:
-        """Stop DataLoader worker processes now (dropping the loader does it too). Iterating restarts them."""
-        self._it = None
-        self._loader._iterator = None  # persistent workers live on the DataLoader's cached iterator
-
-    def _identity(self) -> dict:
-        return {
-            "seed": self.seed,
-            "batch_size": self.batch_size,
-            "shuffle": self.shuffle,
-            "drop_last": self.drop_last,
-            "world_size": self.world_size,
-            "dataset_len": self._n,
-        }
-
-    def state_dict(self) -> dict:
-        """JSON-serialisable position; as with TokenLoader, ranks are in lockstep so any rank's state fits all."""
-        return {"kind": "DatasetLoader", **self._identity(), "rank": self.rank, "epoch": self._epoch, "batch_in_epoch": self._batch_in_epoch}
-
-    def load_state_dict(self, state: dict) -> None:
-        identity = self._identity()
-        # Resharded at the same global batch (1 rank x 4 -> 2 x 2): batch k holds perm[k*W*B : (k+1)*W*B] either way.
-        same_global = self.world_size * self.batch_size
-        if isinstance(state, dict) and state.get("world_size", 0) * state.get("batch_size", 0) == same_global:
-            identity.update(world_size=state["world_size"], batch_size=state["batch_size"])
-        _check_state("DatasetLoader", state, identity)
-        self._epoch = int(state["epoch"])
-        self._batch_in_epoch = int(state["batch_in_epoch"])
-        self._it = None  # the next __next__ restarts the DataLoader at the saved batch

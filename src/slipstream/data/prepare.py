@@ -22,164 +22,41 @@ Safety:
   - idempotent: if out_dir already holds a manifest for the same inputs (paths, sizes,
     mtimes), tokenizer and settings, and its shards have the recorded sizes and sha256s,
     nothing is redone. A damaged shard is not "cached": the folder is prepared again.
-  - checked: each shard records its sha256 and its largest token id (max_id). Opening data
-    checks sizes and max_id < vocab_size (free); the sha256s, which prove both for shards
-    slipstream wrote, cost one read of the data (~1.1 GB/s measured on a 2-core dev VM
-    with SHA extensions): `data prepare`'s cache check and `slipstream data verify` always
-    hash, training hashes by `data.verify` (auto: when the shards total at most
-    AUTO_FULL_BYTES). The loader still refuses any id >= vocab_size in every batch it
-    builds, since a manifest from elsewhere may lie.
+  - checked: each shard records its sha256 and its largest token id (max_id); manifest.py
+    says what is checked when, and what that costs.
   - a non-empty folder without a slipstream manifest is never deleted.
+
+Reading and checking a prepared folder is in manifest.py; tokenizing in worker processes
+and writing the part files in encode.py. This module decides the split, names the shards,
+writes the manifest and moves the result into place.
 """
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import math
-import multiprocessing
 import os
 import shutil
-import signal
 import tempfile
 import time
 from datetime import datetime, timezone
-from typing import Iterable, Iterator
 
 import numpy as np
 
+from slipstream.data.encode import (CHUNK_CHARS, ShardWriter, chunk_documents, cpu_count, encode_chunk,
+                                   encode_in_worker, fsync_close, make_pool)
+from slipstream.data.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, TOKENIZER_FILE, load_manifest, scan_file,
+                                      shard_problem, token_dtype, wants_checksums)
+# Also imported from here by callers (slipstream.data, data/ensure.py, `data verify`), which
+# predate manifest.py: re-exported so `slipstream.data.prepare` keeps its public names.
+from slipstream.data.manifest import AUTO_FULL_BYTES, data_bytes, tokenizer_spec_for, verify_data, verify_manifest  # noqa: F401
 from slipstream.data.sources import STDLIB, SourceStats, fingerprint_inputs, iter_documents
 from slipstream.data.tokenizers import Tokenizer, get_tokenizer
 from slipstream.diskspace import disk_full_error, is_disk_full
 from slipstream.errors import UserError
-from slipstream.safe_read import DATA_MANIFEST, load_json_capped
 
-FORMAT = "slipstream-tokens"
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-TOKENIZER_FILE = "tokenizer.json"
-CHUNK_CHARS = 1 << 20  # text per worker task: big enough to amortise IPC, small enough to balance
 MIN_VAL_TOKENS = 4096  # enough for a few validation windows on small corpora
-SPLITS = ("train", "val")
-VERIFY_LEVELS = ("auto", "full", "size")
-# data.verify=auto hashes the shards at train start up to this size: about a second at the
-# ~1.1 GB/s sha256 measured here; bigger data checks sizes and max_id only (see module doc).
-AUTO_FULL_BYTES = 1 << 30
-
-
-def _cpu_count() -> int:
-    # Respect CPU pinning (containers, SLURM) where the platform can tell us about it.
-    if hasattr(os, "sched_getaffinity"):
-        return max(1, len(os.sched_getaffinity(0)))
-    return os.cpu_count() or 1
-
-
-def token_dtype(vocab_size: int) -> np.dtype:
-    """Smallest unsigned dtype that holds every id: uint16 covers GPT-2 sized vocabularies."""
-    if vocab_size <= 2**16:
-        return np.dtype("<u2")
-    if vocab_size <= 2**32:
-        return np.dtype("<u4")
-    raise UserError(f"tokenizer vocab_size={vocab_size} does not fit in uint32 token files; use a tokenizer with at most 2**32 tokens")
-
-
-# ----------------------------------------------------------------------------- encoding
-
-def _encode_chunk(tok: Tokenizer, dtype: np.dtype, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Encode documents into one flat array with eot after each; also return per-document lengths."""
-    encoded = tok.encode_batch(texts)
-    lengths = np.fromiter((len(ids) + 1 for ids in encoded), dtype=np.int64, count=len(encoded))
-    out = np.empty(int(lengths.sum()), dtype=dtype)
-    pos = 0
-    for ids, n in zip(encoded, lengths.tolist()):
-        out[pos : pos + n - 1] = ids
-        out[pos + n - 1] = tok.eot_id
-        pos += n
-    return out, lengths
-
-
-# Each pool worker builds its own tokenizer from the spec: tokenizers hold Rust/C objects
-# that do not pickle, and rebuilding from the spec works under fork and spawn alike.
-_worker_tok: Tokenizer | None = None
-_worker_dtype: np.dtype | None = None
-
-
-def _init_worker(spec: str, dtype_str: str) -> None:
-    global _worker_tok, _worker_dtype
-    # Ctrl-C is handled once, by the parent (which terminates the pool), not by every worker.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    _worker_tok = get_tokenizer(spec)
-    _worker_dtype = np.dtype(dtype_str)
-
-
-def _encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    return _encode_chunk(_worker_tok, _worker_dtype, texts)
-
-
-def _chunks(docs: Iterable[str], chunk_chars: int) -> Iterator[list[str]]:
-    chunk, size = [], 0
-    for doc in docs:
-        chunk.append(doc)
-        size += len(doc)
-        if size >= chunk_chars:
-            yield chunk
-            chunk, size = [], 0
-    if chunk:
-        yield chunk
-
-
-def _make_pool(num_workers: int, spec: str, dtype: np.dtype):
-    # Hugging Face tokenizers warns (and disables its threads) when used after a fork;
-    # with one process per core we want it single-threaded in the workers anyway. The
-    # variable is set only while the workers start, so the parent keeps its threads.
-    previous = os.environ.get("TOKENIZERS_PARALLELISM")
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
-    try:
-        return multiprocessing.get_context().Pool(num_workers, initializer=_init_worker, initargs=(spec, dtype.str))
-    finally:
-        if previous is None:
-            del os.environ["TOKENIZERS_PARALLELISM"]
-        else:
-            os.environ["TOKENIZERS_PARALLELISM"] = previous
-
-
-class _ShardWriter:
-    """Appends token arrays to numbered part files of at most shard_tokens tokens each."""
-
-    def __init__(self, folder: str, shard_tokens: int) -> None:
-        self.folder = folder
-        self.shard_tokens = shard_tokens
-        self.parts: list[list] = []  # [path, tokens]
-        self._f = None
-
-    def write(self, tokens: np.ndarray) -> None:
-        while len(tokens):
-            if self._f is None or self.parts[-1][1] == self.shard_tokens:
-                self._next_file()
-            room = self.shard_tokens - self.parts[-1][1]
-            piece, tokens = tokens[:room], tokens[room:]
-            piece.tofile(self._f)
-            self.parts[-1][1] += len(piece)
-
-    def _next_file(self) -> None:
-        self.close()
-        path = os.path.join(self.folder, f"part_{len(self.parts):06d}.tmp")
-        self._f = open(path, "wb")
-        self.parts.append([path, 0])
-
-    def close(self) -> None:
-        if self._f is not None:
-            _fsync_close(self._f)
-            self._f = None
-
-
-def _fsync_close(f) -> None:
-    # Data must be on disk before the folder is renamed into place, or a power loss could
-    # leave a complete-looking manifest next to truncated shards.
-    f.flush()
-    os.fsync(f.fileno())
-    f.close()
 
 
 # ----------------------------------------------------------------------------- splitting
@@ -229,22 +106,8 @@ def _cut_parts(parts: list[list], split_at: int, itemsize: int) -> tuple[list, l
     return train, val
 
 
-def _scan_file(path: str, dtype: np.dtype | None = None) -> tuple[str, int | None]:
-    """sha256 of a file and (with dtype) its largest token id, in one read."""
-    h, top = hashlib.sha256(), None
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-            if dtype is not None:
-                usable = len(block) - len(block) % dtype.itemsize  # a damaged shard may end mid-token
-                if usable:
-                    m = int(np.frombuffer(block[:usable], dtype=dtype).max())
-                    top = m if top is None else max(top, m)
-    return h.hexdigest(), top
-
-
 def _sha256_file(path: str) -> str:
-    return _scan_file(path)[0]
+    return scan_file(path)[0]
 
 
 def _max_token(path: str, dtype: np.dtype, tokens: int) -> int | None:
@@ -261,122 +124,7 @@ def _finalize_split(folder: str, split: str, parts: list, dtype: np.dtype) -> li
     return shards
 
 
-# ----------------------------------------------------------------------------- manifest
-
-def load_manifest(data_dir: str) -> dict:
-    """Read data_dir/manifest.json, with a clear UserError when it is missing or not ours."""
-    path = os.path.join(data_dir, MANIFEST)
-    if not os.path.isfile(path):
-        raise UserError(f"no prepared data in {data_dir!r} (no {MANIFEST}); run `slipstream data prepare` with --out {data_dir}")
-    try:
-        manifest = load_json_capped(path, DATA_MANIFEST)
-    except (OSError, ValueError) as e:
-        raise UserError(f"{path} is unreadable or corrupt ({e}); delete {data_dir!r} and run `slipstream data prepare` again") from None
-    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
-        raise UserError(f"{path} is not a slipstream data manifest; point at a folder made by `slipstream data prepare`")
-    if manifest.get("version") != FORMAT_VERSION:
-        raise UserError(
-            f"{data_dir!r} has data format version {manifest.get('version')}, this slipstream reads version "
-            f"{FORMAT_VERSION}; run `slipstream data prepare` again"
-        )
-    _check_fields(manifest, path)
-    return manifest
-
-
-def _is_count(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _check_fields(manifest: dict, path: str) -> None:
-    """The fields the loaders rely on, so a manifest from elsewhere fails here with its name
-    instead of as a KeyError (or an IndexError in the embedding) later."""
-    def bad(what: str):
-        return UserError(f"{path}: {what}; the manifest is damaged or not written by slipstream: "
-                         "run `slipstream data prepare` again")
-
-    dtype, vocab = manifest.get("dtype"), manifest.get("vocab_size")
-    if dtype not in ("uint16", "uint32"):
-        raise bad(f"token dtype {dtype!r} is not uint16 or uint32")
-    if not _is_count(vocab) or not 1 <= vocab <= 2 ** (8 * np.dtype(dtype).itemsize):
-        raise bad(f"vocab_size {vocab!r} is not a positive integer that fits {dtype}")
-    if not _is_count(manifest.get("eot_id")) or manifest["eot_id"] >= vocab:
-        raise bad(f"eot_id {manifest.get('eot_id')!r} is not an id below vocab_size {vocab}")
-    splits = manifest.get("splits")
-    if not isinstance(splits, dict) or "train" not in splits:
-        raise bad("it has no train split")
-    for split, info in splits.items():
-        shards = info.get("shards") if isinstance(info, dict) else None
-        if not isinstance(shards, list):
-            raise bad(f"split {split!r} has no shard list")
-        for shard in shards:
-            ok = (isinstance(shard, dict) and isinstance(shard.get("file"), str) and _is_count(shard.get("tokens"))
-                  and isinstance(shard.get("sha256"), str)
-                  and (shard.get("max_id") is None or _is_count(shard["max_id"])))
-            # Shard files live in the folder itself: a name with a path in it would read elsewhere.
-            if not ok or os.path.basename(shard["file"]) != shard["file"] or shard["file"] in ("", ".", ".."):
-                raise bad(f"split {split!r} has a malformed shard entry {str(shard)[:120]}")
-
-
-def shard_problem(data_dir: str, manifest: dict, shard: dict, checksums: bool) -> str | None:
-    """What is wrong with one shard (None: nothing). Sizes and the recorded max_id are free
-    to check; checksums reads the file: its sha256 and the ids it really holds."""
-    dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
-    vocab = manifest["vocab_size"]
-    path = os.path.join(data_dir, shard["file"])
-    if not os.path.isfile(path):
-        return "is missing"
-    size, expected = os.path.getsize(path), shard["tokens"] * dtype.itemsize
-    if size != expected:
-        return f"has {size} bytes, expected {expected}"
-    recorded = shard.get("max_id")
-    if recorded is not None and recorded >= vocab:
-        return f"holds token id {recorded} (its max_id), outside the vocabulary of {vocab}"
-    if not checksums:
-        return None
-    digest, top = _scan_file(path, dtype)
-    if digest != shard["sha256"]:
-        return "fails its sha256 checksum (its bytes changed since `slipstream data prepare` wrote it)"
-    if top is not None and top >= vocab:
-        return f"holds token id {top}, outside the vocabulary of {vocab}"
-    if "max_id" in shard and top != recorded:
-        return f"holds ids up to {top} but its manifest records max_id {recorded}"
-    return None
-
-
-def verify_manifest(data_dir: str, checksums: bool = False) -> dict:
-    """Check every shard exists with the recorded size and max_id (fast) and optionally its
-    sha256 and ids (reads all data); raises on the first damaged shard."""
-    manifest = load_manifest(data_dir)
-    for split, info in manifest["splits"].items():
-        for shard in info["shards"]:
-            problem = shard_problem(data_dir, manifest, shard, checksums)
-            if problem:
-                raise UserError(f"{split} shard {os.path.join(data_dir, shard['file'])} {problem}; the data in "
-                                f"{data_dir!r} is damaged: run `slipstream data prepare` again")
-    return manifest
-
-
-def data_bytes(manifest: dict) -> int:
-    itemsize = np.dtype(manifest["dtype"]).itemsize
-    return sum(sh["tokens"] * itemsize for info in manifest["splits"].values() for sh in info["shards"])
-
-
-def wants_checksums(level: str, manifest: dict) -> bool:
-    """data.verify: full always hashes, size never, auto when the data is small (AUTO_FULL_BYTES)."""
-    if level not in VERIFY_LEVELS:
-        raise UserError(f"data.verify = {level!r}; use one of {', '.join(VERIFY_LEVELS)}")
-    return level == "full" or (level == "auto" and data_bytes(manifest) <= AUTO_FULL_BYTES)
-
-
-def verify_data(data_dir: str) -> tuple[dict, list[tuple[str, str, str | None]]]:
-    """`slipstream data verify`: (manifest, [(split, shard file, problem or None)]) for every shard, hashed."""
-    manifest = load_manifest(data_dir)
-    results = []
-    for split, info in manifest["splits"].items():
-        for shard in info["shards"]:
-            results.append((split, shard["file"], shard_problem(data_dir, manifest, shard, checksums=True)))
-    return manifest, results
-
+# ----------------------------------------------------------------------------- output folder
 
 def _existing_manifest(out_dir: str) -> dict | None:
     """The manifest already in out_dir, None if there is nothing there; refuses foreign folders."""
@@ -488,7 +236,7 @@ def prepare_dataset(
         raise UserError(f"shard_tokens={shard_tokens} must be a positive integer (default 2**24)")
     if num_workers is not None and num_workers < 1:
         raise UserError(f"num_workers={num_workers} must be >= 1 (or None for one per CPU core)")
-    num_workers = num_workers or _cpu_count()
+    num_workers = num_workers or cpu_count()
 
     from rich.console import Console
 
@@ -551,13 +299,6 @@ def _copy_tokenizer_file(tok: Tokenizer, folder: str) -> str | None:
     return TOKENIZER_FILE
 
 
-def tokenizer_spec_for(data_dir: str, manifest: dict) -> str:
-    """The tokenizer spec to use with prepared data: its own copy of a bpe file if it has one."""
-    if manifest.get("tokenizer_file"):
-        return f"bpe:{os.path.join(os.path.abspath(data_dir), manifest['tokenizer_file'])}"
-    return manifest["tokenizer"]
-
-
 def _same_build(manifest: dict, fingerprint: dict, tok: Tokenizer, settings: dict, out_dir: str,
                 checksums: bool, console) -> bool:
     """Whether out_dir already holds this build, intact. A damaged shard means no: preparing
@@ -585,19 +326,19 @@ def _build(inputs, tok, dtype, folder, text_field, val_fraction, shard_tokens, n
 
     t0 = time.time()
     stats = SourceStats()
-    chunks = _chunks(iter_documents(inputs, text_field=text_field, stats=stats), CHUNK_CHARS)
+    chunks = chunk_documents(iter_documents(inputs, text_field=text_field, stats=stats), CHUNK_CHARS)
     # A corpus that fits in one chunk is faster to encode here than to ship to workers.
     head = list(itertools.islice(chunks, 2))
     chunks = itertools.chain(head, chunks)
-    pool = _make_pool(num_workers, tok.spec, dtype) if num_workers > 1 and len(head) > 1 else None
+    pool = make_pool(num_workers, tok.spec, dtype) if num_workers > 1 and len(head) > 1 else None
 
-    writer = _ShardWriter(folder, shard_tokens)
+    writer = ShardWriter(folder, shard_tokens)
     doc_lengths = []
     columns = [TextColumn("[data] tokenizing", markup=False), BarColumn(), DownloadColumn(), TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[tokens]:,} tokens")]
     try:
         with Progress(*columns, disable=not progress) as bar:
             task = bar.add_task("tokenize", total=fingerprint["bytes"] or None, tokens=0)
-            results = pool.imap(_encode_in_worker, chunks) if pool else (_encode_chunk(tok, dtype, c) for c in chunks)
+            results = pool.imap(encode_in_worker, chunks) if pool else (encode_chunk(tok, dtype, c) for c in chunks)
             n_tokens = 0
             for tokens, lengths in results:
                 writer.write(tokens)
@@ -645,5 +386,5 @@ def _build(inputs, tok, dtype, folder, text_field, val_fraction, shard_tokens, n
     with open(os.path.join(folder, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=2)
         f.write("\n")
-        _fsync_close(f)
+        fsync_close(f)
     return manifest
