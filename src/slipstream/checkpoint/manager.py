@@ -142,10 +142,17 @@ def _zero1_key() -> str:
     return f"optim_zero1_rank{rank_world()[0]}"
 
 
-def state_payload(model: torch.nn.Module, optimizer: Any | None, model_key: str = "model") -> dict[str, Any]:
+def state_payload(model: torch.nn.Module, optimizer: Any | None, model_key: str = "model",
+                  flat_optimizer: bool = True) -> dict[str, Any]:
     """What DCP saves/loads: model and optimizer state dicts keyed by parameter names.
-    DDP wrappers and FSDP's sharded (DTensor) parameters are handled by get_state_dict."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+    DDP wrappers and FSDP's sharded (DTensor) parameters are handled by get_state_dict.
+
+    The optimizer state is flat (`state.<name>.exp_avg`, `param_groups.<name>.lr`): every entry
+    is keyed by its parameter's name, so a rank holding only some of the parameters (a pipeline
+    stage) saves and loads exactly its own, at any pipeline degree. Checkpoints from before
+    (meta.json without "optim_flat") hold the nested form and load with flat_optimizer=False."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
 
     if optimizer is None:
         return {model_key: get_model_state_dict(model)}
@@ -162,7 +169,8 @@ def state_payload(model: torch.nn.Module, optimizer: Any | None, model_key: str 
         _copy_hyperparameters(optimizer.param_groups, optimizer.optim.param_groups)
         return {"model": get_model_state_dict(model),
                 _zero1_key(): get_optimizer_state_dict(model, optimizer.optim)}
-    model_sd, optim_sd = get_state_dict(model, torch_optimizers(optimizer))
+    options = StateDictOptions(flatten_optimizer_state_dict=flat_optimizer)
+    model_sd, optim_sd = get_state_dict(model, torch_optimizers(optimizer), options=options)
     return {"model": model_sd, "optim": optim_sd}
 
 
@@ -327,7 +335,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     try:
         with quiet_dcp():
             # A model saved per rank (local SGD) is read back from rank 0's copy when loaded alone.
-            _load_weights(path, model, optimizer, "model_rank0" if meta.get("per_rank_model") else "model")
+            _load_weights(path, model, optimizer, "model_rank0" if meta.get("per_rank_model") else "model",
+                          flat_optimizer=bool(meta.get("optim_flat")))
     except UserError:
         raise
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
@@ -379,10 +388,16 @@ def load_dcp(folder: Path, payload: dict[str, Any]) -> None:
         raise
 
 
-def _load_weights(path: Path, model: torch.nn.Module, optimizer: Any | None, model_key: str) -> None:
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+def _load_weights(path: Path, model: torch.nn.Module, optimizer: Any | None, model_key: str,
+                  flat_optimizer: bool = True) -> None:
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
 
-    payload = state_payload(model, optimizer, model_key)
+    if optimizer is not None and not flat_optimizer and getattr(model, "pipeline", None) is not None:
+        raise UserError(f"checkpoint '{path}' keeps its optimizer state in the layout of slipstream before "
+                        "pipeline parallelism (one list of every parameter), which a pipeline stage cannot read; "
+                        "resume it with --parallel.pp=1 once and save again")
+    payload = state_payload(model, optimizer, model_key, flat_optimizer)
     load_dcp(path / "model_optim", payload)
     if optimizer is None:
         set_model_state_dict(model, payload[model_key])
@@ -401,7 +416,8 @@ def _load_weights(path: Path, model: torch.nn.Module, optimizer: Any | None, mod
         _copy_hyperparameters(optimizer.optim.param_groups, optimizer.param_groups)
     else:
         set_state_dict(model, torch_optimizers(optimizer), model_state_dict=payload["model"],
-                       optim_state_dict=payload["optim"])
+                       optim_state_dict=payload["optim"],
+                       options=StateDictOptions(flatten_optimizer_state_dict=flat_optimizer))
 
 
 def checkpoint_tokenizer(path: Path, meta: dict[str, Any], fallback: str) -> str:

@@ -137,7 +137,7 @@ class CheckpointWriter:
         per_rank = optimizer is not None and ckpt.is_local_sgd(optimizer)
         commit_args = dict(step=step, has_optimizer=optimizer is not None, trainer_state=trainer_state,
                            config_toml=config_toml, extra_files=extra_files,
-                           meta={"world_size": self.world, "per_rank_model": per_rank, **meta})
+                           meta={"world_size": self.world, "per_rank_model": per_rank, "optim_flat": True, **meta})
         try:
             with ckpt.quiet_dcp():
                 if self.async_save:

@@ -15,7 +15,11 @@ from slipstream.errors import UserError
 
 SHARDED = ("zero2", "fsdp", "hsdp")   # FSDP2 fully_shard strategies
 REPLICATED = ("ddp", "zero1")         # DistributedDataParallel strategies
-NOT_YET = {"pp": "pipeline", "ep": "expert"}
+NOT_YET = {"ep": "expert"}
+# Pipeline schedules that run one stage per pp rank, and the V schedules that run exactly two
+# (rank r holds stages r and 2 pp - 1 - r); the others loop pp_virtual_stages stages per rank.
+PP_ONE_STAGE = ("gpipe", "1f1b")
+PP_V_SHAPED = ("zbv", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -46,10 +50,11 @@ class ParallelDims:
 
     @property
     def mesh_dims(self) -> tuple[tuple[str, int], ...]:
-        """Every dim of the mesh, outermost first (the planner's order): data parallel, cp, then
-        tp innermost, so the ranks of one tensor-parallel group are consecutive (one node)."""
-        return (self.dp_mesh_dims + ((("cp", self.cp),) if self.cp > 1 else ())
-                + ((("tp", self.tp),) if self.tp > 1 else ()))
+        """Every dim of the mesh, outermost first (the planner's order): pp, data parallel, cp,
+        then tp innermost, so the ranks of one tensor-parallel group are consecutive (one node)
+        and a pipeline's point-to-point traffic crosses the slowest links only once per stage."""
+        return (((("pp", self.pp),) if self.pp > 1 else ()) + self.dp_mesh_dims
+                + ((("cp", self.cp),) if self.cp > 1 else ()) + ((("tp", self.tp),) if self.tp > 1 else ()))
 
     @property
     def same_batch(self) -> int:
@@ -57,8 +62,13 @@ class ParallelDims:
         return self.tp * self.cp * self.pp
 
     def dp_rank(self, rank: int) -> int:
-        """Which data-parallel slice a global rank reads: the ranks of one tp group share it."""
-        return rank // (self.tp * self.cp * self.pp)
+        """Which data-parallel slice a global rank reads: the ranks of one tp x cp group, and the
+        stages of one pipeline (pp is the outermost mesh dim), share it."""
+        return (rank // (self.tp * self.cp)) % self.dp
+
+    def pp_rank(self, rank: int) -> int:
+        """Which pipeline rank (outermost mesh dim) a global rank is."""
+        return rank // (self.dp * self.cp * self.tp)
 
 
 def resolve_parallel_dims(p: ParallelConfig, world_size: int, local_world_size: int = 1) -> ParallelDims:
@@ -108,6 +118,78 @@ def resolve_parallel_dims(p: ParallelConfig, world_size: int, local_world_size: 
     return dims
 
 
+def virtual_stages(p: ParallelConfig) -> int:
+    """Pipeline stages per pp rank: parallel.pp_virtual_stages, or the schedule's natural count."""
+    if p.pp_virtual_stages:
+        return p.pp_virtual_stages
+    return 1 if p.pp_schedule in PP_ONE_STAGE else 2
+
+
+def pp_layers(p: ParallelConfig) -> list[int] | None:
+    """parallel.pp_layers as a list of ints (None: balance the split)."""
+    text = p.pp_layers.strip()
+    if not text:
+        return None
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise UserError(f"parallel.pp_layers = {p.pp_layers!r}: give blocks per stage as comma-separated integers, "
+                        "e.g. \"4,4,3,3\" (or leave it empty to balance the stages)") from None
+
+
+def check_pipeline_config(cfg: Config) -> None:
+    """The pipeline rules that need only the config (checked when it is loaded)."""
+    p = cfg.parallel
+    if p.pp == 1:
+        return
+    v = virtual_stages(p)
+    if p.pp_schedule in PP_ONE_STAGE and v != 1:
+        raise UserError(f"parallel.pp_schedule = {p.pp_schedule} runs exactly 1 stage per rank, got "
+                        f"parallel.pp_virtual_stages = {v}; set it to 1 (or 0) or use interleaved-1f1b")
+    if p.pp_schedule in PP_V_SHAPED and v != 2:
+        raise UserError(f"parallel.pp_schedule = {p.pp_schedule} runs exactly 2 stages per rank (a V), got "
+                        f"parallel.pp_virtual_stages = {v}; set it to 2 (or 0)")
+    stages = p.pp * v
+    if stages > cfg.model.n_layer:
+        raise UserError(f"{stages} pipeline stages (parallel.pp {p.pp} x {v} per rank) for a model of "
+                        f"{cfg.model.n_layer} layers: every stage needs at least one block; lower parallel.pp or "
+                        "pp_virtual_stages")
+    layers = pp_layers(p)
+    if layers is not None and (len(layers) != stages or min(layers) < 1 or sum(layers) != cfg.model.n_layer):
+        raise UserError(f"parallel.pp_layers = {p.pp_layers!r} must give {stages} stages (pp x virtual stages) "
+                        f"of at least one block each, adding up to model.n_layer = {cfg.model.n_layer}")
+    sequences = cfg.train.micro_batch_size * cfg.train.grad_accum_steps
+    micro = pp_microbatches(cfg)
+    if sequences % micro:
+        raise UserError(f"parallel.pp_microbatches = {micro} must divide the sequences one data-parallel rank "
+                        f"processes per step (train.micro_batch_size x grad_accum_steps = {sequences})")
+    # torch's own minimums (its other schedules check their rounds when built, on every rank alike).
+    least = {"1f1b": p.pp, "dualpipev": stages}.get(p.pp_schedule, 1)
+    if micro < least:
+        raise UserError(f"parallel.pp_schedule = {p.pp_schedule} needs at least {least} micro-batches, got "
+                        f"parallel.pp_microbatches = {micro}; raise train.micro_batch_size x grad_accum_steps "
+                        f"(now {sequences}) or pp_microbatches to at least {least}")
+    if cfg.train.fused_loss:
+        raise UserError("train.fused_loss with parallel.pp > 1: the last stage computes the plain loss; "
+                        "set --train.fused_loss=false")
+    if cfg.optim.in_backward:
+        raise UserError("optim.in_backward with parallel.pp > 1: the pipeline's schedule runs the backward; "
+                        "set --optim.in_backward=false")
+    if cfg.precision.autocast == "fp16":
+        raise UserError("fp16 loss scaling with parallel.pp > 1 is not supported; use --precision.autocast=bf16")
+    if cfg.compile.scope == "model":
+        raise UserError("compile.scope = model with parallel.pp > 1: each rank holds stages, not the model; "
+                        "use --compile.scope=blocks")
+    if cfg.activations.checkpointing == "offload":
+        raise UserError("activations.checkpointing = offload with parallel.pp > 1 is not supported; "
+                        "use full or selective")
+
+
+def pp_microbatches(cfg: Config) -> int:
+    """parallel.pp_microbatches, or one sequence per micro-batch (the smallest bubble)."""
+    return cfg.parallel.pp_microbatches or cfg.train.micro_batch_size * cfg.train.grad_accum_steps
+
+
 def _check_fixed(strategy: str, replicate: int, shard: int, want_replicate: int, want_shard: int) -> tuple[int, int]:
     for name, given, want in (("dp_replicate", replicate, want_replicate), ("dp_shard", shard, want_shard)):
         if given not in (0, want):
@@ -128,6 +210,14 @@ def check_compatibility(cfg: Config, dims: ParallelDims) -> None:
     if dims.cp > 1 and s not in ("ddp", "fsdp", "hsdp"):
         raise UserError(f"parallel.cp > 1: the context-parallel ranks average their gradients like data-parallel "
                         f"ranks, which dp_strategy = {s} does not do; use --parallel.dp_strategy=fsdp (or ddp)")
+    if dims.pp > 1 and s not in ("none", "ddp", "fsdp", "hsdp"):
+        raise UserError(f"parallel.pp > 1 runs with dp_strategy none, ddp, fsdp or hsdp over the pipeline replicas; "
+                        f"got {s}. Use --parallel.dp_strategy=fsdp (or ddp)")
+    if dims.pp > 1 and (dims.cp > 1 or dims.tp > 1):
+        raise UserError("parallel.pp > 1 does not compose with parallel.tp or parallel.cp yet; set "
+                        "--parallel.tp=1 --parallel.cp=1 (or --parallel.pp=1)")
+    if dims.pp > 1 and p.local_sgd_period:
+        raise UserError("parallel.local_sgd_period with parallel.pp > 1 is not supported; set it to 0")
     if dims.cp > 1 and dims.tp > 1 and s == "ddp":
         raise UserError("parallel.cp and parallel.tp together need dp_strategy = fsdp or hsdp")
     if p.async_tp:

@@ -21,6 +21,7 @@ from typing import Any
 import tomli_w
 
 from slipstream.config.schema import Config, sections
+from slipstream.config.dims import check_pipeline_config
 from slipstream.errors import UserError
 
 EXTENDS_KEY = "extends"
@@ -264,6 +265,7 @@ def check_consistency(cfg: Config) -> None:
     if o.min_lr > o.lr:
         raise UserError(f"optim.min_lr = {o.min_lr} is larger than optim.lr = {o.lr}")
     check_training_rules(cfg)
+    check_pipeline_config(cfg)
     if cfg.checkpoint.resume not in ("none", "auto") and not cfg.checkpoint.resume:
         raise UserError("checkpoint.resume must be none, auto or a checkpoint path")
 

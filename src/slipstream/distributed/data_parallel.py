@@ -79,12 +79,15 @@ def apply_fsdp(model: nn.Module, cfg: Config, par: Parallel) -> nn.Module:
         # CPU tensors cannot be pinned without an accelerator.
         offload_policy=CPUOffloadPolicy(pin_memory=par.device.type == "cuda") if p.offload else OffloadPolicy(),
     )
-    reshard = par.dims.strategy != "zero2"
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleList):
+    # zero2 keeps the gathered parameters from forward to backward; so does a pipeline stage,
+    # which would otherwise gather them again for every micro-batch of the schedule.
+    reshard = par.dims.strategy != "zero2" and par.dims.pp == 1
+    if isinstance(getattr(model, "blocks", None), (nn.ModuleList, nn.ModuleDict)):
+        from slipstream.models.transformer import block_slots
+
         # One communication unit per block: only one block's full parameters exist at a time
         # (two with prefetching), and the gathers overlap the neighbouring blocks' compute.
-        for block in blocks:
+        for _, block in block_slots(model):
             fully_shard(block, reshard_after_forward=reshard, **options)
     # The root unit holds the rest (embeddings, final norm, head); backward needs it first,
     # so it is not resharded after forward.

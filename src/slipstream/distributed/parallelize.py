@@ -35,6 +35,14 @@ def parallelize(model: nn.Module, parallel: Parallel, cfg: Config,
     distributed.data_parallel.materialize_sharded). device: where this rank trains (default: the
     job's device for this rank)."""
     dims, device = parallel.dims, device or parallel.device
+    if dims.pp > 1:
+        # Pipeline parallelism first: it cuts the model into this rank's stages (initialized
+        # from the seed as one process would), and every later step applies to each stage as
+        # it would to a whole model.
+        from slipstream.distributed.pipeline_parallel import apply_pipeline_parallel
+
+        return apply_pipeline_parallel(model, parallel, cfg,
+                                       lambda stage: _parallelize_part(stage, parallel, cfg, device))
     on_meta = any(p.is_meta for p in model.parameters())
     if on_meta and init_model is None:
         raise UserError("the model is on the meta device; pass init_model= (a function that materializes "
@@ -47,13 +55,15 @@ def parallelize(model: nn.Module, parallel: Parallel, cfg: Config,
         init_model(model)
         model = model.to(device)  # an init function may build on the host: train where the batches are
         on_meta = False
+    model = _parallelize_part(model, parallel, cfg, device)
+    if on_meta:  # last, after sharding: each rank allocates only its own shards of the parameters
+        init_model(model)
+    return model
 
-    # Pipeline parallelism first: it cuts the module structure every later step works on.
-    # Not implemented yet: refused here above degree 1, as in the config check
-    # (config.dims.resolve_parallel_dims) that runs before joining the job.
-    if dims.pp > 1:
-        model = apply_pipeline_split(model, parallel, cfg)
 
+def _parallelize_part(model: nn.Module, parallel: Parallel, cfg: Config, device) -> nn.Module:
+    """The chain after the pipeline split, for a whole model or one pipeline stage."""
+    dims = parallel.dims
     # fp8 replaces nn.Linear modules with torchao's Float8Linear: before any step that hooks or
     # wraps a module (tensor parallel's styles register hooks on the linears themselves; with
     # fp8 they are torchao's float8 styles, which cast to fp8 before their all-gathers).
@@ -96,19 +106,7 @@ def parallelize(model: nn.Module, parallel: Parallel, cfg: Config,
         from slipstream.distributed.data_parallel import apply_fsdp
 
         model = apply_fsdp(model, cfg, parallel)
-
-    if on_meta:  # last, after sharding: each rank allocates only its own shards of the parameters
-        init_model(model)
     return model
-
-
-def _not_yet(kind: str, name: str, degree: int) -> UserError:
-    return UserError(f"parallel.{name} = {degree}: {kind} parallelism is planned but not implemented yet; "
-                     f"set --parallel.{name}=1 (`slipstream plan` will size it)")
-
-
-def apply_pipeline_split(model: nn.Module, parallel: Parallel, cfg: Config) -> nn.Module:
-    raise _not_yet("pipeline", "pp", parallel.dims.pp)
 
 
 def apply_tensor_parallel(model: nn.Module, parallel: Parallel, cfg: Config) -> nn.Module:
@@ -131,7 +129,8 @@ def apply_context_parallel(model: nn.Module, parallel: Parallel, cfg: Config) ->
 
 
 def _has_blocks(model: nn.Module) -> bool:
-    return isinstance(getattr(model, "blocks", None), nn.ModuleList)
+    # A whole transformer's ModuleList, or a pipeline stage's ModuleDict of its blocks.
+    return isinstance(getattr(model, "blocks", None), (nn.ModuleList, nn.ModuleDict))
 
 
 def apply_activation_checkpointing(model: nn.Module, cfg: Config) -> nn.Module:

@@ -5,6 +5,10 @@
     build_stage_modules  the stage modules of one rank, initialized exactly as one process would
     build_pipeline       all of the above + torch.distributed.pipelining's PipelineStage and schedule
     pipeline_step        one forward/backward over the global batch (replaces fwd/bwd x grad_accum)
+    pipeline_grad_norm   the global gradient norm over every stage (for clipping and the guards)
+    PipelineModel        a rank's stages as one module under the unsplit names (optimizer, checkpoints)
+    pipeline_sequence_losses   evaluation through the stages, per-sequence losses on every pp rank
+    apply_pipeline_parallel    the parallelize chain's first step: split, then the chain per stage
 
 The model code (models/transformer.py) knows nothing of this: a stage holds the original
 submodules under their original names (`tok_emb`, `blocks.3`, `lm_head`), so the parameter names
@@ -194,7 +198,8 @@ class TransformerStage(nn.Module):
             self.lm_head = model.lm_head
         if model.cfg.position == "rope":  # every stage's blocks need them; recomputed by init_stage_buffers
             head_dim = model.cfg.d_model // model.cfg.n_head
-            cos, sin = rope_tables(head_dim, model.cfg.max_seq_len, model.cfg.rope_theta, device="meta")
+            where = model.tok_emb.weight.device  # meta for a model not yet materialized
+            cos, sin = rope_tables(head_dim, model.cfg.max_seq_len, model.cfg.rope_theta, device=where)
             self.register_buffer("rope_cos", cos, persistent=False)  # derived from the config: not saved
             self.register_buffer("rope_sin", sin, persistent=False)
         else:
@@ -233,15 +238,24 @@ class TransformerStage(nn.Module):
 def build_stage_modules(cfg: ModelConfig, stages: list[int], splits: list[range],
                         device: str | torch.device = "cpu", seed: int = 0) -> list[TransformerStage]:
     """The stage modules for the global stage indices `stages` (of len(splits) stages), each with
-    exactly the weights build_model(cfg, seed=seed) gives one process.
-
-    The full model is built on the meta device (no memory); each stage keeps its parts of it. The
-    full model's own init_weights then runs on meta - it draws every parameter in name order from
-    one generator, as in one process - and we keep only the values of the stages' parameters.
-    A tied head on a stage without the embedding gets the embedding's values (its copy); a tied
-    head on the same rank as the embedding (V schedules) shares the embedding's parameter."""
+    exactly the weights build_model(cfg, seed=seed) gives one process."""
     with torch.device("meta"):
         model = Transformer(cfg)
+    return split_stages(model, stages, splits, device, seed)
+
+
+def split_stages(model: Transformer, stages: list[int], splits: list[range],
+                 device: str | torch.device = "cpu", seed: int = 0) -> list[TransformerStage]:
+    """This rank's stage modules (global indices `stages` of len(splits)) cut out of `model`.
+
+    A model on the meta device (no memory) is initialized as one process would: its own
+    init_weights runs on meta - it draws every parameter in name order from one generator - and
+    each stage keeps only the values of its own parameters. A model with real weights keeps them.
+    A tied head on a stage without the embedding gets the embedding's values (its copy); a tied
+    head on the same rank as the embedding (V schedules) shares the embedding's parameter."""
+    cfg = model.cfg
+    if not any(p.is_meta for p in model.parameters()):
+        return _split_real(model, stages, splits, device)
     n_stages = len(splits)
     modules = [TransformerStage(model, splits[s], s == 0, s == n_stages - 1) for s in stages]
 
@@ -272,6 +286,21 @@ def build_stage_modules(cfg: ModelConfig, stages: list[int], splits: list[range]
     return modules
 
 
+def _split_real(model: Transformer, stages: list[int], splits: list[range],
+                device: str | torch.device) -> list[TransformerStage]:
+    """Stages of a model that already holds its weights: they keep them (a tied head on a rank
+    without the embedding gets a copy of the table)."""
+    n_stages = len(splits)
+    modules = [TransformerStage(model, splits[s], s == 0, s == n_stages - 1) for s in stages]
+    has_first = any(m.is_first for m in modules)
+    for module in modules:
+        if module.is_last and model.cfg.tie_embeddings and not has_first:
+            module.lm_head.weight = nn.Parameter(model.tok_emb.weight.detach().clone())
+        module.to(device)
+        module.init_stage_buffers()
+    return modules
+
+
 def named_parameters(modules: list[TransformerStage]) -> dict[str, nn.Parameter]:
     """The unique parameters of a rank's stages by their unsplit names (a weight shared by two
     stages of the rank, the V schedules' tied embedding, once, under its first name)."""
@@ -292,18 +321,59 @@ class Pipeline:
     """One pp rank's part of the pipeline."""
     schedule: Any                      # a torch.distributed.pipelining schedule
     modules: list[TransformerStage]    # this rank's stage modules, in the schedule's order
-    stages: list[Any]                  # their PipelineStage wrappers
+    stages: list[Any]                  # their PipelineStage wrappers (submod: the module, or its DDP wrapper)
     n_microbatches: int
+    pp_group: Any = None               # the process group of the pipeline's ranks
+    last_rank: int = 0                 # the pp rank (in pp_group) holding the last stage: it has the loss
     tied_group: Any = None             # the group of the 2 ranks holding a copy of a tied embedding, or None
+    busy_s: float = 0.0                # host time this rank spent in its stages' forward/backward chunks
+    step_s: float = 0.0                # wall time of the schedule's steps (busy_s / step_s: 1 - bubble)
     has_first: bool = field(init=False)
     has_last: bool = field(init=False)
 
     def __post_init__(self) -> None:
         self.has_first = any(m.is_first for m in self.modules)
         self.has_last = any(m.is_last for m in self.modules)
+        for stage in self.stages:
+            _time_chunks(stage, self)
 
     def named_parameters(self) -> dict[str, nn.Parameter]:
         return named_parameters(self.modules)
+
+    @property
+    def tied_copy(self) -> nn.Parameter | None:
+        """The last stage's copy of a tied embedding when the first stage is on another rank (its
+        gradient is the table's, already counted on the first stage's rank), else None."""
+        if self.tied_group is None or self.has_first:
+            return None
+        return next(m for m in self.modules if m.is_last).lm_head.weight
+
+    def take_bubble(self) -> float | None:
+        """This rank's idle share of the pipeline steps since the last call (1 - busy / wall)."""
+        bubble = 1.0 - self.busy_s / self.step_s if self.step_s > 0 else None
+        self.busy_s = self.step_s = 0.0
+        return bubble
+
+
+def _time_chunks(stage: Any, pipe: Pipeline) -> None:
+    """Add the host time of every forward / backward chunk the schedule runs on `stage` to
+    pipe.busy_s (the rest of a step is waiting for other stages: the bubble). On CPU the ops run
+    synchronously, so this is compute time; on CUDA it would be launch time (not reported)."""
+    import time
+
+    for name in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+        method = getattr(stage, name, None)
+        if method is None:
+            continue
+
+        def timed(*args, _method=method, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _method(*args, **kwargs)
+            finally:
+                pipe.busy_s += time.perf_counter() - start
+
+        setattr(stage, name, timed)
 
 
 def build_schedule(name: str, stages: list[Any], n_microbatches: int,
@@ -331,25 +401,36 @@ def build_schedule(name: str, stages: list[Any], n_microbatches: int,
                         f"count ({n_stages}) or pick another schedule") from e
 
 
+def assemble_pipeline(cfg: ModelConfig, schedule: str, modules: list[TransformerStage], parts: list[nn.Module],
+                      indices: list[int], n_stages: int, pp_group: dist.ProcessGroup, n_microbatches: int,
+                      loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+                      device: str | torch.device) -> Pipeline:
+    """torch's PipelineStages over `parts` (the stage modules as the rest of the chain left them:
+    themselves, sharded in place by FSDP, or wrapped by DDP) and the schedule that runs them."""
+    from torch.distributed.pipelining import PipelineStage
+
+    stages = [PipelineStage(part, index, n_stages, torch.device(device), group=pp_group)
+              for part, index in zip(parts, indices)]
+    pp_size = dist.get_world_size(pp_group)
+    return Pipeline(build_schedule(schedule, stages, n_microbatches, loss_fn), modules, stages, n_microbatches,
+                    pp_group=pp_group, last_rank=stage_rank(schedule, n_stages - 1, pp_size),
+                    tied_group=_tied_group(cfg, schedule, pp_group, n_stages))
+
+
 def build_pipeline(cfg: ModelConfig, schedule: str, pp_group: dist.ProcessGroup, n_microbatches: int,
                    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
                    virtual_stages: int = 1, layers: list[int] | None = None, seq_len: int | None = None,
                    device: str | torch.device = "cpu", seed: int = 0) -> Pipeline:
     """This rank's stages of `cfg`'s Transformer over `pp_group`, and the schedule that runs them.
     layers: the user's layers per stage (parallel.pp_layers), default balanced by stage_costs."""
-    from torch.distributed.pipelining import PipelineStage
-
     check_schedule(schedule, virtual_stages)
     pp_rank, pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
     n_stages = pp_size * virtual_stages
     splits = split_layers(cfg.n_layer, n_stages, layers, stage_costs(cfg, seq_len or cfg.max_seq_len))
     indices = stage_indices(schedule, pp_rank, pp_size, virtual_stages)
     modules = build_stage_modules(cfg, indices, splits, device, seed)
-    stages = [PipelineStage(module, index, n_stages, torch.device(device), group=pp_group)
-              for module, index in zip(modules, indices)]
-    pipe = Pipeline(build_schedule(schedule, stages, n_microbatches, loss_fn), modules, stages, n_microbatches)
-    pipe.tied_group = _tied_group(cfg, schedule, pp_group, n_stages)
-    return pipe
+    return assemble_pipeline(cfg, schedule, modules, modules, indices, n_stages, pp_group, n_microbatches,
+                             loss_fn, device)
 
 
 def _tied_group(cfg: ModelConfig, schedule: str, pp_group: dist.ProcessGroup, n_stages: int):
@@ -359,33 +440,40 @@ def _tied_group(cfg: ModelConfig, schedule: str, pp_group: dist.ProcessGroup, n_
     owners = (stage_rank(schedule, 0, pp_size), stage_rank(schedule, n_stages - 1, pp_size))
     if not cfg.tie_embeddings or owners[0] == owners[1]:
         return None  # untied, or both stages on one rank (V): one shared parameter
-    if dist.get_rank(pp_group) not in owners:
-        return None
     if pp_size == 2:
-        return pp_group
+        return pp_group if dist.get_rank(pp_group) in owners else None
     ranks = dist.get_process_group_ranks(pp_group)
     # communicates: creates a group of the 2 owners (only they call it: local synchronization)
-    return dist.new_group([ranks[owners[0]], ranks[owners[1]]], use_local_synchronization=True)
+    group = dist.new_group([ranks[owners[0]], ranks[owners[1]]], use_local_synchronization=True) \
+        if dist.get_rank(pp_group) in owners else None
+    return group
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """The local shard of a DTensor (FSDP), or the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def sum_tied_embedding_grads(pipe: Pipeline) -> None:
     """Make both copies of a tied embedding hold the sum of the embedding's and the head's gradient
-    (what the single parameter gets in one process)."""
+    (what the single parameter gets in one process). Under FSDP both copies are sharded alike over
+    the same data-parallel ranks, so summing the local shards sums the tables."""
     if pipe.tied_group is None:
         return
     module = next(m for m in pipe.modules if m.is_first or m.is_last)
     weight = module.tok_emb.weight if module.is_first else module.lm_head.weight
     if weight.grad is None:
         weight.grad = torch.zeros_like(weight)
-    dist.all_reduce(weight.grad, group=pipe.tied_group)  # communicates: the tied table's gradient, 2 pp ranks
+    dist.all_reduce(_local(weight.grad), group=pipe.tied_group)  # communicates: the tied table's gradient, 2 pp ranks
 
 
-def pipeline_step(pipe: Pipeline, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor | None:
+def pipeline_step(pipe: Pipeline, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
     """One forward + backward of the global batch (B, T), split into pipe.n_microbatches micro-batches:
     the pipeline's replacement of `fwd/bwd x grad_accum`. inputs are read on the rank of the first
     stage, targets on the rank of the last (pass None elsewhere). Gradients accumulate into .grad
-    (zero them before). Returns the mean loss over the micro-batches on the rank of the last stage,
-    None on the others."""
+    (zero them before). Returns the mean loss over the micro-batches, on every pp rank."""
+    import time
+
     for name, batch, needed in (("inputs", inputs, pipe.has_first), ("targets", targets, pipe.has_last)):
         if needed and (batch is None or batch.shape[0] % pipe.n_microbatches):
             size = None if batch is None else batch.shape[0]
@@ -399,9 +487,133 @@ def pipeline_step(pipe: Pipeline, inputs: torch.Tensor | None, targets: torch.Te
     # Newer torch can skip concatenating the last stage's outputs (we only need the losses); an
     # older step() would pass the unknown keyword on to the model, so ask only where it exists.
     extra = {"return_outputs": False} if "return_outputs" in inspect.signature(pipe.schedule.step).parameters else {}
+    start = time.perf_counter()
     # communicates: activations forward and gradients backward between the pp ranks (send/recv)
     pipe.schedule.step(*args, target=targets if pipe.has_last else None, losses=losses, **extra)
+    pipe.step_s += time.perf_counter() - start
     sum_tied_embedding_grads(pipe)
+    if pipe.has_last:
+        loss = torch.stack([loss.detach().float() for loss in losses]).sum()  # each is already divided by n_microbatches
+    else:
+        loss = torch.zeros((), device=pipe.stages[0].device)
+    return _from_last_stage(pipe, loss)
+
+
+def _from_last_stage(pipe: Pipeline, tensor: torch.Tensor) -> torch.Tensor:
+    """The last stage's `tensor` on every pp rank (the guards and the logs then agree)."""
+    if dist.get_world_size(pipe.pp_group) == 1:
+        return tensor
+    src = dist.get_global_rank(pipe.pp_group, pipe.last_rank)
+    dist.broadcast(tensor, src=src, group=pipe.pp_group)  # communicates: a few floats from the last stage, pp ranks
+    return tensor
+
+
+def pipeline_grad_norm(pipe: Pipeline, params: list[nn.Parameter]) -> torch.Tensor:
+    """The global L2 norm of the gradients of every stage, on every pp rank: each rank's sum of
+    squares (a tied embedding's second copy left out), summed over the pp group."""
+    from slipstream.distributed.data_parallel import full_value
+
+    copy = pipe.tied_copy
+    grads = [p.grad for p in params if p.grad is not None and p is not copy]
+    norm = full_value(torch.nn.utils.get_total_norm(grads)) if grads else torch.zeros(())
+    squares = norm.float().square().to(pipe.stages[0].device)
+    dist.all_reduce(squares, group=pipe.pp_group)  # communicates: one float per pp rank
+    return squares.sqrt()
+
+
+# --- 5. the rank's model and evaluation ------------------------------------------------------------
+
+class PipelineModel(nn.Module):
+    """One rank's stages seen as one module under the unsplit model's names (`tok_emb`,
+    `blocks.3`, `lm_head`): what the optimizer, checkpoints, exports and the memory probe see.
+    Its children are the stage modules' own submodules (the same objects), so it holds no second
+    copy of anything. It is never called: the pipeline's schedule runs the stages."""
+
+    def __init__(self, pipe: Pipeline):
+        super().__init__()
+        self.blocks = nn.ModuleDict()
+        for module in pipe.modules:
+            for name, child in module.named_children():
+                if name == "blocks":
+                    self.blocks.update(child)  # the same block objects, under their whole-model indices
+                elif name not in self._modules:
+                    setattr(self, name, child)
+        self.cfg = pipe.modules[0].cfg
+        self.__dict__["pipeline"] = pipe  # not a submodule: the stages' parameters are reached once, above
+
+    def forward(self, *args, **kwargs):
+        raise UserError("a pipelined model runs through its schedule (pipeline_step), not by calling it")
+
+
+@torch.no_grad()
+def pipeline_sequence_losses(pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Per-sequence mean token losses (B,) of a batch, on every pp rank: the stages run one after
+    the other (evaluation needs no overlap), each rank passing its stage's output on; the last
+    stage scores the batch and the losses are sent to every pp rank. Any batch size works."""
+    import torch.nn.functional as F
+
+    pp_size = dist.get_world_size(pipe.pp_group)
+    me = dist.get_rank(pipe.pp_group)
+    by_index = {stage.stage_index: (module, stage) for module, stage in zip(pipe.modules, pipe.stages)}
+    n_stages = pipe.stages[0].num_stages
+    schedule = _schedule_name(pipe)
+    B, T = inputs.shape
+    d = pipe.modules[0].cfg.d_model
+    hidden = None
+    for index in range(n_stages):
+        owner = stage_rank(schedule, index, pp_size)
+        if owner != me:
+            continue
+        if index > 0:
+            previous = stage_rank(schedule, index - 1, pp_size)
+            if previous != me:
+                hidden = torch.empty(B, T, d, device=inputs.device)
+                # communicates: the previous stage's output (fp32), from its pp rank
+                dist.recv(hidden, src=dist.get_global_rank(pipe.pp_group, previous), group=pipe.pp_group)
+        module = by_index[index][0]
+        out = module(inputs if index == 0 else hidden)
+        if index == n_stages - 1:
+            logits = out.float()
+            losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
+                                     reduction="none").view(B, T).mean(dim=1)
+            break
+        hidden = out.float()
+        following = stage_rank(schedule, index + 1, pp_size)
+        if following != me:
+            # communicates: this stage's output (fp32), to the next stage's pp rank
+            dist.send(hidden.contiguous(), dst=dist.get_global_rank(pipe.pp_group, following), group=pipe.pp_group)
     if not pipe.has_last:
-        return None
-    return torch.stack([loss.detach() for loss in losses]).sum()  # each is already divided by n_microbatches
+        losses = torch.zeros(B, device=inputs.device)
+    return _from_last_stage(pipe, losses)
+
+
+def _schedule_name(pipe: Pipeline) -> str:
+    return next(name for name, cls in SCHEDULES.items() if type(pipe.schedule).__name__ == cls)
+
+
+# --- 6. the parallelize chain's pipeline step --------------------------------------------------------
+
+def apply_pipeline_parallel(model: Transformer, parallel: Any, cfg: Any,
+                            parallelize_stage: Callable[[nn.Module], nn.Module]) -> PipelineModel:
+    """Cut `model` (meta: initialized from cfg.train.seed as one process would; or real) into this
+    rank's stages over the mesh's pp dim, run the rest of the chain on each stage
+    (`parallelize_stage`: AC, compile, FSDP/DDP), and return the rank's PipelineModel."""
+    from slipstream.config.dims import pp_layers, pp_microbatches, virtual_stages
+    from slipstream.models.transformer import lm_loss
+
+    if not isinstance(model, Transformer):
+        raise UserError(f"parallel.pp > 1 splits a slipstream Transformer into stages (its `blocks`, with the "
+                        f"embedding first and the head last); {type(model).__name__} has no such split. Build the "
+                        "pipeline yourself with torch.distributed.pipelining, or set --parallel.pp=1")
+    p = cfg.parallel
+    v = virtual_stages(p)
+    pp_group = parallel.mesh.get_group("pp")
+    pp_rank, pp_size = dist.get_rank(pp_group), dist.get_world_size(pp_group)
+    n_stages = pp_size * v
+    splits = split_layers(model.cfg.n_layer, n_stages, pp_layers(p), stage_costs(model.cfg, cfg.train.seq_len))
+    indices = stage_indices(p.pp_schedule, pp_rank, pp_size, v)
+    modules = split_stages(model, indices, splits, parallel.device, seed=cfg.train.seed)
+    parts = [parallelize_stage(module) for module in modules]
+    pipe = assemble_pipeline(model.cfg, p.pp_schedule, modules, parts, indices, n_stages, pp_group,
+                             pp_microbatches(cfg), lm_loss, parallel.device)
+    return PipelineModel(pipe)

@@ -228,6 +228,14 @@ def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int 
     return materialize(model, device, seed)
 
 
+def block_slots(model: nn.Module) -> list[tuple[int | str, nn.Module]]:
+    """(key, block) for every block of `model.blocks`: a ModuleList (a whole model) or a ModuleDict
+    keyed by each block's index in the whole model (a pipeline stage). `model.blocks[key] = m`
+    replaces one (activation checkpointing wraps blocks so)."""
+    blocks = model.blocks
+    return list(blocks.items()) if isinstance(blocks, nn.ModuleDict) else list(enumerate(blocks))
+
+
 def materialize(model: Transformer, device: str | torch.device, seed: int,
                 write: Callable[[torch.Tensor, torch.Tensor], Any] | None = None) -> Transformer:
     model.to_empty(device=device)

@@ -35,6 +35,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from slipstream.errors import UserError
+from slipstream.models.transformer import block_slots
 
 MODES = ("none", "full", "selective", "offload")
 
@@ -52,15 +53,16 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, every: int = 1) 
         raise UserError(f"activation checkpointing 'every' must be an integer >= 1 (1 = every block), got {every!r}")
     if mode == "none":
         return model
-    if any(isinstance(block, ActivationWrapper) for block in model.blocks):
+    slots = block_slots(model)
+    if any(isinstance(block, ActivationWrapper) for _, block in slots):
         raise UserError("activation checkpointing is already applied to this model; apply it once")
-    if _is_compiled(model) or any(_is_compiled(block) for block in model.blocks):
+    if _is_compiled(model) or any(_is_compiled(block) for _, block in slots):
         # Wrapping compiled blocks would put the checkpoint outside the compiled code, and
         # compile would never see the recomputation.
         raise UserError("apply activation checkpointing before torch.compile, not after")
 
-    for i, block in enumerate(model.blocks):
-        if mode == "full" and i % every == 0:
+    for i, block in slots:  # i: the block's index in the whole model (a pipeline stage holds some)
+        if mode == "full" and int(i) % every == 0:
             # Non-reentrant checkpoint: works with keyword args, with torch.compile and with
             # parameters that do not require grad; the RNG state is saved so dropout
             # recomputes the same mask.

@@ -27,6 +27,7 @@ import torch.nn as nn
 
 from slipstream.errors import UserError
 from slipstream.optimize.activations import OffloadActivations
+from slipstream.models.transformer import block_slots
 
 SCOPES = ("off", "model", "blocks")
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -54,7 +55,7 @@ def apply_compile(model: nn.Module, scope: str, mode: str = "default", fullgraph
     else:
         # Each block is compiled separately; they share the compiled code because they run
         # the same forward on tensors of the same shapes.
-        for block in model.blocks:
+        for _, block in block_slots(model):
             if isinstance(block, OffloadActivations):
                 # Compile inside the offload wrapper: dynamo does not trace a region that
                 # installs saved-tensor hooks (it falls back to eager there), while hooks

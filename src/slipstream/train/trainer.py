@@ -155,6 +155,13 @@ class Trainer:
         self.model = parallelize(model, self.parallel, self.cfg, init_model, device=self.device)
         # Context parallel: each rank trains on its piece of every sequence (the trainer cuts the batches).
         self._cp = getattr(unwrap(self.model), "context_parallel", None)
+        # Pipeline parallel: the schedule runs forward and backward over this rank's stages.
+        self._pipeline = getattr(self.model, "pipeline", None)
+        if self._pipeline is not None:
+            from slipstream.distributed.pipeline_parallel import pipeline_sequence_losses
+
+            sequence_loss_fn = lambda model, x, y: pipeline_sequence_losses(self._pipeline, x, y)  # noqa: E731
+            loss_fn_eval = lambda model, batch: sequence_loss_fn(model, *batch).mean()  # noqa: E731
         self.loss_fn = loss_fn
         self.train_loader = _as_loader(train_data, self.cfg, self.device, shuffle=True, collate_fn=collate_fn,
                                        parallel=self.parallel)
@@ -179,7 +186,7 @@ class Trainer:
         if self.val_loader is not None and self.cfg.train.eval_steps:
             from slipstream.train.evaluate import Evaluator
 
-            self.evaluator = Evaluator(self.val_loader, loss_fn, self.parallel,
+            self.evaluator = Evaluator(self.val_loader, loss_fn if self._pipeline is None else loss_fn_eval, self.parallel,
                                        LossParallel(self._loss_parallel.enabled, inside=self._autocast),
                                        context_parallel=self._cp,
                                        max_batches=self.cfg.train.eval_steps, sequence_loss_fn=sequence_loss_fn)
@@ -380,6 +387,8 @@ class Trainer:
         }
         if self.parallel.world_size > 1:
             record["tokens_per_s_per_device"] = per_device
+        if self._pipeline is not None:
+            record.update(self._pipeline_record())
         record.update(self.memory.take_record())
         if self.scaler is not None:
             record["loss_scale"] = self.scaler.get_scale()
@@ -390,6 +399,14 @@ class Trainer:
             loggers.close()
             raise UserError(f"loss became {reading.mean_loss} at step {self.step}; lower optim.lr, "
                             "raise optim.warmup_steps or check the data")
+
+    def _pipeline_record(self) -> dict[str, Any]:
+        """The pipeline's measured bubble over the interval: the ranks' mean idle share of the
+        schedule's wall time (CPU only: there the stages' host time is their compute time)."""
+        bubble = self._pipeline.take_bubble()
+        if self.device.type != "cpu" or bubble is None:
+            return {"pp_bubble": None}
+        return {"pp_bubble": self.parallel.mean(torch.tensor(bubble)).item()}  # all-reduce + host sync, at the log
 
     def _evaluate_and_log(self, loggers: RunLoggers, progress):
         with self._label("eval"):
@@ -531,6 +548,8 @@ class Trainer:
 
     def accumulate_gradients(self, it: Iterator) -> tuple[torch.Tensor, float, int]:
         """forward/backward over grad_accum_steps micro-batches; returns (mean loss, data wait, items)."""
+        if self._pipeline is not None:
+            return self._pipeline_gradients(it)
         accum = self.cfg.train.grad_accum_steps
         loss_sum = torch.zeros((), device=self.device)
         data_wait = 0.0
@@ -564,6 +583,25 @@ class Trainer:
             loss_sum += full_value(loss.detach())  # loss parallel gives a replicated DTensor (no communication)
         return loss_sum / accum, data_wait, items
 
+    def _pipeline_gradients(self, it: Iterator) -> tuple[torch.Tensor, float, int]:
+        """The pipeline's forward/backward: the step's grad_accum_steps batches (what one process
+        would accumulate), run through the schedule as parallel.pp_microbatches micro-batches."""
+        from slipstream.distributed.pipeline_parallel import pipeline_step
+
+        batches, data_wait = [], 0.0
+        for _ in range(self.cfg.train.grad_accum_steps):
+            t0 = time.perf_counter()
+            with self._label("data"):
+                batches.append(self._next_batch(it))
+            data_wait += time.perf_counter() - t0
+        inputs, targets = (torch.cat([batch[i] for batch in batches]) for i in (0, 1))
+        items = (self.tokens_per_batch or _batch_size(batches[0])) * len(batches) * self.parallel.dims.dp
+        with self._label("pipeline"), self._autocast:
+            loss = pipeline_step(self._pipeline, inputs, targets)  # the mean loss, on every pp rank
+        if self.resilience is not None and self.resilience.faults:  # tests only: injected faults
+            loss = self.resilience.inject(self.step + 1, loss)
+        return loss, data_wait, items
+
     def optimizer_step(self, loss: torch.Tensor | None = None) -> torch.Tensor:
         """clip -> (guards agree) -> step -> schedule -> zero grads; returns the pre-clip gradient
         norm (device tensor). The guards' verdict on this step is left in self._verdict."""
@@ -576,7 +614,13 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip and log the true gradient, not the scaled one
         clip = self.cfg.optim.grad_clip
-        if clip > 0:
+        if self._pipeline is not None:  # the norm over every stage, on every pp rank
+            from slipstream.distributed.pipeline_parallel import pipeline_grad_norm
+
+            grad_norm = pipeline_grad_norm(self._pipeline, params)
+            if clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, clip, grad_norm)
+        elif clip > 0:
             grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
         else:
             grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
