@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -10,12 +11,14 @@ import time
 import pytest
 
 from slipstream.cli import main
+from slipstream.errors import UserError
 from slipstream.config import load_config
 from slipstream.plan.hardware import make_cluster
 from slipstream.plan.memory import GIB, estimate_memory
 from slipstream.plan.model import resolve_model
-from slipstream.plan.search import layouts, plan
-from slipstream.plan.space import Strategy, Workload, strategy_overrides
+from slipstream.plan.search import evaluate, layouts, plan
+from slipstream.plan.space import (PP_SCHEDULES, SCHEDULE_VIRTUAL, PlanModel, Strategy, Workload,
+                                   strategy_from_config, strategy_overrides)
 from slipstream.plan.timing import estimate_time
 from slipstream.plan.tune import stop_trial
 
@@ -130,16 +133,21 @@ def test_stop_trial_kills_ranks_in_their_own_sessions(tmp_path):
 def test_pipeline_schedules_are_searched_as_asked():
     model, cluster = resolve_model("llama-70b"), make_cluster("8xH100", nodes=8)
     work = Workload(8192, 512)
+    # the planner's short names are the trainer's schedules (parallel.pp_schedule)
     found = layouts(model, cluster, work, pp=(8,), tp=(8,), pp_schedules=("gpipe", "zero-bubble"))
-    assert {s.pp_schedule for s in found} == {"gpipe", "zero-bubble"}
+    assert {(s.pp_schedule, s.pp_virtual) for s in found} == {("gpipe", 1), ("zbv", 2)}
     default = layouts(model, cluster, work, pp=(8,), tp=(8,))
-    assert {s.pp_schedule for s in default} == {"1f1b", "interleaved"}
-    assert all(s.pp_virtual == 2 for s in default if s.pp_schedule == "interleaved")
+    assert {s.pp_schedule for s in default} == {"1f1b", "interleaved-1f1b"}
+    assert all(s.pp_virtual == 2 for s in default if s.pp_schedule == "interleaved-1f1b")
+    every = layouts(model, cluster, work, pp=(8,), tp=(8,), micro_batches=(1,), pp_schedules=PP_SCHEDULES)
+    assert {s.pp_schedule for s in every} == set(SCHEDULE_VIRTUAL)
     # 80 layers over 32 stages cannot hold 2 chunks each: no interleaved layout then
-    assert not [s for s in layouts(model, cluster, work, pp=(32,), tp=(2,)) if s.pp_schedule == "interleaved"]
+    assert not [s for s in layouts(model, cluster, work, pp=(32,), tp=(2,)) if s.pp_schedule == "interleaved-1f1b"]
     best = {sched: plan(model, cluster, work, pp=(8,), tp=(8,), pp_schedules=(sched,)).ranked[0]
-            for sched in ("1f1b", "zero-bubble")}
-    assert best["zero-bubble"].time.step_s < best["1f1b"].time.step_s
+            for sched in ("1f1b", "zbv")}
+    assert best["zbv"].time.step_s < best["1f1b"].time.step_s
+    with pytest.raises(UserError, match="unknown pipeline schedule 'zb'"):
+        layouts(model, cluster, work, pp=(8,), pp_schedules=("zb",))
 
 
 def test_small_models_run_faster_with_ddp_than_fsdp():
@@ -162,8 +170,6 @@ def test_autocast_on_fsdp_plans_fp32_gathers_and_weight_copies():
 
 
 def test_strategy_from_config_resolves_like_the_trainer(tmp_path):
-    from slipstream.plan.space import strategy_from_config
-
     cfg = load_config(None, ["--parallel.dp_strategy=hsdp", "--parallel.dp_replicate=2"])
     s = strategy_from_config(cfg, 4)
     assert (s.dp_strategy, s.dp, s.dp_shard) == ("hsdp", 4, 2)
@@ -181,8 +187,6 @@ def test_strategy_from_config_carries_tensor_parallel():
     """The run's own memory check plans the tp layout it runs (issue 13): tp and SP from the
     config, dp = world / tp; and less memory per rank than the same run without tp."""
     from slipstream.plan.preflight import plan_training_memory
-    from slipstream.plan.space import strategy_from_config
-
     args = ["--parallel.dp_strategy=fsdp", "--model.preset=tiny", "--model.vocab_size=64", "--train.seq_len=128"]
     cfg = load_config(None, [*args, "--parallel.tp=2", "--parallel.sequence_parallel=false"])
     s = strategy_from_config(cfg, 4)
@@ -202,3 +206,134 @@ def test_context_parallel_state_is_sharded_over_the_cp_ranks_too():
     cp2 = plan_training_memory(load_config(None, [*args, "--parallel.cp=2"]), 1, "fsdp", 0, "cpu")
     assert cp2.breakdown["optimizer_state"] == pytest.approx(one.breakdown["optimizer_state"] / 2)
     assert Strategy("ddp", dp=2, cp=2).state_shard_group == 1 and Strategy("fsdp", dp=2, cp=2).state_shard_group == 4
+
+
+# ---------------------------------------------------------------- pipelines (issue 14)
+
+PP_MODEL = ["--model.preset=tiny", "--model.n_layer=8", "--model.n_head=4", "--model.d_model=128",
+            "--model.vocab_size=512", "--model.max_seq_len=256"]
+
+
+def _args(values: dict) -> list[str]:
+    return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
+
+
+@pytest.fixture
+def pp_allowed(monkeypatch):
+    """config.dims accepts parallel.pp > 1 (NOT_YET listed it until the trainer ran pipelines)."""
+    from slipstream.config import dims
+
+    monkeypatch.setattr(dims, "NOT_YET", {k: v for k, v in dims.NOT_YET.items() if k != "pp"})
+
+
+def test_pipeline_layouts_run_and_round_trip_through_the_config(pp_allowed):
+    for s in (Strategy("fsdp", dp=2, tp=2, pp=2, pp_schedule="interleaved", micro_batch=2, grad_accum=4),
+              Strategy("ddp", dp=2, pp=4, pp_schedule="zero-bubble", micro_batch=1, grad_accum=8, fsdp_mixed=False),
+              Strategy("hsdp", dp=4, dp_shard=2, pp=2, pp_schedule="gpipe", micro_batch=4, grad_accum=2),
+              Strategy("none", pp=8, micro_batch=1, grad_accum=8, precision="fp32", fsdp_mixed=False)):
+        assert s.not_runnable() == [], s.label()
+        values = strategy_overrides(s, 256)
+        assert (values["parallel.pp"], values["parallel.pp_schedule"], values["parallel.pp_microbatches"],
+                values["parallel.pp_virtual_stages"]) == (s.pp, s.pp_schedule, s.grad_accum, s.pp_virtual)
+        assert values["parallel.pp_schedule"] in ("interleaved-1f1b", "zbv", "gpipe", "1f1b")  # the trainer's names
+        cfg = load_config(None, [*PP_MODEL, *_args(values)])
+        assert strategy_from_config(cfg, s.world) == s, s.label()
+
+
+def test_a_layout_laid_over_a_pipeline_config_resets_it():
+    values = strategy_overrides(Strategy("ddp", dp=2, micro_batch=2, grad_accum=4), 256)
+    piped = ["--parallel.pp=2", "--parallel.pp_schedule=zbv", "--parallel.pp_microbatches=8",
+             "--parallel.pp_virtual_stages=2", "--parallel.pp_layers=1,3,3,1"]
+    p = load_config(None, [*PP_MODEL, *piped, *_args(values)]).parallel
+    assert (p.pp, p.pp_schedule, p.pp_microbatches, p.pp_virtual_stages, p.pp_layers) == (1, "1f1b", 0, 0, "")
+
+
+def test_pipeline_config_defaults_are_planned_as_the_trainer_runs_them(pp_allowed):
+    """pp_microbatches 0 is one sequence per micro-batch; pp_virtual_stages 0 the schedule's count."""
+    args = [*PP_MODEL, "--parallel.pp=2", "--parallel.dp_strategy=fsdp", "--train.micro_batch_size=2",
+            "--train.grad_accum_steps=4"]
+    s = strategy_from_config(load_config(None, [*args, "--parallel.pp_schedule=interleaved-1f1b"]), 4)
+    assert (s.dp, s.pp, s.pp_schedule, s.pp_virtual, s.micro_batch, s.grad_accum) == (2, 2, "interleaved-1f1b", 2, 1, 8)
+    s = strategy_from_config(load_config(None, [*args, "--parallel.pp_microbatches=2"]), 4)
+    assert (s.pp_schedule, s.pp_virtual, s.micro_batch, s.grad_accum) == ("1f1b", 1, 4, 2)
+
+
+@pytest.mark.parametrize("changes, reason", [
+    ({"cp": 2, "dp": 1}, "pipeline parallel 2 with context parallel 2"),
+    ({"dp_strategy": "zero1"}, "pipeline parallel 2 with zero1"),
+    ({"dp_strategy": "zero2"}, "pipeline parallel 2 with zero2"),
+    ({"fused_loss": True}, "pipeline parallel 2 with the fused loss"),
+    ({"precision": "fp16"}, "pipeline parallel 2 with fp16 loss scaling"),
+    ({"grad_accum": 1, "micro_batch": 4}, "pipeline parallel 2: 1f1b with 1 micro-batches (needs 2)"),
+    ({"pp_schedule": "dualpipev", "pp_virtual": 2}, "pipeline parallel 2: dualpipev with 2 micro-batches (needs 4)"),
+    ({"pp_schedule": "zbv", "pp_virtual": 1}, "pipeline parallel 2: zbv with 1 stages per rank (it runs 2)"),
+    ({"pp_schedule": "interleaved-1f1b", "pp_virtual": 2, "grad_accum": 5},
+     "pipeline parallel 2: interleaved-1f1b with 5 micro-batches (not a multiple of its 2 rounds)"),
+])
+def test_pipeline_layouts_the_trainer_refuses_stay_planned_and_flagged(changes, reason):
+    model, cluster = resolve_model("gpt2"), make_cluster("8xH100")
+    base = Strategy("ddp", dp=4, pp=2, micro_batch=2, grad_accum=2)
+    assert base.not_runnable() == []
+    s = base.replace(**changes)
+    work = Workload(1024, s.dp * s.micro_batch * s.grad_accum)
+    candidate = evaluate(model, s, work, cluster)
+    assert reason in candidate.not_runnable and candidate.time.breakdown["pp_bubble"] > 0
+    with pytest.raises(UserError, match="slipstream cannot run yet"):
+        strategy_overrides(s, 1024)
+
+def test_a_pipeline_needs_a_block_per_stage():
+    small = PlanModel("gpt2-3", dataclasses.replace(resolve_model("gpt2").cfg, n_layer=3))
+    s = Strategy("ddp", dp=4, pp=2, pp_schedule="interleaved-1f1b", micro_batch=2, grad_accum=2)
+    assert s.not_runnable() == []
+    candidate = evaluate(small, s, Workload(1024, 16), make_cluster("8xH100"))
+    assert candidate.not_runnable == ["pipeline parallel 2: 4 stages for 3 blocks"]
+
+
+def _trainer_accepts(cfg, world: int) -> None:
+    """The trainer's checks of a pipeline config that need no process group."""
+    from slipstream.config.dims import resolve_parallel_dims
+    from slipstream.distributed.pipeline_parallel import check_schedule, split_layers
+
+    dims = resolve_parallel_dims(cfg.parallel, world, world)
+    assert dims.pp == cfg.parallel.pp > 1
+    virtual = cfg.parallel.pp_virtual_stages
+    check_schedule(cfg.parallel.pp_schedule, virtual)
+    assert len(split_layers(cfg.model.n_layer, dims.pp * virtual)) == dims.pp * virtual
+    sequences = cfg.train.micro_batch_size * cfg.train.grad_accum_steps
+    assert sequences % cfg.parallel.pp_microbatches == 0
+    return dims
+
+
+def test_the_best_runnable_pipeline_is_a_config_the_trainer_accepts(pp_allowed, tmp_path):
+    """--write-config of a pipeline plan: load_config (the config's own pipeline rules), the
+    degrees, the data-parallel combination and the schedule all pass."""
+    from slipstream.config.dims import check_compatibility
+    from slipstream.plan.render import write_best_config
+    cfg = load_config(None, PP_MODEL)
+    model, cluster = PlanModel("tiny-8", cfg.model), make_cluster("8xH100")
+    result = plan(model, cluster, Workload(256, 32), pp=(2, 4), tp=(1,), ac=("none",))
+    best = result.best(runnable_only=True)
+    assert best is not None and best.strategy.pp > 1
+    path = tmp_path / "pp.toml"
+    write_best_config(result, str(path))
+    written = load_config(str(path), [])
+    assert (written.parallel.pp, written.parallel.pp_schedule) == (best.strategy.pp, best.strategy.pp_schedule)
+    dims = _trainer_accepts(written, cluster.world)
+    check_compatibility(written, dims)
+
+
+def test_every_schedule_proposes_pipelines_the_trainer_accepts(pp_allowed):
+    """The best runnable layout of each schedule (with tp too) passes the trainer's config checks."""
+    cfg = load_config(None, PP_MODEL)
+    model, cluster = PlanModel("tiny-8", cfg.model), make_cluster("8xH100")
+    result = plan(model, cluster, Workload(256, 32), pp=(2, 4), ac=("none",), micro_batches=(1, 2),
+                  pp_schedules=tuple(SCHEDULE_VIRTUAL))
+    best = {}
+    for c in result.ranked:
+        if not c.not_runnable:
+            best.setdefault(c.strategy.pp_schedule, c.strategy)
+    assert set(best) == set(SCHEDULE_VIRTUAL)
+    assert any(s.tp > 1 for c in result.ranked if not c.not_runnable for s in [c.strategy])
+    for s in best.values():
+        written = load_config(None, [*PP_MODEL, *_args(strategy_overrides(s, 256))])
+        _trainer_accepts(written, s.world)

@@ -163,7 +163,11 @@ def test_pipeline_schedules_hold_different_numbers_of_micro_batches():
     s = Strategy(pp=4, grad_accum=16)
     assert in_flight_microbatches(s.replace(pp_schedule="gpipe")) == 16
     assert in_flight_microbatches(s.replace(pp_schedule="1f1b")) == 4
-    assert in_flight_microbatches(s.replace(pp_schedule="interleaved", pp_virtual=2)) == pytest.approx(4 * (1 + 3 / 8))
+    for interleaved in ("interleaved-1f1b", "interleaved"):   # the trainer's name, the planner's alias
+        assert in_flight_microbatches(s.replace(pp_schedule=interleaved, pp_virtual=2)) == pytest.approx(4 * (1 + 3 / 8))
+    assert in_flight_microbatches(s.replace(pp_schedule="looped-bfs", pp_virtual=2)) == 16   # breadth first
+    assert in_flight_microbatches(s.replace(pp_schedule="zbv", pp_virtual=2)) == 4
+    assert in_flight_microbatches(s.replace(pp_schedule="dualpipev", pp_virtual=2)) == 5
     assert in_flight_microbatches(s.replace(pp=1)) == 1
 
 

@@ -9,7 +9,8 @@ from slipstream.plan.hardware import make_cluster
 from slipstream.plan.memory import GIB
 from slipstream.plan.model import resolve_model
 from slipstream.plan.search import MICRO_BATCHES, evaluate, explain_infeasible, layouts, plan
-from slipstream.plan.space import TP_DP_STRATEGIES, PlanModel, Strategy, Workload, strategy_overrides
+from slipstream.plan.space import (PP_DP_STRATEGIES, TP_DP_STRATEGIES, PlanModel, Strategy, Workload,
+                                   strategy_overrides)
 
 W70 = Workload(8192, 512)
 
@@ -81,29 +82,37 @@ def test_ranked_layouts_span_parallelisms(result70):
         # Tensor parallelism runs with none / fsdp / hsdp and without the fused loss (issue 13).
         tp_flagged = any(r.startswith("tensor parallel") for r in c.not_runnable)
         assert tp_flagged == (s.tp > 1 and (s.dp_strategy not in TP_DP_STRATEGIES or s.fused_loss))
-        if s.pp > 1:
-            assert f"pipeline parallel {c.strategy.pp}" in c.not_runnable
+        # Pipelines run with none / ddp / fsdp / hsdp, without cp and the fused loss, and with
+        # the micro-batches torch's schedules need (issue 14).
+        pp_flagged = any(r.startswith(f"pipeline parallel {s.pp}") for r in c.not_runnable)
+        refused = (s.cp > 1 or s.dp_strategy in ("zero1", "zero2") or s.fused_loss
+                   or (s.pp_schedule == "1f1b" and s.grad_accum < s.pp)
+                   or (s.pp_schedule == "interleaved-1f1b" and s.grad_accum % max(1, s.grad_accum // s.pp)))
+        assert pp_flagged == (s.pp > 1 and refused), (s.label(), c.not_runnable)
+    assert any(c.strategy.pp > 1 and not c.not_runnable for c in ranked)
 
 
 def test_best_runnable_has_no_reasons(result70):
     best = result70.best(runnable_only=True)
     assert best is not None and best.not_runnable == []
     s = best.strategy
-    assert (s.pp, s.ep) == (1, 1) and not best.strategy.not_runnable()
+    assert s.ep == 1 and not best.strategy.not_runnable()
     assert s.tp == 1 or (s.dp_strategy in TP_DP_STRATEGIES and not s.fused_loss)
-    assert s.dp * s.tp * s.cp == 64 and s.dp_strategy in ("zero2", "fsdp", "hsdp")   # 70B does not fit unsharded
+    assert s.pp == 1 or (s.cp == 1 and s.dp_strategy in PP_DP_STRATEGIES and not s.fused_loss)
+    assert s.world == 64 and s.dp_strategy in ("zero2", "fsdp", "hsdp")   # 70B does not fit unsharded
     runnable = [c for c in result70.ranked if not c.not_runnable]
     assert best is runnable[0]
     assert best.time.tokens_per_s <= result70.ranked[0].time.tokens_per_s
 
 
-def test_runnable_only_gives_dp_and_tp_layouts(llama70b, cluster64, result70):
+def test_runnable_only_gives_dp_tp_and_pp_layouts(llama70b, cluster64, result70):
     r = plan(llama70b, cluster64, W70, runnable_only=True)
     assert r.ranked and r.evaluated < result70.evaluated
     for c in r.ranked + r.rejected:
-        assert (c.strategy.pp, c.strategy.ep) == (1, 1)
+        assert c.strategy.ep == 1
         assert c.not_runnable == []
     assert any(c.strategy.tp > 1 for c in r.ranked)  # tensor parallelism runs now
+    assert any(c.strategy.pp > 1 for c in r.ranked)  # and pipelines (issue 14)
     assert r.ranked[0].strategy == result70.best(runnable_only=True).strategy
     assert r.best(runnable_only=True) is r.ranked[0]
 
@@ -118,7 +127,7 @@ def test_layouts_divide_the_work(llama70b, cluster64):
             assert s.dp_shard > 1 and s.dp % s.dp_shard == 0 and s.dp > s.dp_shard
         if s.offload:
             assert s.dp_strategy in ("fsdp", "hsdp")
-        if s.pp_schedule == "interleaved":
+        if s.pp_schedule == "interleaved-1f1b":
             assert s.pp_virtual == 2 and llama70b.cfg.n_layer % (2 * s.pp) == 0
 
 
@@ -162,11 +171,15 @@ def test_prime_global_batch(gpt2):
     for c in r.ranked + r.rejected:
         s = c.strategy
         assert (s.dp, s.dp_strategy, s.tp * s.pp * s.cp, s.micro_batch, s.grad_accum) == (1, "none", 8, 1, 7)
-        assert c.not_runnable
-    assert r.best(runnable_only=True) is None
-    # what slipstream can run (data parallel only) cannot split 7 sequences over 8 ranks
+        # runnable: a pipeline of up to 7 stages under tp (1F1B: at least pp micro-batches)
+        assert bool(c.not_runnable) == (s.pp == 1 or s.pp > 7 or s.fused_loss or s.cp > 1
+                                        or s.pp_schedule != "1f1b"), (s.label(), c.not_runnable)
+    best = r.best(runnable_only=True)
+    assert best is not None and best.strategy.pp > 1 and best.strategy.tp > 1
+    assert plan(gpt2, cluster, Workload(1024, 7), runnable_only=True).ranked[0].strategy == best.strategy
+    # without a pipeline, what slipstream runs cannot split 7 sequences over 8 ranks
     with pytest.raises(UserError, match="no layout divides the work: global batch 7"):
-        plan(gpt2, cluster, Workload(1024, 7), runnable_only=True)
+        plan(gpt2, cluster, Workload(1024, 7), runnable_only=True, pp=(1,))
     with pytest.raises(UserError, match="multiple of 8"):
         plan(gpt2, cluster, Workload(1024, 7), dp_strategies=("ddp",))
 

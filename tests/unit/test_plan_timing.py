@@ -11,8 +11,8 @@ from slipstream.plan.memory import block_activation_bytes
 from slipstream.plan.model import resolve_model
 from slipstream.plan.space import Strategy, Workload
 from slipstream.plan.timing import (ADAM_BYTES_PER_PARAM, DDP_UNHIDDEN, DEFAULT_EFFICIENCY, KERNEL_LAUNCH_S,
-                                    KERNELS_PER_LAYER, POINTWISE_TRAFFIC, all_reduce, estimate_time,
-                                    gather_or_scatter, gemm_seconds, ring_time)
+                                    KERNELS_PER_LAYER, POINTWISE_TRAFFIC, ZERO_BUBBLE_RESIDUAL, all_reduce,
+                                    estimate_time, gather_or_scatter, gemm_seconds, pipeline_bubble, ring_time)
 
 LINK = Link("test", 100.0, 5.0, "100 GB/s, 5 us per step")
 NO_LATENCY = Link("fast", 100.0, 0.0, "100 GB/s, no latency")
@@ -216,16 +216,71 @@ def test_pp_bubble_per_schedule(llama70b, h100_64):
     assert f1b.breakdown["pp_p2p"] > 0
     gpipe = estimate_time(llama70b, base.replace(pp_schedule="gpipe"), W70, h100_64)
     assert gpipe.breakdown["pp_bubble"] == pytest.approx(f1b.breakdown["pp_bubble"], rel=1e-12)
-    inter = estimate_time(llama70b, base.replace(pp_schedule="interleaved", pp_virtual=2), W70, h100_64)
+    inter = estimate_time(llama70b, base.replace(pp_schedule="interleaved-1f1b", pp_virtual=2), W70, h100_64)
     assert inter.breakdown["compute"] == pytest.approx(compute, rel=1e-12)
     assert inter.breakdown["pp_bubble"] == pytest.approx(compute * 7 / 64 / 2, rel=1e-12)
-    zb = estimate_time(llama70b, base.replace(pp_schedule="zero-bubble"), W70, h100_64)
+    # the planner's alias is the trainer's schedule
+    alias = estimate_time(llama70b, base.replace(pp_schedule="interleaved", pp_virtual=2), W70, h100_64)
+    assert alias.breakdown == inter.breakdown
+    zb = estimate_time(llama70b, base.replace(pp_schedule="zbv", pp_virtual=2), W70, h100_64)
     assert 0 < zb.breakdown["pp_bubble"] < inter.breakdown["pp_bubble"]
     # more micro-batches, smaller bubble
     more = estimate_time(llama70b, base.replace(grad_accum=128), Workload(8192, 1024), h100_64)
     assert more.breakdown["pp_bubble"] / more.breakdown["compute"] == pytest.approx(7 / 128, rel=1e-12)
     no_pp = estimate_time(llama70b, Strategy("fsdp", dp=64, micro_batch=1, grad_accum=8), W70, h100_64)
     assert "pp_bubble" not in no_pp.breakdown and "pp_p2p" not in no_pp.breakdown
+
+
+@pytest.mark.parametrize("schedule, p, v, m, idle", [
+    ("gpipe", 4, 1, 8, 3 / 11),
+    ("1f1b", 4, 1, 8, 3 / 11),
+    ("1f1b", 8, 1, 64, 7 / 71),
+    ("1f1b", 4, 2, 8, 3 / 11),                  # one stage per rank, whatever v says
+    ("gpipe", 2, 1, 1, 1 / 2),
+    ("interleaved-1f1b", 4, 2, 8, 3 / 19),
+    ("interleaved-1f1b", 8, 4, 16, 7 / 71),
+    ("looped-bfs", 4, 2, 8, 3 / 19),
+    ("interleaved-zero-bubble", 4, 2, 8, ZERO_BUBBLE_RESIDUAL * 3 / 19),
+    ("zbv", 4, 2, 8, ZERO_BUBBLE_RESIDUAL * 3 / 19),
+    ("dualpipev", 4, 2, 8, ZERO_BUBBLE_RESIDUAL * 3 / 19),
+    ("1f1b", 1, 1, 8, 0.0),
+])
+def test_pipeline_bubble_is_the_idle_fraction(schedule, p, v, m, idle):
+    """GPipe / 1F1B (p-1)/(m+p-1), interleaved (p-1)/(v m + p-1): idle time over step time."""
+    assert pipeline_bubble(schedule, p, v, m) == pytest.approx(idle, rel=1e-12)
+
+
+def test_pipeline_bubble_knows_every_schedule_the_trainer_runs():
+    from dataclasses import fields
+
+    from slipstream.config.schema import ParallelConfig
+
+    choices = next(f.metadata["choices"] for f in fields(ParallelConfig) if f.name == "pp_schedule")
+    for name in choices:
+        assert 0 < pipeline_bubble(name, 4, 2, 8) < 1
+    with pytest.raises(ValueError, match="unknown pipeline schedule 'interleaved'"):
+        pipeline_bubble("interleaved", 4, 2, 8)   # the trainer's names only
+
+
+def test_step_time_takes_its_bubble_from_pipeline_bubble(llama70b, h100_64, monkeypatch):
+    """The time model has no bubble formula of its own: it adds compute x f / (1 - f)."""
+    import slipstream.plan.timing as timing
+
+    s = Strategy("fsdp", dp=8, pp=8, micro_batch=1, grad_accum=64, pp_schedule="interleaved-1f1b")
+    before = estimate_time(llama70b, s, W70, h100_64)
+    seen = []
+
+    def half(schedule, pp, virtual, microbatches):
+        seen.append((schedule, pp, virtual, microbatches))
+        return 0.5
+
+    monkeypatch.setattr(timing, "pipeline_bubble", half)
+    after = estimate_time(llama70b, s, W70, h100_64)
+    assert seen == [("interleaved-1f1b", 8, 2, 64)]
+    assert after.breakdown["pp_bubble"] == pytest.approx(after.breakdown["compute"], rel=1e-12)   # 0.5 / 0.5
+    assert after.step_s - before.step_s == pytest.approx(
+        after.breakdown["pp_bubble"] - before.breakdown["pp_bubble"], rel=1e-9)
+    assert after.step_s > before.step_s
 
 
 # ---------------------------------------------------------------- optimizer and offload

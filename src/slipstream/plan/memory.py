@@ -135,10 +135,12 @@ def in_flight_microbatches(s: Strategy) -> float:
     if s.pp == 1:
         return 1.0
     m = s.grad_accum
-    if s.pp_schedule == "gpipe":
-        return float(m)
-    in_flight = float(min(s.pp, m))
-    if s.pp_schedule == "interleaved":
+    if s.pp_schedule in ("gpipe", "looped-bfs"):
+        return float(m)   # every micro-batch's forward before the first backward
+    if s.pp_schedule == "dualpipev":
+        return float(min(s.pp + 1, m))   # DeepSeek-V3 report, table 2: PP + 1 (1F1B: PP)
+    in_flight = float(min(s.pp, m))      # 1f1b, and zbv (Qi et al. 2024: 1F1B's peak)
+    if s.pp_schedule in ("interleaved-1f1b", "interleaved-zero-bubble"):
         # Narayanan et al. 2021 (section 2.2.2): interleaving holds (1 + (p-1)/(p v)) x 1F1B's activations.
         in_flight *= 1 + (s.pp - 1) / (s.pp * s.pp_virtual)
     return in_flight

@@ -63,12 +63,12 @@ def _strategy(run: PublishedRun) -> Strategy:
     micro = run.micro_batch or 1
     global_batch = run.global_batch or run.dp * micro * max(run.pp, 1) * 4
     accum = max(1, global_batch // (run.dp * micro))
-    schedule = run.pp_schedule or "1f1b"
-    schedule = "interleaved" if "interleaved" in schedule.lower() else ("gpipe" if "gpipe" in schedule.lower() else "1f1b")
-    virtual = run.virtual_stages or (2 if schedule == "interleaved" else 1)
+    schedule = (run.pp_schedule or "1f1b").lower()
+    schedule = "interleaved-1f1b" if "interleaved" in schedule else ("gpipe" if "gpipe" in schedule else "1f1b")
+    virtual = (run.virtual_stages or 2) if schedule == "interleaved-1f1b" else 1
     return Strategy(dp_strategy=dp_strategy, dp=run.dp, tp=run.tp, pp=run.pp, cp=run.cp, ep=run.ep,
                     micro_batch=micro, grad_accum=accum, ac=run.activation_checkpointing or "none",
-                    precision="bf16", pp_schedule=schedule, pp_virtual=virtual if schedule == "interleaved" else 1)
+                    precision="bf16", pp_schedule=schedule, pp_virtual=virtual)
 
 
 def compare_run(run: PublishedRun, efficiency: float) -> list[Comparison]:

@@ -5,7 +5,8 @@
     result.rejected         # (layout, why it does not fit), fastest first
 
 The space: tensor parallel within a node (divisors of the heads), pipeline degree (with
-its schedule: 1F1B and interleaved by default, GPipe and zero-bubble on request), context parallel for long sequences, expert parallel for MoE, every
+its schedule: 1F1B and interleaved-1F1B by default, any schedule the trainer runs on request,
+e.g. gpipe or zbv), context parallel for long sequences, expert parallel for MoE, every
 data-parallel strategy, every micro-batch that divides the global batch, activation
 checkpointing none/selective/full, the fused loss, and CPU offload for FSDP.
 """
@@ -19,7 +20,7 @@ from slipstream.models.transformer import mlp_hidden, padded_vocab_size
 from slipstream.errors import UserError
 from slipstream.plan.hardware import Cluster
 from slipstream.plan.memory import GIB, MemoryEstimate, estimate_memory
-from slipstream.plan.space import AC_MODES, PlanModel, Strategy, Workload
+from slipstream.plan.space import AC_MODES, SCHEDULE_VIRTUAL, PlanModel, Strategy, Workload, schedule_name
 from slipstream.plan.timing import TimeEstimate, estimate_time
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
@@ -70,7 +71,7 @@ def _divisors(n: int, limit: int) -> list[int]:
 def layouts(model: PlanModel, cluster: Cluster, work: Workload, *, dp_strategies: tuple[str, ...] | None = None,
             tp: tuple[int, ...] | None = None, pp: tuple[int, ...] | None = None, cp: tuple[int, ...] | None = None,
             ac: tuple[str, ...] | None = None, micro_batches: tuple[int, ...] | None = None,
-            pp_schedules: tuple[str, ...] = ("1f1b", "interleaved"),
+            pp_schedules: tuple[str, ...] = ("1f1b", "interleaved-1f1b"),
             precision: str = "bf16", runnable_only: bool = False) -> list[Strategy]:
     """Every layout worth evaluating (the constraints each parallelism puts on the shapes)."""
     cfg, world = model.cfg, cluster.world
@@ -86,10 +87,12 @@ def layouts(model: PlanModel, cluster: Cluster, work: Workload, *, dp_strategies
                                                   if model.moe.n_experts % e == 0)
     ac_options = ac or AC_MODES
     mb_options = micro_batches or MICRO_BATCHES
+    schedules = tuple(dict.fromkeys(schedule_name(name) for name in pp_schedules))
     if model.traced is not None:
         tp_options = (1,)  # a user module has no tensor-parallel plan
+        pp_options = (1,)  # and the trainer pipelines slipstream transformers only
     if runnable_only or model.traced is not None:
-        pp_options, ep_options = (1,), (1,)
+        ep_options = (1,)
     if model.traced is not None:
         cp_options = (1,)  # a user module's attention is unknown
     if model.traced is not None:
@@ -126,9 +129,9 @@ def layouts(model: PlanModel, cluster: Cluster, work: Workload, *, dp_strategies
                 for a in ac_options:
                     for offload, schedule in itertools.product(
                             (False, True) if dp_strategy in ("fsdp", "hsdp") else (False,),
-                            pp_schedules if p > 1 else ("1f1b",)):
-                        # interleaving needs two model chunks per stage: layers divisible by 2p
-                        virtual = 2 if schedule == "interleaved" else 1
+                            schedules if p > 1 else ("1f1b",)):
+                        # v stages per rank: the planner keeps them even (layers divisible by v p)
+                        virtual = SCHEDULE_VIRTUAL[schedule]
                         if virtual > 1 and cfg.n_layer % (virtual * p):
                             continue
                         base = Strategy(dp_strategy=dp_strategy, dp=dp, dp_shard=shard, tp=t, pp=p, cp=c, ep=e,
@@ -147,6 +150,10 @@ def evaluate(model: PlanModel, s: Strategy, work: Workload, cluster: Cluster, ef
     why = "" if fits else (f"needs {memory.total_bytes / GIB:.1f} GiB > {cluster.memory_bytes / GIB:.1f} GiB "
                            f"per GPU ({_largest(memory)})")
     reasons = s.not_runnable() + (["mixture of experts"] if model.moe else [])
+    stages = s.pp * s.pp_virtual
+    if s.pp > 1 and (model.traced is not None or stages > model.cfg.n_layer):
+        reasons.append(f"pipeline parallel {s.pp}: {stages} stages for "
+                       + ("a user module" if model.traced is not None else f"{model.cfg.n_layer} blocks"))
     return Candidate(s, memory, time, fits, why, reasons)
 
 

@@ -1,9 +1,14 @@
 """What a plan is made of: the model to train, the work, and one parallel layout (a Strategy).
 
 A Strategy is everything the memory and time models need to know about how a step runs
-on the cluster. `runnable()` says whether slipstream can run it today; the planner still
-plans the layouts it cannot run yet (tensor, pipeline, context and expert parallelism),
-and flags them, so that a user sees what they would buy.
+on the cluster. `not_runnable()` says why slipstream cannot run it today (empty: it can); the
+planner still plans the layouts it cannot run (expert parallelism, and the combinations the
+trainer refuses), and flags them, so that a user sees what they would buy.
+
+Pipeline schedules carry the trainer's names (parallel.pp_schedule); a pipeline micro-batch of
+Strategy(micro_batch=mb, grad_accum=m) is the config's train.micro_batch_size=mb,
+train.grad_accum_steps=m, parallel.pp_microbatches=m (the pipeline splits the mb x m sequences
+of a data-parallel rank into m micro-batches).
 """
 
 from __future__ import annotations
@@ -26,15 +31,37 @@ SHARDS = {
     "fsdp": (True, True, True),
     "hsdp": (True, True, True),
 }
-PP_SCHEDULES = ("1f1b", "gpipe", "interleaved", "zero-bubble")
+# parallel.pp_schedule (config/schema.py, run by distributed/pipeline_parallel.py) -> the stages
+# per pipeline rank it runs by default (parallel.pp_virtual_stages = 0).
+SCHEDULE_VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "looped-bfs": 2,
+                    "interleaved-zero-bubble": 2, "zbv": 2, "dualpipev": 2}
+ONE_STAGE_SCHEDULES = ("gpipe", "1f1b")          # exactly 1 stage per rank
+V_SCHEDULES = ("zbv", "dualpipev")               # exactly 2 stages per rank (a V)
+# Deferred weight gradients fill the warm-up and cool-down (plan/timing.pipeline_bubble).
+ZERO_BUBBLE_SCHEDULES = ("interleaved-zero-bubble", "zbv", "dualpipev")
+# Schedules torch cuts into rounds of m // pp micro-batches: m must be a multiple of the round count.
+ROUND_SCHEDULES = ("interleaved-1f1b", "interleaved-zero-bubble")
+# The planner's short names (`slipstream plan --pp-schedule`), accepted anywhere a schedule is.
+SCHEDULE_ALIASES = {"interleaved": "interleaved-1f1b", "zero-bubble": "zbv"}
+PP_SCHEDULES = (*SCHEDULE_VIRTUAL, *SCHEDULE_ALIASES)
 AC_MODES = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp16")
 # What slipstream runs today; the rest is planned and flagged. Tensor parallelism runs at any
 # degree the model divides (the search only proposes those), with dp_strategy none, fsdp or hsdp.
-RUNNABLE_PP = RUNNABLE_EP = 1
+RUNNABLE_EP = 1
 TP_DP_STRATEGIES = ("none", "fsdp", "hsdp")
 # Context parallelism runs when the cp ranks average gradients with the data-parallel ones.
 CP_DP_STRATEGIES = ("ddp", "fsdp", "hsdp")
+# Pipeline parallelism runs with these over the data-parallel ranks (and with tp), not with cp.
+PP_DP_STRATEGIES = ("none", "ddp", "fsdp", "hsdp")
+
+
+def schedule_name(name: str) -> str:
+    """The trainer's name of a pipeline schedule (a planner alias resolved), or a UserError."""
+    name = SCHEDULE_ALIASES.get(name, name)
+    if name not in SCHEDULE_VIRTUAL:
+        raise UserError(f"unknown pipeline schedule {name!r}; valid: {', '.join(PP_SCHEDULES)}")
+    return name
 
 
 @dataclass(frozen=True)
@@ -82,8 +109,8 @@ class Strategy:
     tp: int = 1
     sequence_parallel: bool = True   # with tp > 1: norms/residuals split along the sequence too
     pp: int = 1
-    pp_schedule: str = "1f1b"
-    pp_virtual: int = 1        # interleaved: model chunks per pipeline rank
+    pp_schedule: str = "1f1b"  # parallel.pp_schedule (an alias of PP_SCHEDULES becomes the trainer's name)
+    pp_virtual: int = 0        # stages per pipeline rank; 0 = the schedule's default (SCHEDULE_VIRTUAL)
     cp: int = 1
     ep: int = 1
     micro_batch: int = 1
@@ -96,6 +123,12 @@ class Strategy:
     fsdp_mixed: bool = True
     fused_loss: bool = False   # chunked linear + cross-entropy: logits never materialized whole
     loss_chunk: int = 4096
+
+    def __post_init__(self) -> None:
+        schedule = schedule_name(self.pp_schedule)
+        object.__setattr__(self, "pp_schedule", schedule)
+        if self.pp_virtual < 1:
+            object.__setattr__(self, "pp_virtual", SCHEDULE_VIRTUAL[schedule])
 
     @property
     def world(self) -> int:
@@ -127,9 +160,36 @@ class Strategy:
             reasons.append(f"tensor parallel {self.tp} with the fused loss")
         if self.cp > 1 and (self.dp_strategy not in CP_DP_STRATEGIES or (self.tp > 1 and self.dp_strategy == "ddp")):
             reasons.append(f"context parallel {self.cp} with {self.dp_strategy}")
-        for name, value, limit in (("pipeline parallel", self.pp, RUNNABLE_PP), ("expert parallel", self.ep, RUNNABLE_EP)):
-            if value > limit:
-                reasons.append(f"{name} {value}")
+        if self.pp > 1:
+            reasons += self._pipeline_reasons()
+        if self.ep > RUNNABLE_EP:
+            reasons.append(f"expert parallel {self.ep}")
+        return reasons
+
+    def _pipeline_reasons(self) -> list[str]:
+        """What the trainer refuses in a pipeline layout (config.dims, distributed/pipeline_parallel.py,
+        torch's schedules). The model's side (blocks >= stages) is search.evaluate's."""
+        pp, v, m, name = self.pp, self.pp_virtual, self.grad_accum, self.pp_schedule
+        reasons = []
+        if self.cp > 1:
+            reasons.append(f"pipeline parallel {pp} with context parallel {self.cp}")
+        if self.dp_strategy not in PP_DP_STRATEGIES:
+            reasons.append(f"pipeline parallel {pp} with {self.dp_strategy}")
+        if self.fused_loss:
+            reasons.append(f"pipeline parallel {pp} with the fused loss")
+        if self.precision == "fp16":
+            reasons.append(f"pipeline parallel {pp} with fp16 loss scaling")
+        if (name in ONE_STAGE_SCHEDULES and v != 1) or (name in V_SCHEDULES and v != 2):
+            reasons.append(f"pipeline parallel {pp}: {name} with {v} stages per rank "
+                           f"(it runs {1 if name in ONE_STAGE_SCHEDULES else 2})")
+        # torch's minimums: 1F1B at least pp micro-batches, DualPipeV at least its stages; the
+        # round schedules a multiple of their m // pp rounds
+        least = {"1f1b": pp, "dualpipev": pp * v}.get(name, 1)
+        if m < least:
+            reasons.append(f"pipeline parallel {pp}: {name} with {m} micro-batches (needs {least})")
+        elif name in ROUND_SCHEDULES and m % max(1, m // pp):
+            reasons.append(f"pipeline parallel {pp}: {name} with {m} micro-batches "
+                           f"(not a multiple of its {m // pp} rounds)")
         return reasons
 
     def label(self) -> str:
@@ -188,6 +248,14 @@ def strategy_overrides(s: Strategy, seq_len: int) -> dict[str, object]:
     # Always written, so a layout laid over a config replaces its degrees (tp 1 over a tp 2 config too).
     values["parallel.cp"] = s.cp
     values["parallel.tp"] = s.tp
+    # The pipeline: one planner micro-batch is one pipeline micro-batch (the mb x grad_accum
+    # sequences of a step split into grad_accum); without one, the defaults (a pp config reset).
+    piped = s.pp > 1
+    values["parallel.pp"] = s.pp
+    values["parallel.pp_schedule"] = s.pp_schedule if piped else "1f1b"
+    values["parallel.pp_microbatches"] = s.grad_accum if piped else 0
+    values["parallel.pp_virtual_stages"] = s.pp_virtual if piped else 0
+    values["parallel.pp_layers"] = ""   # balanced: the planner sizes even stages
     values["parallel.sequence_parallel"] = s.sequence_parallel
     values["parallel.loss_parallel"] = True  # what the planner's memory model assumes: logits stay sharded
     return values
@@ -206,8 +274,10 @@ def strategy_from_config(cfg, world: int, dp_strategy: str | None = None, dp_sha
     with dp_strategy given, `world` is the data-parallel degree the caller resolved.
 
     The data-parallel strategy and hsdp's shard size are resolved exactly as the trainer
-    resolves them (config.dims.resolve_parallel_dims), unless given. Activation offload
-    is not modelled: it is planned as "none", which over-states its memory, never under-states.
+    resolves them (config.dims.resolve_parallel_dims: dp = world / (tp x pp x cp)), unless given.
+    A pipeline's micro-batches are parallel.pp_microbatches (0: one sequence each), each of
+    mb x grad_accum / pp_microbatches sequences. Activation offload is not modelled: it is
+    planned as "none", which over-states its memory, never under-states.
     """
     dp = world  # a caller that resolved the degrees passes the data-parallel degree
     if dp_strategy is None:
@@ -216,8 +286,17 @@ def strategy_from_config(cfg, world: int, dp_strategy: str | None = None, dp_sha
         dims = resolve_parallel_dims(cfg.parallel, world, world)
         dp_strategy, dp_shard, dp = dims.strategy, dims.dp_shard, dims.dp
     ac = cfg.activations.checkpointing if cfg.activations.checkpointing in AC_MODES else "none"
+    p = cfg.parallel
+    micro_batch, grad_accum = cfg.train.micro_batch_size, cfg.train.grad_accum_steps
+    if p.pp > 1:
+        # The pipeline splits a rank's mb x grad_accum sequences into pp_microbatches (0: one each).
+        sequences = micro_batch * grad_accum
+        grad_accum = p.pp_microbatches or sequences
+        micro_batch = max(1, sequences // grad_accum)
     return Strategy(dp_strategy=dp_strategy, dp=dp, dp_shard=dp_shard if dp_strategy == "hsdp" else 0,
-                    tp=cfg.parallel.tp, cp=cfg.parallel.cp, sequence_parallel=cfg.parallel.sequence_parallel,
-                    micro_batch=cfg.train.micro_batch_size, grad_accum=cfg.train.grad_accum_steps, ac=ac,
+                    tp=p.tp, cp=p.cp, sequence_parallel=p.sequence_parallel,
+                    pp=p.pp, pp_schedule=p.pp_schedule if p.pp > 1 else "1f1b",
+                    pp_virtual=p.pp_virtual_stages if p.pp > 1 else 0,
+                    micro_batch=micro_batch, grad_accum=grad_accum, ac=ac,
                     precision=precision_of(cfg), offload=cfg.parallel.offload, fused_loss=cfg.train.fused_loss,
                     loss_chunk=cfg.train.fused_loss_chunk, fsdp_mixed=cfg.parallel.param_dtype in ("bf16", "fp16"))

@@ -15,7 +15,9 @@ comm         each strategy's exact collective volumes (step_collectives: what sl
              block they prefetch for (only what is longer than the compute shows); TP
              collectives sit on the critical path; CP's ring exchange hides behind attention;
              EP's all-to-all and PP's point-to-point sends are exposed.
-bubble       1F1B / GPipe (p-1)/m, interleaved (p-1)/(m v), zero-bubble ~0 (Qi et al. 2023).
+bubble       pipeline_bubble: the idle fraction f of a pipeline rank's step, so the bubble adds
+             compute x f / (1 - f): GPipe / 1F1B (p-1)/m of the compute, interleaved (p-1)/(v m),
+             zero-bubble schedules 5% of that (Qi et al. 2023).
 offload      parameters up and gradients down over the host link, Adam on the CPU.
 """
 
@@ -28,7 +30,8 @@ from dataclasses import dataclass, field
 from slipstream.models.flops import flops_per_token, param_count
 from slipstream.plan.hardware import Cluster, Link
 from slipstream.plan.memory import block_activation_bytes
-from slipstream.plan.space import PlanModel, Strategy, Workload
+from slipstream.plan.space import (ONE_STAGE_SCHEDULES, SCHEDULE_VIRTUAL, ZERO_BUBBLE_SCHEDULES, PlanModel,
+                                   Strategy, Workload)
 
 # A factor on the compute rate: the fraction of the cluster's matmul rate a whole step
 # sustains. Fitted to the published runs of plan/published.py by plan/report.fit_efficiency
@@ -55,6 +58,35 @@ DDP_UNHIDDEN = 0.1
 HOST_ADAM_GBS = 10.0
 # Bytes Adam reads and writes per parameter on the device (param, grad, two moments, in and out).
 ADAM_BYTES_PER_PARAM = 28
+# What is left of the (interleaved) bubble under a zero-bubble schedule: see pipeline_bubble.
+ZERO_BUBBLE_RESIDUAL = 0.05
+
+
+def pipeline_bubble(schedule: str, pp: int, virtual: int, microbatches: int) -> float:
+    """The pipeline bubble of a schedule: the fraction of a pipeline rank's step time it sits
+    idle (idle / step), for `pp` ranks holding `virtual` stages each and `microbatches`
+    micro-batches per step. The one formula the planner's step time and the trainer's planned
+    bubble use; `schedule` is the trainer's name (parallel.pp_schedule).
+
+    gpipe, 1f1b               (p-1) / (m + p-1): the warm-up and cool-down idle p-1 stage-times
+                              of a step of m (Huang et al. 2019; 1F1B only bounds the memory)
+    interleaved-1f1b,         (p-1) / (v m + p-1): the same p-1 slots, each of one of the v
+    looped-bfs                chunks of a stage (Narayanan et al. 2021; BFS loops the same way)
+    interleaved-zero-bubble,  ZERO_BUBBLE_RESIDUAL x the interleaved fraction: splitting the
+    zbv, dualpipev            backward into input and weight gradients lets the deferred weight
+                              passes fill the warm-up and cool-down, ~0 in theory (Qi et al. 2023,
+                              2024); what stays is the uneven F / B / W times and the sends,
+                              which the formula does not see, kept as a small 5%.
+
+    gpipe and 1f1b run one stage per rank whatever `virtual` says.
+    """
+    if schedule not in SCHEDULE_VIRTUAL:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; valid: {', '.join(SCHEDULE_VIRTUAL)}")
+    if pp <= 1:
+        return 0.0
+    v = 1 if schedule in ONE_STAGE_SCHEDULES else max(1, virtual)
+    idle = (pp - 1) / (v * max(1, microbatches) + pp - 1)
+    return idle * ZERO_BUBBLE_RESIDUAL if schedule in ZERO_BUBBLE_SCHEDULES else idle
 
 
 @dataclass
@@ -311,12 +343,9 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
     collectives = step_collectives(model, s, work)  # the bytes every comm term below moves
     # ---- pipeline bubble
     if s.pp > 1:
-        bubble = (s.pp - 1) / micro_batches
-        if s.pp_schedule == "interleaved":
-            bubble /= s.pp_virtual
-        elif s.pp_schedule == "zero-bubble":
-            bubble *= 0.05
-        out["pp_bubble"] = compute_s * bubble
+        # idle for a fraction f of the step: compute is (1 - f) of it, the bubble f / (1 - f) x compute
+        idle = pipeline_bubble(s.pp_schedule, s.pp, s.pp_virtual, micro_batches)
+        out["pp_bubble"] = compute_s * idle / (1.0 - idle)
         p2p_bytes = tokens_micro * cfg.d_model * (2 if s.precision != "fp32" else 4) / (s.tp if s.sequence_parallel else 1)
         link = cluster.link_for(s.pp, s.tp * s.cp * s.dp)
         # one send forward and one backward per micro-batch per stage boundary; the first and last are exposed
