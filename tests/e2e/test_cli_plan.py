@@ -146,19 +146,29 @@ def test_plan_user_errors(capsys, args, message):
     assert code == 2 and err.startswith("error: ") and message in err
 
 
-def test_prime_batch_runnable_only(capsys, tmp_path):
-    prime = ["plan", "--model", "gpt2", "--gpus", "8xH100", "--seq", "1024", "--global-batch", "7", "--runnable-only"]
-    code, out, err = run(capsys, *prime, "--pp", "1")
+def test_prime_batch_runnable_only(capsys):
+    code, out, err = run(capsys, "plan", "--model", "gpt2", "--gpus", "8xH100", "--seq", "1024",
+                         "--global-batch", "7", "--runnable-only")
     assert code == 2 and "no layout divides the work" in err
-    # a pipeline runs the 7 sequences as 7 micro-batches over tp x pp = 8 ranks (issue 14)
+
+
+def test_plan_write_config_pipeline(capsys, tmp_path):
+    """A pipeline plan writes the config the trainer runs: its degrees, schedule and micro-batches
+    pass the trainer's own checks (issue 14)."""
+    from slipstream.config.dims import check_compatibility, resolve_parallel_dims
+
     target = tmp_path / "pp.toml"
-    code, out, err = run(capsys, *prime, "--json", "--write-config", target)
+    code, out, err = run(capsys, "plan", "--model", "gpt2", "--gpus", "8xH100", "--seq", "1024",
+                         "--global-batch", "64", "--pp", "2", "4", "--runnable-only", "--json", "--write-config", target)
     assert code == 0, err
     best = json.loads(out)["ranked"][0]["strategy"]
-    assert best["pp"] > 1 and best["tp"] * best["pp"] == 8 and (best["micro_batch"], best["grad_accum"]) == (1, 7)
-    p = load_config(str(target), []).parallel
-    assert (p.pp, p.tp, p.pp_schedule, p.pp_microbatches, p.pp_virtual_stages) == (
-        best["pp"], best["tp"], best["pp_schedule"], 7, best["pp_virtual"])
+    assert best["pp"] > 1 and best["tp"] == best["cp"] == 1
+    cfg = load_config(str(target), [])
+    p = cfg.parallel
+    assert (p.pp, p.pp_schedule, p.pp_microbatches, p.pp_virtual_stages) == (
+        best["pp"], best["pp_schedule"], best["grad_accum"], best["pp_virtual"])
+    assert (cfg.train.micro_batch_size, cfg.train.grad_accum_steps) == (best["micro_batch"], best["grad_accum"])
+    check_compatibility(cfg, resolve_parallel_dims(p, 8, 8))
 
 
 def test_cost_json(capsys):

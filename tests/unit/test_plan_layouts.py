@@ -218,16 +218,8 @@ def _args(values: dict) -> list[str]:
     return [f"--{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in values.items()]
 
 
-@pytest.fixture
-def pp_allowed(monkeypatch):
-    """config.dims accepts parallel.pp > 1 (NOT_YET listed it until the trainer ran pipelines)."""
-    from slipstream.config import dims
-
-    monkeypatch.setattr(dims, "NOT_YET", {k: v for k, v in dims.NOT_YET.items() if k != "pp"})
-
-
-def test_pipeline_layouts_run_and_round_trip_through_the_config(pp_allowed):
-    for s in (Strategy("fsdp", dp=2, tp=2, pp=2, pp_schedule="interleaved", micro_batch=2, grad_accum=4),
+def test_pipeline_layouts_run_and_round_trip_through_the_config():
+    for s in (Strategy("fsdp", dp=4, pp=2, pp_schedule="interleaved", micro_batch=2, grad_accum=4),
               Strategy("ddp", dp=2, pp=4, pp_schedule="zero-bubble", micro_batch=1, grad_accum=8, fsdp_mixed=False),
               Strategy("hsdp", dp=4, dp_shard=2, pp=2, pp_schedule="gpipe", micro_batch=4, grad_accum=2),
               Strategy("none", pp=8, micro_batch=1, grad_accum=8, precision="fp32", fsdp_mixed=False)):
@@ -248,7 +240,7 @@ def test_a_layout_laid_over_a_pipeline_config_resets_it():
     assert (p.pp, p.pp_schedule, p.pp_microbatches, p.pp_virtual_stages, p.pp_layers) == (1, "1f1b", 0, 0, "")
 
 
-def test_pipeline_config_defaults_are_planned_as_the_trainer_runs_them(pp_allowed):
+def test_pipeline_config_defaults_are_planned_as_the_trainer_runs_them():
     """pp_microbatches 0 is one sequence per micro-batch; pp_virtual_stages 0 the schedule's count."""
     args = [*PP_MODEL, "--parallel.pp=2", "--parallel.dp_strategy=fsdp", "--train.micro_batch_size=2",
             "--train.grad_accum_steps=4"]
@@ -260,6 +252,7 @@ def test_pipeline_config_defaults_are_planned_as_the_trainer_runs_them(pp_allowe
 
 @pytest.mark.parametrize("changes, reason", [
     ({"cp": 2, "dp": 1}, "pipeline parallel 2 with context parallel 2"),
+    ({"tp": 2, "dp": 2, "dp_strategy": "fsdp"}, "pipeline parallel 2 with tensor parallel 2"),
     ({"dp_strategy": "zero1"}, "pipeline parallel 2 with zero1"),
     ({"dp_strategy": "zero2"}, "pipeline parallel 2 with zero2"),
     ({"fused_loss": True}, "pipeline parallel 2 with the fused loss"),
@@ -281,6 +274,7 @@ def test_pipeline_layouts_the_trainer_refuses_stay_planned_and_flagged(changes, 
     with pytest.raises(UserError, match="slipstream cannot run yet"):
         strategy_overrides(s, 1024)
 
+
 def test_a_pipeline_needs_a_block_per_stage():
     small = PlanModel("gpt2-3", dataclasses.replace(resolve_model("gpt2").cfg, n_layer=3))
     s = Strategy("ddp", dp=4, pp=2, pp_schedule="interleaved-1f1b", micro_batch=2, grad_accum=2)
@@ -290,50 +284,46 @@ def test_a_pipeline_needs_a_block_per_stage():
 
 
 def _trainer_accepts(cfg, world: int) -> None:
-    """The trainer's checks of a pipeline config that need no process group."""
-    from slipstream.config.dims import resolve_parallel_dims
+    """The trainer's checks of a pipeline config that need no process group (load_config has run
+    the config's own pipeline rules, config.dims.check_pipeline_config)."""
+    from slipstream.config.dims import check_compatibility, resolve_parallel_dims
     from slipstream.distributed.pipeline_parallel import check_schedule, split_layers
 
     dims = resolve_parallel_dims(cfg.parallel, world, world)
+    check_compatibility(cfg, dims)
     assert dims.pp == cfg.parallel.pp > 1
     virtual = cfg.parallel.pp_virtual_stages
     check_schedule(cfg.parallel.pp_schedule, virtual)
     assert len(split_layers(cfg.model.n_layer, dims.pp * virtual)) == dims.pp * virtual
     sequences = cfg.train.micro_batch_size * cfg.train.grad_accum_steps
     assert sequences % cfg.parallel.pp_microbatches == 0
-    return dims
 
 
-def test_the_best_runnable_pipeline_is_a_config_the_trainer_accepts(pp_allowed, tmp_path):
+def test_the_best_runnable_pipeline_is_a_config_the_trainer_accepts(tmp_path):
     """--write-config of a pipeline plan: load_config (the config's own pipeline rules), the
     degrees, the data-parallel combination and the schedule all pass."""
-    from slipstream.config.dims import check_compatibility
     from slipstream.plan.render import write_best_config
+
     cfg = load_config(None, PP_MODEL)
     model, cluster = PlanModel("tiny-8", cfg.model), make_cluster("8xH100")
-    result = plan(model, cluster, Workload(256, 32), pp=(2, 4), tp=(1,), ac=("none",))
+    result = plan(model, cluster, Workload(256, 32), pp=(2, 4), ac=("none",))
     best = result.best(runnable_only=True)
     assert best is not None and best.strategy.pp > 1
     path = tmp_path / "pp.toml"
     write_best_config(result, str(path))
     written = load_config(str(path), [])
     assert (written.parallel.pp, written.parallel.pp_schedule) == (best.strategy.pp, best.strategy.pp_schedule)
-    dims = _trainer_accepts(written, cluster.world)
-    check_compatibility(written, dims)
+    _trainer_accepts(written, cluster.world)
 
 
-def test_every_schedule_proposes_pipelines_the_trainer_accepts(pp_allowed):
-    """The best runnable layout of each schedule (with tp too) passes the trainer's config checks."""
+def test_every_proposed_pipeline_is_a_config_the_trainer_accepts():
+    """Every runnable pipeline layout of every schedule passes the trainer's config checks."""
     cfg = load_config(None, PP_MODEL)
     model, cluster = PlanModel("tiny-8", cfg.model), make_cluster("8xH100")
-    result = plan(model, cluster, Workload(256, 32), pp=(2, 4), ac=("none",), micro_batches=(1, 2),
+    result = plan(model, cluster, Workload(256, 32), pp=(2, 4), ac=("none",), micro_batches=(1, 2, 4),
                   pp_schedules=tuple(SCHEDULE_VIRTUAL))
-    best = {}
-    for c in result.ranked:
-        if not c.not_runnable:
-            best.setdefault(c.strategy.pp_schedule, c.strategy)
-    assert set(best) == set(SCHEDULE_VIRTUAL)
-    assert any(s.tp > 1 for c in result.ranked if not c.not_runnable for s in [c.strategy])
-    for s in best.values():
+    runnable = [c.strategy for c in result.ranked if not c.not_runnable]
+    assert {s.pp_schedule for s in runnable} == set(SCHEDULE_VIRTUAL)
+    for s in runnable:
         written = load_config(None, [*PP_MODEL, *_args(strategy_overrides(s, 256))])
         _trainer_accepts(written, s.world)

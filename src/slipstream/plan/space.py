@@ -16,7 +16,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from slipstream.config.schema import ModelConfig
+from slipstream.config.dims import PP_ONE_STAGE, PP_V_SHAPED
+from slipstream.config.schema import ModelConfig, ParallelConfig
 from slipstream.errors import UserError
 
 DP_STRATEGIES = ("none", "ddp", "zero1", "zero2", "fsdp", "hsdp")
@@ -31,12 +32,11 @@ SHARDS = {
     "fsdp": (True, True, True),
     "hsdp": (True, True, True),
 }
-# parallel.pp_schedule (config/schema.py, run by distributed/pipeline_parallel.py) -> the stages
-# per pipeline rank it runs by default (parallel.pp_virtual_stages = 0).
-SCHEDULE_VIRTUAL = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2, "looped-bfs": 2,
-                    "interleaved-zero-bubble": 2, "zbv": 2, "dualpipev": 2}
-ONE_STAGE_SCHEDULES = ("gpipe", "1f1b")          # exactly 1 stage per rank
-V_SCHEDULES = ("zbv", "dualpipev")               # exactly 2 stages per rank (a V)
+# The schedules the trainer runs (parallel.pp_schedule's choices) -> the stages per pipeline rank
+# each runs by default (parallel.pp_virtual_stages = 0, as config.dims.virtual_stages reads it).
+SCHEDULE_VIRTUAL = {name: 1 if name in PP_ONE_STAGE else 2
+                    for f in dataclasses.fields(ParallelConfig) if f.name == "pp_schedule"
+                    for name in f.metadata["choices"]}
 # Deferred weight gradients fill the warm-up and cool-down (plan/timing.pipeline_bubble).
 ZERO_BUBBLE_SCHEDULES = ("interleaved-zero-bubble", "zbv", "dualpipev")
 # Schedules torch cuts into rounds of m // pp micro-batches: m must be a multiple of the round count.
@@ -52,7 +52,8 @@ RUNNABLE_EP = 1
 TP_DP_STRATEGIES = ("none", "fsdp", "hsdp")
 # Context parallelism runs when the cp ranks average gradients with the data-parallel ones.
 CP_DP_STRATEGIES = ("ddp", "fsdp", "hsdp")
-# Pipeline parallelism runs with these over the data-parallel ranks (and with tp), not with cp.
+# Pipeline parallelism runs with these over the data-parallel ranks; not with cp, nor (yet) with
+# tp: config.dims.check_compatibility refuses pp x tp until the trainer composes them (issue 14).
 PP_DP_STRATEGIES = ("none", "ddp", "fsdp", "hsdp")
 
 
@@ -173,17 +174,19 @@ class Strategy:
         reasons = []
         if self.cp > 1:
             reasons.append(f"pipeline parallel {pp} with context parallel {self.cp}")
+        if self.tp > 1:
+            reasons.append(f"pipeline parallel {pp} with tensor parallel {self.tp}")
         if self.dp_strategy not in PP_DP_STRATEGIES:
             reasons.append(f"pipeline parallel {pp} with {self.dp_strategy}")
         if self.fused_loss:
             reasons.append(f"pipeline parallel {pp} with the fused loss")
         if self.precision == "fp16":
             reasons.append(f"pipeline parallel {pp} with fp16 loss scaling")
-        if (name in ONE_STAGE_SCHEDULES and v != 1) or (name in V_SCHEDULES and v != 2):
+        if (name in PP_ONE_STAGE and v != 1) or (name in PP_V_SHAPED and v != 2):
             reasons.append(f"pipeline parallel {pp}: {name} with {v} stages per rank "
-                           f"(it runs {1 if name in ONE_STAGE_SCHEDULES else 2})")
-        # torch's minimums: 1F1B at least pp micro-batches, DualPipeV at least its stages; the
-        # round schedules a multiple of their m // pp rounds
+                           f"(it runs {1 if name in PP_ONE_STAGE else 2})")
+        # torch's minimums (config.dims.check_pipeline_config): 1F1B at least pp micro-batches,
+        # DualPipeV at least its stages; the round schedules a multiple of their m // pp rounds
         least = {"1f1b": pp, "dualpipev": pp * v}.get(name, 1)
         if m < least:
             reasons.append(f"pipeline parallel {pp}: {name} with {m} micro-batches (needs {least})")

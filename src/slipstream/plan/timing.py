@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from slipstream.models.flops import flops_per_token, param_count
 from slipstream.plan.hardware import Cluster, Link
 from slipstream.plan.memory import block_activation_bytes
-from slipstream.plan.space import (ONE_STAGE_SCHEDULES, SCHEDULE_VIRTUAL, ZERO_BUBBLE_SCHEDULES, PlanModel,
-                                   Strategy, Workload)
+from slipstream.config.dims import PP_ONE_STAGE
+from slipstream.plan.space import SCHEDULE_VIRTUAL, ZERO_BUBBLE_SCHEDULES, PlanModel, Strategy, Workload
 
 # A factor on the compute rate: the fraction of the cluster's matmul rate a whole step
 # sustains. Fitted to the published runs of plan/published.py by plan/report.fit_efficiency
@@ -84,7 +84,7 @@ def pipeline_bubble(schedule: str, pp: int, virtual: int, microbatches: int) -> 
         raise ValueError(f"unknown pipeline schedule {schedule!r}; valid: {', '.join(SCHEDULE_VIRTUAL)}")
     if pp <= 1:
         return 0.0
-    v = 1 if schedule in ONE_STAGE_SCHEDULES else max(1, virtual)
+    v = 1 if schedule in PP_ONE_STAGE else max(1, virtual)
     idle = (pp - 1) / (v * max(1, microbatches) + pp - 1)
     return idle * ZERO_BUBBLE_RESIDUAL if schedule in ZERO_BUBBLE_SCHEDULES else idle
 
