@@ -1,5 +1,5 @@
 """The parallelize chain (distributed/parallelize.py): the order it applies techniques in, where
-a meta-device model is materialized, and the refusal of the parallelisms not implemented yet."""
+a meta-device model is materialized, and the refusal of what a step cannot split."""
 
 from __future__ import annotations
 
@@ -26,12 +26,14 @@ def _meta_model(cfg) -> Transformer:
         return Transformer(cfg.model)
 
 
-def test_pipeline_stage_is_named_and_refused_above_degree_one():
+def test_pipeline_stage_runs_first_and_refuses_a_model_without_a_split():
+    """The chain's first step is the pipeline split (run against one process in
+    tests/e2e/test_launch_pipeline.py); a user module has no split it could cut."""
     cfg = _cfg()
     parallel = init_parallel(cfg)
     wider = dataclasses.replace(parallel, dims=dataclasses.replace(parallel.dims, pp=2))
-    with pytest.raises(UserError, match=r"parallel\.pp = 2: pipeline parallelism is planned but not implemented"):
-        parallelize(Transformer(cfg.model), wider, cfg)
+    with pytest.raises(UserError, match=r"parallel.pp > 1 splits a slipstream Transformer .* Linear has no such split"):
+        parallelize(torch.nn.Linear(4, 4), wider, cfg)
 
 
 @pytest.mark.parametrize("dim, message", [("tp", "must divide model.n_head = 3"),

@@ -98,7 +98,7 @@ def _parallelize_part(model: nn.Module, parallel: Parallel, cfg: Config, device)
 
         model = apply_sync_batchnorm(model, parallel)
 
-    if dims.strategy in REPLICATED:
+    if dims.strategy in REPLICATED and dims.pp == 1:  # a pipeline's stages average their own (pipeline_parallel)
         from slipstream.distributed.data_parallel import apply_ddp
 
         model = apply_ddp(model, cfg, parallel)  # broadcasts rank 0's parameters to every rank

@@ -14,12 +14,22 @@ The model code (models/transformer.py) knows nothing of this: a stage holds the 
 submodules under their original names (`tok_emb`, `blocks.3`, `lm_head`), so the parameter names
 of every stage are those of the unsplit model and checkpoints match across pp degrees.
 
+Tied embeddings (GPT-2): the first stage's table and the last stage's head are one parameter in
+one process. Here the head always holds its own copy (on another rank, or on the same rank under
+a V schedule, where FSDP could not shard one parameter in two stages' units); after each step both
+copies get the sum of their gradients, so they take identical updates and stay equal, and the
+gradient norm counts the table once.
+
 Loss scaling: the schedules' own `scale_grads` divides each stage's gradients by the number of
-micro-batches after the step; a weight shared by two stages of one rank (tied embeddings under a
-V schedule) would be divided twice. So we never let the schedule scale: the loss of each
-micro-batch is divided by the number of micro-batches before its backward (scale_grads=False),
-which gives the single process's mean over the global batch, and the sum of the micro-batch
-losses is the logged (mean) loss.
+micro-batches after the step. We never let the schedule scale: the loss of each micro-batch is
+divided by the number of micro-batches before its backward (scale_grads=False), which gives the
+single process's mean over the global batch, and the sum of the micro-batch losses is the logged
+(mean) loss.
+
+Data parallelism across pipeline replicas: FSDP/HSDP shard each stage (torch's stages drive its
+gradient reduction); with dp_strategy ddp the stages stay plain modules and their gradients are
+averaged over the data-parallel ranks once the schedule has run (torch 2.13's DDP reducer cannot
+follow the multi-stage and GPipe schedules: it asserts on its first bucket rebuild).
 """
 
 from __future__ import annotations
@@ -251,9 +261,7 @@ def split_stages(model: Transformer, stages: list[int], splits: list[range],
     A model on the meta device (no memory) is initialized as one process would: its own
     init_weights runs on meta - it draws every parameter in name order from one generator - and
     each stage keeps only the values of its own parameters. A model with real weights keeps them.
-    A tied head on a stage without the embedding gets the embedding's values (its copy); a tied
-    head on the same rank as the embedding (V schedules) shares the embedding's parameter."""
-    cfg = model.cfg
+    A tied head gets the embedding's values in a parameter of its own (see the module doc)."""
     if not any(p.is_meta for p in model.parameters()):
         return _split_real(model, stages, splits, device)
     n_stages = len(splits)
@@ -272,12 +280,9 @@ def split_stages(model: Transformer, stages: list[int], splits: list[range],
 
     model.init_weights(seed, write=keep)  # every parameter is meta: nothing is written, only drawn
 
-    first = next((m for m in modules if m.is_first), None)
     for module in modules:
-        module.to_empty(device=device)  # allocates this stage's parameters only
-    last = next((m for m in modules if m.is_last), None)
-    if cfg.tie_embeddings and first is not None and last is not None and last is not first:
-        last.lm_head.weight = first.tok_emb.weight  # to_empty() made them two: re-tie (same rank)
+        # Allocates this stage's parameters only; a tied head's table becomes a parameter of its own.
+        module.to_empty(device=device)
     with torch.no_grad():
         for i, module in enumerate(modules):
             for name, param in module.named_parameters(remove_duplicate=False):
@@ -288,13 +293,12 @@ def split_stages(model: Transformer, stages: list[int], splits: list[range],
 
 def _split_real(model: Transformer, stages: list[int], splits: list[range],
                 device: str | torch.device) -> list[TransformerStage]:
-    """Stages of a model that already holds its weights: they keep them (a tied head on a rank
-    without the embedding gets a copy of the table)."""
+    """Stages of a model that already holds its weights: they keep them (a tied head gets a copy of
+    the table in a parameter of its own)."""
     n_stages = len(splits)
     modules = [TransformerStage(model, splits[s], s == 0, s == n_stages - 1) for s in stages]
-    has_first = any(m.is_first for m in modules)
     for module in modules:
-        if module.is_last and model.cfg.tie_embeddings and not has_first:
+        if module.is_last and model.cfg.tie_embeddings:
             module.lm_head.weight = nn.Parameter(model.tok_emb.weight.detach().clone())
         module.to(device)
         module.init_stage_buffers()
@@ -325,7 +329,9 @@ class Pipeline:
     n_microbatches: int
     pp_group: Any = None               # the process group of the pipeline's ranks
     last_rank: int = 0                 # the pp rank (in pp_group) holding the last stage: it has the loss
-    tied_group: Any = None             # the group of the 2 ranks holding a copy of a tied embedding, or None
+    tied: bool = False                 # tied embeddings: the head's copy and the table sum their gradients
+    tied_group: Any = None             # the group of the 2 ranks holding the copies (None: both here, or neither)
+    dp_group: Any = None               # dp_strategy ddp: gradients are averaged over this group after a step
     busy_s: float = 0.0                # host time this rank spent in its stages' forward/backward chunks
     step_s: float = 0.0                # wall time of the schedule's steps (busy_s / step_s: 1 - bubble)
     has_first: bool = field(init=False)
@@ -342,9 +348,9 @@ class Pipeline:
 
     @property
     def tied_copy(self) -> nn.Parameter | None:
-        """The last stage's copy of a tied embedding when the first stage is on another rank (its
-        gradient is the table's, already counted on the first stage's rank), else None."""
-        if self.tied_group is None or self.has_first:
+        """The head's copy of a tied embedding on this rank (its gradient is the table's, counted
+        with the first stage), else None."""
+        if not self.tied or not self.has_last:
             return None
         return next(m for m in self.modules if m.is_last).lm_head.weight
 
@@ -414,7 +420,7 @@ def assemble_pipeline(cfg: ModelConfig, schedule: str, modules: list[Transformer
     pp_size = dist.get_world_size(pp_group)
     return Pipeline(build_schedule(schedule, stages, n_microbatches, loss_fn), modules, stages, n_microbatches,
                     pp_group=pp_group, last_rank=stage_rank(schedule, n_stages - 1, pp_size),
-                    tied_group=_tied_group(cfg, schedule, pp_group, n_stages))
+                    tied=cfg.tie_embeddings, tied_group=_tied_group(cfg, schedule, pp_group, n_stages))
 
 
 def build_pipeline(cfg: ModelConfig, schedule: str, pp_group: dist.ProcessGroup, n_microbatches: int,
@@ -434,12 +440,12 @@ def build_pipeline(cfg: ModelConfig, schedule: str, pp_group: dist.ProcessGroup,
 
 
 def _tied_group(cfg: ModelConfig, schedule: str, pp_group: dist.ProcessGroup, n_stages: int):
-    """Tied embeddings with the embedding and the head on two ranks: both hold a copy, and each copy
-    must get the sum of both gradients. Returns the group of those two ranks on them, else None."""
+    """Tied embeddings with the embedding and the head on two ranks: the group of those two ranks
+    on them (each copy must get the sum of both gradients), else None."""
     pp_size = dist.get_world_size(pp_group)
     owners = (stage_rank(schedule, 0, pp_size), stage_rank(schedule, n_stages - 1, pp_size))
     if not cfg.tie_embeddings or owners[0] == owners[1]:
-        return None  # untied, or both stages on one rank (V): one shared parameter
+        return None  # untied, or both copies on one rank (V): summed without communication
     if pp_size == 2:
         return pp_group if dist.get_rank(pp_group) in owners else None
     ranks = dist.get_process_group_ranks(pp_group)
@@ -458,13 +464,32 @@ def sum_tied_embedding_grads(pipe: Pipeline) -> None:
     """Make both copies of a tied embedding hold the sum of the embedding's and the head's gradient
     (what the single parameter gets in one process). Under FSDP both copies are sharded alike over
     the same data-parallel ranks, so summing the local shards sums the tables."""
-    if pipe.tied_group is None:
+    if not pipe.tied:
         return
-    module = next(m for m in pipe.modules if m.is_first or m.is_last)
-    weight = module.tok_emb.weight if module.is_first else module.lm_head.weight
-    if weight.grad is None:
-        weight.grad = torch.zeros_like(weight)
-    dist.all_reduce(_local(weight.grad), group=pipe.tied_group)  # communicates: the tied table's gradient, 2 pp ranks
+    copies = [m.tok_emb.weight for m in pipe.modules if m.is_first] + [m.lm_head.weight for m in pipe.modules if m.is_last]
+    for weight in copies:
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+    if len(copies) == 2:  # both on this rank (V schedules)
+        total = copies[0].grad + copies[1].grad
+        for weight in copies:
+            weight.grad.copy_(total)
+    elif pipe.tied_group is not None:
+        dist.all_reduce(_local(copies[0].grad), group=pipe.tied_group)  # communicates: the tied table's gradient, 2 pp ranks
+
+
+def average_over_data_parallel(pipe: Pipeline) -> None:
+    """dp_strategy ddp under a pipeline: every gradient of this rank's stages averaged over the
+    data-parallel ranks of the same stages, in one flat buffer (as DDP's buckets would)."""
+    if pipe.dp_group is None:
+        return
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    grads = [p.grad for p in named_parameters(pipe.modules).values() if p.grad is not None]
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=pipe.dp_group)  # communicates: all gradients, dp ranks
+    for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
+        grad.copy_(averaged)
 
 
 def pipeline_step(pipe: Pipeline, inputs: torch.Tensor | None, targets: torch.Tensor | None) -> torch.Tensor:
@@ -492,6 +517,7 @@ def pipeline_step(pipe: Pipeline, inputs: torch.Tensor | None, targets: torch.Te
     pipe.schedule.step(*args, target=targets if pipe.has_last else None, losses=losses, **extra)
     pipe.step_s += time.perf_counter() - start
     sum_tied_embedding_grads(pipe)
+    average_over_data_parallel(pipe)
     if pipe.has_last:
         loss = torch.stack([loss.detach().float() for loss in losses]).sum()  # each is already divided by n_microbatches
     else:
@@ -616,4 +642,6 @@ def apply_pipeline_parallel(model: Transformer, parallel: Any, cfg: Any,
     parts = [parallelize_stage(module) for module in modules]
     pipe = assemble_pipeline(model.cfg, p.pp_schedule, modules, parts, indices, n_stages, pp_group,
                              pp_microbatches(cfg), lm_loss, parallel.device)
+    if parallel.dims.strategy == "ddp" and parallel.dims.dp > 1:
+        pipe.dp_group = parallel.dp_mesh.get_group()  # see the module doc: no DDP wrapper under a pipeline
     return PipelineModel(pipe)

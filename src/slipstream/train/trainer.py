@@ -403,10 +403,16 @@ class Trainer:
     def _pipeline_record(self) -> dict[str, Any]:
         """The pipeline's measured bubble over the interval: the ranks' mean idle share of the
         schedule's wall time (CPU only: there the stages' host time is their compute time)."""
+        from slipstream.config.dims import pp_microbatches, virtual_stages
+        from slipstream.plan.timing import pipeline_bubble
+
+        p = self.cfg.parallel
+        planned = pipeline_bubble(p.pp_schedule, p.pp, virtual_stages(p), pp_microbatches(self.cfg))
         bubble = self._pipeline.take_bubble()
         if self.device.type != "cpu" or bubble is None:
-            return {"pp_bubble": None}
-        return {"pp_bubble": self.parallel.mean(torch.tensor(bubble)).item()}  # all-reduce + host sync, at the log
+            return {"pp_bubble": None, "pp_bubble_planned": planned}
+        measured = self.parallel.mean(torch.tensor(bubble)).item()  # all-reduce + host sync, at the log only
+        return {"pp_bubble": measured, "pp_bubble_planned": planned}
 
     def _evaluate_and_log(self, loggers: RunLoggers, progress):
         with self._label("eval"):
@@ -507,6 +513,9 @@ class Trainer:
                 "step_peak_categories": report.categories if report is not None else None,
                 # All gradients exist at the end of backward: the clearest view of what a strategy shards.
                 "backward_end_categories": report.phase_categories["backward"]["end"] if report is not None else None}
+        if self._pipeline is not None:  # which blocks each of this rank's stages holds
+            mine["pp_stages"] = {s.stage_index: list(m.layers) for s, m in zip(self._pipeline.stages,
+                                                                                 self._pipeline.modules)}
         per_device = summary["tokens_per_s"] / self.parallel.world_size if summary["tokens_per_s"] else None
         return {"world_size": self.parallel.world_size, "dp_strategy": self.parallel.dims.strategy,
                 "mesh": [list(dim) for dim in self.parallel.dims.mesh_dims],
