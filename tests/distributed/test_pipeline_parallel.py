@@ -153,8 +153,7 @@ def test_bad_pipeline_config_is_refused_when_loaded(extra, message):
 @pytest.mark.parametrize("extra, world, message", [
     (["--parallel.dp_strategy=zero1"], 4, "runs with dp_strategy none, ddp, fsdp or hsdp"),
     (["--parallel.dp_strategy=zero2"], 4, "runs with dp_strategy none, ddp, fsdp or hsdp"),
-    (["--parallel.tp=2", "--parallel.dp_strategy=fsdp"], 4, "does not compose with parallel.tp or parallel.cp yet"),
-    (["--parallel.cp=2", "--parallel.dp_strategy=fsdp"], 4, "does not compose with parallel.tp or parallel.cp yet"),
+    (["--parallel.cp=2", "--parallel.dp_strategy=fsdp"], 4, "does not compose with parallel.cp yet"),
     (["--parallel.dp_strategy=ddp", "--parallel.local_sgd_period=2"], 4, "local_sgd_period with parallel.pp"),
     ([], 3, "does not divide the world size 3"),
 ])

@@ -126,6 +126,34 @@ def test_pipeline_with_data_parallel_trains_like_one_process(strategy, extra, re
     assert summary["dp_strategy"] == strategy
 
 
+GPT2_TP = ["--model.n_head=4"]  # heads tp 2 divides
+LLAMA = ["--model.position=rope", "--model.norm=rmsnorm", "--model.mlp=swiglu", "--model.n_head=4",
+         "--model.n_kv_head=2", "--model.bias=false", "--model.tie_embeddings=false"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("model, extra", [
+    # GPT-2 (tied table, learned positions) on a V: the table and its copy on one rank, vocabulary-sharded;
+    # sequence and loss parallel on (the defaults).
+    (GPT2_TP, ["--parallel.pp_schedule=zbv"]),
+    # Llama (RoPE on a stream cut along the sequence, GQA, SwiGLU, untied) interleaved.
+    (LLAMA, ["--parallel.pp_schedule=interleaved-1f1b"]),
+], ids=["gpt2-zbv", "llama-interleaved"])
+def test_pipeline_with_tensor_parallel_trains_like_one_process(model, extra, data_dir, tmp_path):
+    """The 3D mesh's pp x tp: [pp 2, tp 2] at world 4 against one process of the same model."""
+    single = tmp_path / "single"
+    train_lm(load_config(None, COMMON + model + [f"--data.dir={data_dir}", f"--run.dir={single}",
+                                                 "--train.micro_batch_size=8"]))
+    run = tmp_path / "run"
+    proc = _launch(COMMON + model + [f"--data.dir={data_dir}", f"--run.dir={run}", "--train.micro_batch_size=8",
+                                     "--parallel.pp=2", "--parallel.tp=2", *extra], nproc=4)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "[pp 2 x dp_replicate 1 x tp 2]" in proc.stdout
+    _close(_losses(run), _losses(single))
+    _close(_val_losses(run), _val_losses(single))
+    _check_pipeline_ran(run, pp=2, dp=2)  # each tp rank of a stage holds its blocks (split over tp)
+
+
 # --- checkpoints: the unsplit names, resumed at another pipeline degree ------------------------------
 
 def test_a_pipeline_checkpoint_holds_the_unsplit_names(pp2_1f1b):

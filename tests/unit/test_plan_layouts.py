@@ -252,7 +252,6 @@ def test_pipeline_config_defaults_are_planned_as_the_trainer_runs_them():
 
 @pytest.mark.parametrize("changes, reason", [
     ({"cp": 2, "dp": 1}, "pipeline parallel 2 with context parallel 2"),
-    ({"tp": 2, "dp": 2, "dp_strategy": "fsdp"}, "pipeline parallel 2 with tensor parallel 2"),
     ({"dp_strategy": "zero1"}, "pipeline parallel 2 with zero1"),
     ({"dp_strategy": "zero2"}, "pipeline parallel 2 with zero2"),
     ({"fused_loss": True}, "pipeline parallel 2 with the fused loss"),

@@ -213,9 +213,9 @@ def check_compatibility(cfg: Config, dims: ParallelDims) -> None:
     if dims.pp > 1 and s not in ("none", "ddp", "fsdp", "hsdp"):
         raise UserError(f"parallel.pp > 1 runs with dp_strategy none, ddp, fsdp or hsdp over the pipeline replicas; "
                         f"got {s}. Use --parallel.dp_strategy=fsdp (or ddp)")
-    if dims.pp > 1 and (dims.cp > 1 or dims.tp > 1):
-        raise UserError("parallel.pp > 1 does not compose with parallel.tp or parallel.cp yet; set "
-                        "--parallel.tp=1 --parallel.cp=1 (or --parallel.pp=1)")
+    if dims.pp > 1 and dims.cp > 1:
+        raise UserError("parallel.pp > 1 does not compose with parallel.cp yet; set --parallel.cp=1 "
+                        "(or --parallel.pp=1)")
     if dims.pp > 1 and p.local_sgd_period:
         raise UserError("parallel.local_sgd_period with parallel.pp > 1 is not supported; set it to 0")
     if dims.cp > 1 and dims.tp > 1 and s == "ddp":

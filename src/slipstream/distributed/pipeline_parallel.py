@@ -196,6 +196,8 @@ class TransformerStage(nn.Module):
         super().__init__()
         self.cfg = model.cfg
         self.is_first, self.is_last = is_first, is_last
+        self.stream_shards = 1                # set by tensor parallelism with sequence parallel
+        self.logits_masked_by_head = False    # set by tensor parallelism (its head masks each shard)
         self.layers = layers
         if is_first:
             self.tok_emb = model.tok_emb
@@ -216,7 +218,9 @@ class TransformerStage(nn.Module):
             self.rope_cos = self.rope_sin = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        T = x.shape[1]
+        # The full sequence length (the RoPE tables' rows): a later stage's input is the residual
+        # stream, cut along the sequence into stream_shards pieces under sequence parallelism.
+        T = x.shape[1] * (1 if self.is_first else self.stream_shards)
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
         if self.is_first:  # x: token ids (B, T)
@@ -230,7 +234,7 @@ class TransformerStage(nn.Module):
         if not self.is_last:
             return x
         logits = self.lm_head(self.final_norm(x))
-        if logits.shape[-1] > self.cfg.vocab_size:
+        if logits.shape[-1] > self.cfg.vocab_size and not self.logits_masked_by_head:
             # As Transformer.forward: padded vocabulary rows take no probability (in place: linear's
             # backward needs its inputs, not its output).
             logits[..., self.cfg.vocab_size:] = float("-inf")
@@ -470,6 +474,10 @@ def sum_tied_embedding_grads(pipe: Pipeline) -> None:
     for weight in copies:
         if weight.grad is None:
             weight.grad = torch.zeros_like(weight)
+        elif hasattr(weight.grad, "placements") and weight.grad.placements != weight.placements:
+            # tensor parallel: the table's gradient may come replicated where the table is sharded;
+            # both copies' local shards must line up row for row before they are summed.
+            weight.grad = weight.grad.redistribute(weight.device_mesh, weight.placements)
     if len(copies) == 2:  # both on this rank (V schedules)
         total = copies[0].grad + copies[1].grad
         for weight in copies:
@@ -519,7 +527,10 @@ def pipeline_step(pipe: Pipeline, inputs: torch.Tensor | None, targets: torch.Te
     sum_tied_embedding_grads(pipe)
     average_over_data_parallel(pipe)
     if pipe.has_last:
-        loss = torch.stack([loss.detach().float() for loss in losses]).sum()  # each is already divided by n_microbatches
+        from slipstream.distributed.data_parallel import full_value
+
+        # each is already divided by n_microbatches (loss parallel: a replicated DTensor, no communication)
+        loss = torch.stack([full_value(loss).detach().float() for loss in losses]).sum()
     else:
         loss = torch.zeros((), device=pipe.stages[0].device)
     return _from_last_stage(pipe, loss)
@@ -575,42 +586,57 @@ class PipelineModel(nn.Module):
 def pipeline_sequence_losses(pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Per-sequence mean token losses (B,) of a batch, on every pp rank: the stages run one after
     the other (evaluation needs no overlap), each rank passing its stage's output on; the last
-    stage scores the batch and the losses are sent to every pp rank. Any batch size works."""
+    stage scores the batch and the losses are sent to every pp rank. Any batch size works.
+    (Under loss parallelism the caller's context makes the cross-entropy run on vocabulary shards.)"""
     import torch.nn.functional as F
+
+    from slipstream.distributed.data_parallel import full_value
 
     pp_size = dist.get_world_size(pipe.pp_group)
     me = dist.get_rank(pipe.pp_group)
-    by_index = {stage.stage_index: (module, stage) for module, stage in zip(pipe.modules, pipe.stages)}
+    by_index = {stage.stage_index: module for module, stage in zip(pipe.modules, pipe.stages)}
     n_stages = pipe.stages[0].num_stages
     schedule = _schedule_name(pipe)
-    B, T = inputs.shape
-    d = pipe.modules[0].cfg.d_model
+    B = inputs.shape[0]
     hidden = None
     for index in range(n_stages):
         owner = stage_rank(schedule, index, pp_size)
         if owner != me:
             continue
-        if index > 0:
-            previous = stage_rank(schedule, index - 1, pp_size)
-            if previous != me:
-                hidden = torch.empty(B, T, d, device=inputs.device)
-                # communicates: the previous stage's output (fp32), from its pp rank
-                dist.recv(hidden, src=dist.get_global_rank(pipe.pp_group, previous), group=pipe.pp_group)
-        module = by_index[index][0]
-        out = module(inputs if index == 0 else hidden)
+        previous = stage_rank(schedule, index - 1, pp_size) if index > 0 else me
+        if previous != me:
+            hidden = _recv_tensor(pipe, previous, inputs.device)
+        out = by_index[index](inputs if index == 0 else hidden)
         if index == n_stages - 1:
             logits = out.float()
-            losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1),
-                                     reduction="none").view(B, T).mean(dim=1)
+            losses = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none")
+            losses = full_value(losses).view(targets.shape).mean(dim=1)
             break
         hidden = out.float()
         following = stage_rank(schedule, index + 1, pp_size)
         if following != me:
-            # communicates: this stage's output (fp32), to the next stage's pp rank
-            dist.send(hidden.contiguous(), dst=dist.get_global_rank(pipe.pp_group, following), group=pipe.pp_group)
+            _send_tensor(pipe, hidden, following)
     if not pipe.has_last:
         losses = torch.zeros(B, device=inputs.device)
     return _from_last_stage(pipe, losses)
+
+
+def _send_tensor(pipe: Pipeline, tensor: torch.Tensor, to: int) -> None:
+    """An fp32 tensor of any shape to pp rank `to`: its shape first (the stream's length depends on
+    sequence parallelism and the batch), then the values."""
+    dst = dist.get_global_rank(pipe.pp_group, to)
+    shape = torch.tensor(list(tensor.shape) + [0] * (4 - tensor.dim()), dtype=torch.int64, device=tensor.device)
+    dist.send(shape, dst=dst, group=pipe.pp_group)  # communicates: 4 ints to the next stage's pp rank
+    dist.send(tensor.contiguous(), dst=dst, group=pipe.pp_group)  # communicates: the stage's output
+
+
+def _recv_tensor(pipe: Pipeline, source: int, device: torch.device) -> torch.Tensor:
+    src = dist.get_global_rank(pipe.pp_group, source)
+    shape = torch.zeros(4, dtype=torch.int64, device=device)
+    dist.recv(shape, src=src, group=pipe.pp_group)  # communicates: the shape, from the previous stage's pp rank
+    tensor = torch.empty([int(n) for n in shape.tolist() if n], device=device)  # host sync: the shape
+    dist.recv(tensor, src=src, group=pipe.pp_group)  # communicates: the previous stage's output
+    return tensor
 
 
 def _schedule_name(pipe: Pipeline) -> str:

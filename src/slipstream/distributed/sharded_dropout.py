@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+from slipstream.models.transformer import block_slots
 
 # base + a rank index stays a valid 64-bit seed. (The CPU generator keeps a seed's low 32 bits:
 # base + index still differs there for every index.)
@@ -117,9 +118,11 @@ def shard_dropout_rng(model: nn.Module, mesh, stream_sharded: bool) -> nn.Module
         return model
     if not stream_sharded:  # the residual stream is replicated over `mesh`: its masks must agree
         share_generator_state(mesh)
-    modules = [block.attn for block in model.blocks]  # scaled_dot_product_attention's dropout_p
+    blocks = [block for _, block in block_slots(model)]  # a pipeline stage holds some of them
+    modules = [block.attn for block in blocks]  # scaled_dot_product_attention's dropout_p
     if stream_sharded:
-        modules += [model.emb_dropout, *(block.dropout for block in model.blocks)]
+        embedding = [model.emb_dropout] if hasattr(model, "emb_dropout") else []
+        modules += [*embedding, *(block.dropout for block in blocks)]
     for module in modules:
         streams = getattr(module, "_rank_streams", None)
         if streams is None:

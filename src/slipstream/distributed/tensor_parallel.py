@@ -168,10 +168,14 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
     the module doc)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from slipstream.models.transformer import Transformer, padded_vocab_size
+    from slipstream.distributed.pipeline_parallel import TransformerStage
+    from slipstream.models.transformer import Transformer, block_slots, padded_vocab_size
 
-    if not isinstance(model, Transformer):
+    if not isinstance(model, (Transformer, TransformerStage)):
         return apply_user_plan(model, tp_mesh, cfg)
+    # A pipeline stage holds some blocks, the embedding only if it is the first stage, the
+    # final norm and head only if it is the last: the plan splits what the module holds.
+    has_embedding, has_head = hasattr(model, "tok_emb"), hasattr(model, "lm_head")
     (Replicate, Shard, ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput,
      ReplicateParallel, VocabParallelHead) = _styles()
     Colwise, Rowwise, PrepareInput, input_kwargs = _block_linear_styles(model, tp_mesh.size())
@@ -179,21 +183,23 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
     stream = Shard(1) if sp else Replicate()  # the residual stream between the TP regions
     norm = SequenceParallel if sp else ReplicateParallel
 
-    plan: dict[str, Any] = {
+    plan: dict[str, Any] = {}
+    if has_embedding:
         # Vocabulary-parallel table: each rank looks up its rows, the partial sums are reduced
         # (reduce-scattered along the sequence with SP, all-reduced without).
-        "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
-        "final_norm": norm(),
-        "lm_head": VocabParallelHead(model.cfg.vocab_size, padded_vocab_size(model.cfg), input_layouts=stream,
-                                     output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                     use_local_output=not loss_parallel),
-    }
-    if model.pos_emb is not None:
+        plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+    if has_head:
+        plan["final_norm"] = norm()
+        plan["lm_head"] = VocabParallelHead(model.cfg.vocab_size, padded_vocab_size(model.cfg), input_layouts=stream,
+                                            output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                            use_local_output=not loss_parallel)
+    if has_embedding and model.pos_emb is not None:
         # The position table split by position: with SP each rank then adds the positions of
         # its own sequence shard (dim 0 of the (T, d) output is the sequence).
         plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0) if sp else Replicate())
-    parallelize_module(model, tp_mesh, plan)
-    for block in model.blocks:
+    if plan:
+        parallelize_module(model, tp_mesh, plan)
+    for _, block in block_slots(model):
         parallelize_module(block, tp_mesh, {
             "attn_norm": norm(),
             # The block's input arrives on sequence shards (SP) and is gathered for the matmuls
@@ -217,12 +223,17 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
     # that takes such a view as its input hands backward a plain-tensor gradient where DTensor's
     # redistribute needs a DTensor (torch 2.13, AttributeError '_local_tensor'), so the stream
     # starts as a tensor of its own: one copy of (B, T, d) per step, exact.
-    model.tok_emb.register_forward_hook(lambda module, args, output: output.clone())
-    if model.cfg.tie_embeddings:
+    if has_embedding:
+        model.tok_emb.register_forward_hook(lambda module, args, output: output.clone())
+    if model.cfg.tie_embeddings and has_embedding and has_head and isinstance(model, Transformer):
         # parallelize_module gave the head its own copy of the shared table: share the table's again.
+        # (A pipeline stage's head keeps a copy of its own: distributed/pipeline_parallel.py.)
         model.lm_head.weight = model.tok_emb.weight
     model.logits_masked_by_head = True  # VocabParallelHead masks each shard's padded columns
-    if sp:
+    # How many pieces the residual stream is cut into along the sequence (a pipeline stage that
+    # receives the stream rebuilds the full length for its RoPE tables from it).
+    model.stream_shards = tp_mesh.size() if sp else 1
+    if sp and has_embedding:
         tp = tp_mesh.size()
 
         def check_sequence(module, args):

@@ -174,8 +174,6 @@ class Strategy:
         reasons = []
         if self.cp > 1:
             reasons.append(f"pipeline parallel {pp} with context parallel {self.cp}")
-        if self.tp > 1:
-            reasons.append(f"pipeline parallel {pp} with tensor parallel {self.tp}")
         if self.dp_strategy not in PP_DP_STRATEGIES:
             reasons.append(f"pipeline parallel {pp} with {self.dp_strategy}")
         if self.fused_loss:

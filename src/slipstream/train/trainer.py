@@ -605,7 +605,8 @@ class Trainer:
             data_wait += time.perf_counter() - t0
         inputs, targets = (torch.cat([batch[i] for batch in batches]) for i in (0, 1))
         items = (self.tokens_per_batch or _batch_size(batches[0])) * len(batches) * self.parallel.dims.dp
-        with self._label("pipeline"), self._autocast:
+        # loss parallel: the last stage's cross-entropy (forward and backward) on the vocabulary shards
+        with self._label("pipeline"), self._autocast, self._loss_parallel:
             loss = pipeline_step(self._pipeline, inputs, targets)  # the mean loss, on every pp rank
         if self.resilience is not None and self.resilience.faults:  # tests only: injected faults
             loss = self.resilience.inject(self.step + 1, loss)
