@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from slipstream.distributed.pipeline_parallel import (StageCosts, build_stage_modules, check_schedule,
-                                                      split_layers, stage_costs, stage_indices, stage_rank)
+from slipstream.distributed.pipeline_stages import (StageCosts, build_stage_modules, check_schedule,
+                                                   split_layers, stage_costs, stage_indices, stage_rank)
 from slipstream.errors import UserError
 from slipstream.models.transformer import build_model, lm_loss
 from tests.distributed import pp_worker as w

@@ -286,7 +286,7 @@ def _trainer_accepts(cfg, world: int) -> None:
     """The trainer's checks of a pipeline config that need no process group (load_config has run
     the config's own pipeline rules, config.dims.check_pipeline_config)."""
     from slipstream.config.dims import check_compatibility, resolve_parallel_dims
-    from slipstream.distributed.pipeline_parallel import check_schedule, split_layers
+    from slipstream.distributed.pipeline_stages import check_schedule, split_layers
 
     dims = resolve_parallel_dims(cfg.parallel, world, world)
     check_compatibility(cfg, dims)

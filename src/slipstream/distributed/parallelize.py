@@ -112,7 +112,7 @@ def _parallelize_part(model: nn.Module, parallel: Parallel, cfg: Config, device)
 def apply_tensor_parallel(model: nn.Module, parallel: Parallel, cfg: Config) -> nn.Module:
     from slipstream.distributed.tensor_parallel import apply_tensor_parallel as split_over_tp
     from slipstream.distributed.tensor_parallel import check_model_splits, check_tensor_parallel
-    from slipstream.distributed.pipeline_parallel import TransformerStage
+    from slipstream.distributed.pipeline_stages import TransformerStage
     from slipstream.models.transformer import Transformer
 
     check_tensor_parallel(cfg, parallel.dims.tp)

@@ -1,9 +1,7 @@
 """Pipeline parallelism: a slipstream Transformer cut into stages, run by torch's schedules.
 
-    split_layers         which blocks each stage holds (balanced by cost, or the user's split)
-    stage_indices        which stages a pp rank holds (loop placement, or V for zbv / dualpipev)
-    build_stage_modules  the stage modules of one rank, initialized exactly as one process would
-    build_pipeline       all of the above + torch.distributed.pipelining's PipelineStage and schedule
+    (the stages themselves, their split and placement: distributed/pipeline_stages.py)
+    build_pipeline       a rank's stages + torch.distributed.pipelining's PipelineStage and schedule
     pipeline_step        one forward/backward over the global batch (replaces fwd/bwd x grad_accum)
     pipeline_grad_norm   the global gradient norm over every stage (for clipping and the guards)
     PipelineModel        a rank's stages as one module under the unsplit names (optimizer, checkpoints)
@@ -35,7 +33,6 @@ follow the multi-stage and GPipe schedules: it asserts on its first bucket rebui
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -45,282 +42,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from slipstream.config.schema import ModelConfig
+from slipstream.distributed.pipeline_stages import (ONE_STAGE_PER_RANK, SCHEDULES, TransformerStage, build_stage_modules,
+                                                    check_schedule, named_parameters, split_layers, split_stages,
+                                                    stage_costs, stage_indices, stage_rank)
 from slipstream.errors import UserError
-from slipstream.models.transformer import Transformer, rope_tables
-
-# parallel.pp_schedule -> the class in torch.distributed.pipelining.schedules
-SCHEDULES = {
-    "gpipe": "ScheduleGPipe",
-    "1f1b": "Schedule1F1B",
-    "interleaved-1f1b": "ScheduleInterleaved1F1B",
-    "looped-bfs": "ScheduleLoopedBFS",
-    "interleaved-zero-bubble": "ScheduleInterleavedZeroBubble",
-    "zbv": "ScheduleZBVZeroBubble",
-    "dualpipev": "ScheduleDualPipeV",
-}
-ONE_STAGE_PER_RANK = ("gpipe", "1f1b")  # torch's PipelineScheduleSingle
-V_SHAPED = ("zbv", "dualpipev")         # exactly 2 stages per rank: rank r holds r and 2*pp-1-r
-
-
-# --- 1. which layers each stage holds ------------------------------------------------------------
-
-@dataclass(frozen=True)
-class StageCosts:
-    """Relative cost of the parts of a stage (any unit, e.g. training FLOPs per token)."""
-    block: float = 1.0      # one transformer block
-    embedding: float = 0.0  # the embedding lookup(s), carried by the first stage
-    head: float = 0.0       # final norm + output head + loss, carried by the last stage
-
-
-def stage_costs(cfg: ModelConfig, seq_len: int) -> StageCosts:
-    """Training FLOPs per token of a block, the embedding and the head, from models/flops.py's counts
-    (the same 6 x matmul parameters + attention scores formula as flops_per_token)."""
-    from slipstream.models.flops import param_count
-    from slipstream.models.transformer import padded_vocab_size
-
-    count = param_count(cfg)
-    block_params = count.attn + count.mlp + count.norm
-    block = 6.0 * block_params + 12.0 * cfg.d_model * seq_len
-    head = 6.0 * padded_vocab_size(cfg) * cfg.d_model  # the head's matmul (its loss is a few % more)
-    # An embedding is a lookup (no matmul): its backward is a scatter-add of one row per token.
-    embedding = 2.0 * cfg.d_model
-    return StageCosts(block=block, embedding=embedding, head=head)
-
-
-def split_layers(n_layer: int, n_stages: int, layers: list[int] | None = None,
-                 weights: StageCosts | None = None) -> list[range]:
-    """The contiguous block ranges of each stage (every layer exactly once, every stage >= 1 layer).
-
-    layers: the user's split (layers per stage, e.g. [2, 1, 2]); default: the split that minimizes
-    the most expensive stage, the first stage also paying `weights.embedding` and the last
-    `weights.head` (weights default: every block costs 1, embedding and head nothing)."""
-    if n_stages < 1:
-        raise UserError(f"pipeline stages = {n_stages}: need at least 1 (parallel.pp x pp_virtual_stages)")
-    if n_stages > n_layer:
-        raise UserError(f"{n_stages} pipeline stages (parallel.pp x pp_virtual_stages) for a model of {n_layer} "
-                        f"layers: every stage needs at least one block; lower parallel.pp or pp_virtual_stages")
-    if layers is not None:
-        return _user_split(n_layer, n_stages, list(layers))
-    w = weights or StageCosts()
-    return _balanced_split(n_layer, n_stages, w)
-
-
-def _user_split(n_layer: int, n_stages: int, layers: list[int]) -> list[range]:
-    given = ",".join(str(n) for n in layers)
-    if len(layers) != n_stages:
-        raise UserError(f"parallel.pp_layers = {given!r} gives {len(layers)} stages, the pipeline has {n_stages} "
-                        f"(parallel.pp x pp_virtual_stages); give one layer count per stage")
-    if any(n < 1 for n in layers):
-        raise UserError(f"parallel.pp_layers = {given!r}: every stage needs at least one layer")
-    if sum(layers) != n_layer:
-        raise UserError(f"parallel.pp_layers = {given!r} sums to {sum(layers)} layers, the model has {n_layer}; "
-                        f"the counts must add up to model.n_layer")
-    starts = [sum(layers[:i]) for i in range(n_stages)]
-    return [range(start, start + n) for start, n in zip(starts, layers)]
-
-
-def _balanced_split(n_layer: int, n_stages: int, w: StageCosts) -> list[range]:
-    """Exact min-max contiguous partition by dynamic programming (n_layer is at most a few hundred)."""
-
-    def cost(stage: int, n_blocks: int) -> float:
-        extra = (w.embedding if stage == 0 else 0.0) + (w.head if stage == n_stages - 1 else 0.0)
-        return n_blocks * w.block + extra
-
-    # best[s][k] = the smallest possible max stage cost of putting the first k layers in stages 0..s-1
-    inf = math.inf
-    best = [[inf] * (n_layer + 1) for _ in range(n_stages + 1)]
-    cut = [[0] * (n_layer + 1) for _ in range(n_stages + 1)]
-    best[0][0] = 0.0
-    for s in range(1, n_stages + 1):
-        for k in range(s, n_layer - (n_stages - s) + 1):
-            for j in range(s - 1, k):  # stage s-1 holds layers j..k-1
-                candidate = max(best[s - 1][j], cost(s - 1, k - j))
-                # Ties go to the latest cut: earlier stages take the extra layers, the last stage
-                # (which also holds the logits and the loss) the fewest.
-                if candidate <= best[s][k] * (1 + 1e-9):
-                    best[s][k], cut[s][k] = candidate, j
-    ranges, k = [], n_layer
-    for s in range(n_stages, 0, -1):
-        j = cut[s][k]
-        ranges.append(range(j, k))
-        k = j
-    return ranges[::-1]
-
-
-# --- 2. which stages a rank holds ----------------------------------------------------------------
-
-def check_schedule(name: str, virtual_stages: int) -> None:
-    if name not in SCHEDULES:
-        raise UserError(f"parallel.pp_schedule = {name!r} is not a pipeline schedule; "
-                        f"valid: {', '.join(SCHEDULES)}")
-    import torch.distributed.pipelining.schedules as schedules
-
-    if not hasattr(schedules, SCHEDULES[name]):
-        raise UserError(f"parallel.pp_schedule = {name!r} needs torch's {SCHEDULES[name]}, which torch "
-                        f"{torch.__version__} lacks; upgrade torch or pick another schedule")
-    if name in ONE_STAGE_PER_RANK and virtual_stages != 1:
-        raise UserError(f"parallel.pp_schedule = {name!r} runs exactly 1 stage per rank, got "
-                        f"parallel.pp_virtual_stages = {virtual_stages}; set it to 1 or use interleaved-1f1b")
-    if name in V_SHAPED and virtual_stages != 2:
-        raise UserError(f"parallel.pp_schedule = {name!r} runs exactly 2 stages per rank (a V), got "
-                        f"parallel.pp_virtual_stages = {virtual_stages}; set it to 2")
-    if virtual_stages < 1:
-        raise UserError(f"parallel.pp_virtual_stages = {virtual_stages}: need at least 1")
-
-
-def stage_indices(schedule: str, pp_rank: int, pp_size: int, virtual_stages: int) -> list[int]:
-    """The global stage indices of `pp_rank`, in the order its schedule expects them: loop placement
-    (rank r holds r, r + pp, ...) except the V schedules (rank r holds r and 2 * pp - 1 - r)."""
-    check_schedule(schedule, virtual_stages)
-    if schedule in V_SHAPED:
-        return [pp_rank, 2 * pp_size - 1 - pp_rank]
-    return [pp_rank + v * pp_size for v in range(virtual_stages)]
-
-
-def stage_rank(schedule: str, stage: int, pp_size: int) -> int:
-    """The pp rank holding global stage `stage`."""
-    if schedule in V_SHAPED:
-        return stage if stage < pp_size else 2 * pp_size - 1 - stage
-    return stage % pp_size
-
-
-# --- 3. the stage module ---------------------------------------------------------------------------
-
-class TransformerStage(nn.Module):
-    """The part of a Transformer one pipeline stage runs, holding the model's own submodules under
-    their own names: `tok_emb`/`pos_emb` on the first stage, `blocks.<original index>`, `final_norm`
-    and `lm_head` on the last. Its forward is Transformer.forward's part: token ids -> hidden states
-    on the first stage, hidden -> hidden in the middle, hidden -> logits (padded columns -inf) on the last."""
-
-    def __init__(self, model: Transformer, layers: range, is_first: bool, is_last: bool):
-        super().__init__()
-        self.cfg = model.cfg
-        self.is_first, self.is_last = is_first, is_last
-        self.stream_shards = 1                # set by tensor parallelism with sequence parallel
-        self.logits_masked_by_head = False    # set by tensor parallelism (its head masks each shard)
-        self.layers = layers
-        if is_first:
-            self.tok_emb = model.tok_emb
-            self.pos_emb = model.pos_emb
-            self.emb_dropout = model.emb_dropout
-        # Keyed by the block's index in the unsplit model: the names stay `blocks.3.attn...`.
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
-        if is_last:
-            self.final_norm = model.final_norm
-            self.lm_head = model.lm_head
-        if model.cfg.position == "rope":  # every stage's blocks need them; recomputed by init_stage_buffers
-            head_dim = model.cfg.d_model // model.cfg.n_head
-            where = model.tok_emb.weight.device  # meta for a model not yet materialized
-            cos, sin = rope_tables(head_dim, model.cfg.max_seq_len, model.cfg.rope_theta, device=where)
-            self.register_buffer("rope_cos", cos, persistent=False)  # derived from the config: not saved
-            self.register_buffer("rope_sin", sin, persistent=False)
-        else:
-            self.rope_cos = self.rope_sin = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # The full sequence length (the RoPE tables' rows): a later stage's input is the residual
-        # stream, cut along the sequence into stream_shards pieces under sequence parallelism.
-        T = x.shape[1] * (1 if self.is_first else self.stream_shards)
-        if T > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
-        if self.is_first:  # x: token ids (B, T)
-            h = self.tok_emb(x)
-            if self.pos_emb is not None:
-                h = h + self.pos_emb(torch.arange(T, device=x.device))
-            x = self.emb_dropout(h)
-        rope = None if self.rope_cos is None else (self.rope_cos[:T], self.rope_sin[:T])
-        for block in self.blocks.values():  # insertion order = ascending layer index
-            x = block(x, rope)
-        if not self.is_last:
-            return x
-        logits = self.lm_head(self.final_norm(x))
-        if logits.shape[-1] > self.cfg.vocab_size and not self.logits_masked_by_head:
-            # As Transformer.forward: padded vocabulary rows take no probability (in place: linear's
-            # backward needs its inputs, not its output).
-            logits[..., self.cfg.vocab_size:] = float("-inf")
-        return logits
-
-    @torch.no_grad()
-    def init_stage_buffers(self) -> None:
-        if self.rope_cos is not None:
-            cos, sin = rope_tables(self.cfg.d_model // self.cfg.n_head, self.cfg.max_seq_len, self.cfg.rope_theta,
-                                   device=self.rope_cos.device)
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
-
-
-def build_stage_modules(cfg: ModelConfig, stages: list[int], splits: list[range],
-                        device: str | torch.device = "cpu", seed: int = 0) -> list[TransformerStage]:
-    """The stage modules for the global stage indices `stages` (of len(splits) stages), each with
-    exactly the weights build_model(cfg, seed=seed) gives one process."""
-    with torch.device("meta"):
-        model = Transformer(cfg)
-    return split_stages(model, stages, splits, device, seed)
-
-
-def split_stages(model: Transformer, stages: list[int], splits: list[range],
-                 device: str | torch.device = "cpu", seed: int = 0) -> list[TransformerStage]:
-    """This rank's stage modules (global indices `stages` of len(splits)) cut out of `model`.
-
-    A model on the meta device (no memory) is initialized as one process would: its own
-    init_weights runs on meta - it draws every parameter in name order from one generator - and
-    each stage keeps only the values of its own parameters. A model with real weights keeps them.
-    A tied head gets the embedding's values in a parameter of its own (see the module doc)."""
-    if not any(p.is_meta for p in model.parameters()):
-        return _split_real(model, stages, splits, device)
-    n_stages = len(splits)
-    modules = [TransformerStage(model, splits[s], s == 0, s == n_stages - 1) for s in stages]
-
-    # id of a (meta) parameter of the full model -> the (stage, name) slots that want its values
-    wanted: dict[int, list[tuple[int, str]]] = {}
-    for i, module in enumerate(modules):
-        for name, param in module.named_parameters(remove_duplicate=False):
-            wanted.setdefault(id(param), []).append((i, name))
-    values: dict[tuple[int, str], torch.Tensor] = {}
-
-    def keep(param: torch.Tensor, full_values: torch.Tensor) -> None:
-        for slot in wanted.get(id(param), ()):
-            values[slot] = full_values
-
-    model.init_weights(seed, write=keep)  # every parameter is meta: nothing is written, only drawn
-
-    for module in modules:
-        # Allocates this stage's parameters only; a tied head's table becomes a parameter of its own.
-        module.to_empty(device=device)
-    with torch.no_grad():
-        for i, module in enumerate(modules):
-            for name, param in module.named_parameters(remove_duplicate=False):
-                param.copy_(values[(i, name)])
-            module.init_stage_buffers()
-    return modules
-
-
-def _split_real(model: Transformer, stages: list[int], splits: list[range],
-                device: str | torch.device) -> list[TransformerStage]:
-    """Stages of a model that already holds its weights: they keep them (a tied head gets a copy of
-    the table in a parameter of its own)."""
-    n_stages = len(splits)
-    modules = [TransformerStage(model, splits[s], s == 0, s == n_stages - 1) for s in stages]
-    for module in modules:
-        if module.is_last and model.cfg.tie_embeddings:
-            module.lm_head.weight = nn.Parameter(model.tok_emb.weight.detach().clone())
-        module.to(device)
-        module.init_stage_buffers()
-    return modules
-
-
-def named_parameters(modules: list[TransformerStage]) -> dict[str, nn.Parameter]:
-    """The unique parameters of a rank's stages by their unsplit names (a weight shared by two
-    stages of the rank, the V schedules' tied embedding, once, under its first name)."""
-    out: dict[str, nn.Parameter] = {}
-    seen: set[int] = set()
-    for module in modules:
-        for name, param in module.named_parameters():
-            if id(param) not in seen:
-                seen.add(id(param))
-                out[name] = param
-    return out
-
+from slipstream.models.transformer import Transformer
 
 # --- 4. schedule and step --------------------------------------------------------------------------
 
@@ -338,6 +64,7 @@ class Pipeline:
     dp_group: Any = None               # dp_strategy ddp: gradients are averaged over this group after a step
     busy_s: float = 0.0                # host time this rank spent in its stages' forward/backward chunks
     step_s: float = 0.0                # wall time of the schedule's steps (busy_s / step_s: 1 - bubble)
+    planned_bubble: float | None = None  # the planner's idle share for this schedule and micro-batch count
     has_first: bool = field(init=False)
     has_last: bool = field(init=False)
 
@@ -363,6 +90,16 @@ class Pipeline:
         bubble = 1.0 - self.busy_s / self.step_s if self.step_s > 0 else None
         self.busy_s = self.step_s = 0.0
         return bubble
+
+    def interval_record(self, parallel) -> dict[str, float | None]:
+        """The log's pipeline numbers: `pp_bubble`, the ranks' mean idle share of the schedule's wall
+        time since the last log (CPU only: there the stages' host time is their compute time), and
+        `pp_bubble_planned`, the planner's formula. A collective: every rank calls it."""
+        bubble = self.take_bubble()
+        if self.stages[0].device.type != "cpu" or bubble is None:
+            return {"pp_bubble": None, "pp_bubble_planned": self.planned_bubble}
+        measured = parallel.mean(torch.tensor(bubble)).item()  # all-reduce + host sync, at the log only
+        return {"pp_bubble": measured, "pp_bubble_planned": self.planned_bubble}
 
 
 def _time_chunks(stage: Any, pipe: Pipeline) -> None:
@@ -668,6 +405,9 @@ def apply_pipeline_parallel(model: Transformer, parallel: Any, cfg: Any,
     parts = [parallelize_stage(module) for module in modules]
     pipe = assemble_pipeline(model.cfg, p.pp_schedule, modules, parts, indices, n_stages, pp_group,
                              pp_microbatches(cfg), lm_loss, parallel.device)
+    from slipstream.plan.timing import pipeline_bubble
+
+    pipe.planned_bubble = pipeline_bubble(p.pp_schedule, pp_size, v, pp_microbatches(cfg))
     if parallel.dims.strategy == "ddp" and parallel.dims.dp > 1:
         pipe.dp_group = parallel.dp_mesh.get_group()  # see the module doc: no DDP wrapper under a pipeline
     return PipelineModel(pipe)

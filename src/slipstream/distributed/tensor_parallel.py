@@ -168,7 +168,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
     the module doc)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from slipstream.distributed.pipeline_parallel import TransformerStage
+    from slipstream.distributed.pipeline_stages import TransformerStage
     from slipstream.models.transformer import Transformer, block_slots, padded_vocab_size
 
     if not isinstance(model, (Transformer, TransformerStage)):

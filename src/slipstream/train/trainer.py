@@ -156,11 +156,11 @@ class Trainer:
         # Context parallel: each rank trains on its piece of every sequence (the trainer cuts the batches).
         self._cp = getattr(unwrap(self.model), "context_parallel", None)
         # Pipeline parallel: the schedule runs forward and backward over this rank's stages.
-        self._pipeline = getattr(self.model, "pipeline", None)
-        if self._pipeline is not None:
+        self.pipeline = getattr(self.model, "pipeline", None)
+        if self.pipeline is not None:
             from slipstream.distributed.pipeline_parallel import pipeline_sequence_losses
 
-            sequence_loss_fn = lambda model, x, y: pipeline_sequence_losses(self._pipeline, x, y)  # noqa: E731
+            sequence_loss_fn = lambda model, x, y: pipeline_sequence_losses(self.pipeline, x, y)  # noqa: E731
             loss_fn_eval = lambda model, batch: sequence_loss_fn(model, *batch).mean()  # noqa: E731
         self.loss_fn = loss_fn
         self.train_loader = _as_loader(train_data, self.cfg, self.device, shuffle=True, collate_fn=collate_fn,
@@ -186,7 +186,7 @@ class Trainer:
         if self.val_loader is not None and self.cfg.train.eval_steps:
             from slipstream.train.evaluate import Evaluator
 
-            self.evaluator = Evaluator(self.val_loader, loss_fn if self._pipeline is None else loss_fn_eval, self.parallel,
+            self.evaluator = Evaluator(self.val_loader, loss_fn if self.pipeline is None else loss_fn_eval, self.parallel,
                                        LossParallel(self._loss_parallel.enabled, inside=self._autocast),
                                        context_parallel=self._cp,
                                        max_batches=self.cfg.train.eval_steps, sequence_loss_fn=sequence_loss_fn)
@@ -387,8 +387,8 @@ class Trainer:
         }
         if self.parallel.world_size > 1:
             record["tokens_per_s_per_device"] = per_device
-        if self._pipeline is not None:
-            record.update(self._pipeline_record())
+        if self.pipeline is not None:  # the measured bubble next to the planned one (a collective)
+            record.update(self.pipeline.interval_record(self.parallel))
         record.update(self.memory.take_record())
         if self.scaler is not None:
             record["loss_scale"] = self.scaler.get_scale()
@@ -399,20 +399,6 @@ class Trainer:
             loggers.close()
             raise UserError(f"loss became {reading.mean_loss} at step {self.step}; lower optim.lr, "
                             "raise optim.warmup_steps or check the data")
-
-    def _pipeline_record(self) -> dict[str, Any]:
-        """The pipeline's measured bubble over the interval: the ranks' mean idle share of the
-        schedule's wall time (CPU only: there the stages' host time is their compute time)."""
-        from slipstream.config.dims import pp_microbatches, virtual_stages
-        from slipstream.plan.timing import pipeline_bubble
-
-        p = self.cfg.parallel
-        planned = pipeline_bubble(p.pp_schedule, p.pp, virtual_stages(p), pp_microbatches(self.cfg))
-        bubble = self._pipeline.take_bubble()
-        if self.device.type != "cpu" or bubble is None:
-            return {"pp_bubble": None, "pp_bubble_planned": planned}
-        measured = self.parallel.mean(torch.tensor(bubble)).item()  # all-reduce + host sync, at the log only
-        return {"pp_bubble": measured, "pp_bubble_planned": planned}
 
     def _evaluate_and_log(self, loggers: RunLoggers, progress):
         with self._label("eval"):
@@ -449,77 +435,13 @@ class Trainer:
     def summarize(self, loggers: RunLoggers, start_step: int, wall_start: float, last_eval,
                   resume_from: Path | None) -> dict[str, Any]:
         """After the loop: commit the last checkpoint, close everything, write summary.json."""
-        loop_time = self.meter.loop_time_s
-        last_ckpt = self.writer.wait() or self.writer.last_committed or resume_from
-        self.parallel.barrier()  # every rank's part of the last checkpoint is committed
-        loggers.close()
-        main = self.parallel.is_main
-        if self.profiler is not None and main:
-            self._print_profiler_outputs()
-        for loader in (self.train_loader, self.val_loader):
-            if hasattr(loader, "close"):
-                loader.close()  # stop prefetch threads / worker processes now
-        summary = {
-            "final_loss": loggers.last_loss, "val_loss": last_eval.loss if last_eval else None,
-            "val_loss_stderr": last_eval.stderr if last_eval else None,
-            "val_tokens": last_eval.tokens if last_eval else None, "steps": self.step,
-            "steps_this_run": self.step - start_step, "tokens": self.tokens_seen,
-        }
-        if self.scaler is not None:
-            summary["skipped_steps"] = int(self.skipped_steps.item())  # host sync, once
-        summary.update({
-            "tokens_per_s": self.meter.tokens_per_s, "mfu": loggers.mean_mfu,
-            "mem_peak_bytes": peak_memory_bytes(self.device),
-            "wall_time_s": time.perf_counter() - wall_start, "loop_time_s": loop_time,
-            "run_dir": str(self.run_dir), "checkpoint": str(last_ckpt) if last_ckpt else None,
-            "device": str(self.device),
-        })
-        if self.profiler is not None:
-            summary["trace_files"] = [str(p) for p in self.profiler.trace_files]
-        if (memory := self.memory.summary()) is not None:
-            summary["memory"] = memory
-        if (comm := self.comm.summary()) is not None:
-            summary["comm"] = comm
-        if self.parallel.world_size > 1:
-            summary.update(self._job_summary(summary))  # a collective: every rank's memory
-        if not main:
-            return summary
-        from slipstream.observe.console import print_summary
-        from slipstream.observe.env import write_json_atomic
+        from slipstream.train.summary import run_summary
 
-        write_json_atomic(self.run_dir / "summary.json", summary)
-        print_summary({k: v for k, v in summary.items() if k not in ("memory", "ranks", "comm")})
-        self.memory.print_report()
-        self.comm.print_report()
-        return summary
-
-    def _print_profiler_outputs(self) -> None:
-        for path in self.profiler.trace_files:
-            print(f"profiler trace: {path} (open it at https://ui.perfetto.dev)")
-        if self.profiler.trace_files and self.profiler.memory_timeline_file is not None:
-            print(f"memory timeline: {self.profiler.memory_timeline_file}")
-        if not self.profiler.trace_files:
-            print(f"note: the run ended before profile.start_step = {self.cfg.profile.start_step}; no trace was written")
+        return run_summary(self, loggers, start_step, wall_start, last_eval, resume_from)
 
     def _snapshot_path(self) -> Path:
         suffix = f"_rank{self.parallel.rank}" if self.parallel.world_size > 1 else ""
         return self.run_dir / f"memory_snapshot{suffix}.pickle"
-
-    def _job_summary(self, summary: dict[str, Any]) -> dict[str, Any]:
-        """Distributed runs: the job's shape, and every rank's memory (a collective)."""
-        report = self.memory.report
-        mine = {"rank": self.parallel.rank, "device": str(self.device), "mem_peak_bytes": summary["mem_peak_bytes"],
-                "step_peak_bytes": report.peak_bytes if report is not None else None,
-                "step_peak_categories": report.categories if report is not None else None,
-                # All gradients exist at the end of backward: the clearest view of what a strategy shards.
-                "backward_end_categories": report.phase_categories["backward"]["end"] if report is not None else None}
-        if self._pipeline is not None:  # which blocks each of this rank's stages holds
-            mine["pp_stages"] = {s.stage_index: list(m.layers) for s, m in zip(self._pipeline.stages,
-                                                                                 self._pipeline.modules)}
-        per_device = summary["tokens_per_s"] / self.parallel.world_size if summary["tokens_per_s"] else None
-        return {"world_size": self.parallel.world_size, "dp_strategy": self.parallel.dims.strategy,
-                "mesh": [list(dim) for dim in self.parallel.dims.mesh_dims],
-                "tokens_per_s_per_device": per_device, "ranks": self.parallel.gather(mine)}  # gather: a collective
 
     def _next_batch(self, it: Iterator) -> Any:
         try:
@@ -557,7 +479,7 @@ class Trainer:
 
     def accumulate_gradients(self, it: Iterator) -> tuple[torch.Tensor, float, int]:
         """forward/backward over grad_accum_steps micro-batches; returns (mean loss, data wait, items)."""
-        if self._pipeline is not None:
+        if self.pipeline is not None:
             return self._pipeline_gradients(it)
         accum = self.cfg.train.grad_accum_steps
         loss_sum = torch.zeros((), device=self.device)
@@ -607,7 +529,7 @@ class Trainer:
         items = (self.tokens_per_batch or _batch_size(batches[0])) * len(batches) * self.parallel.dims.dp
         # loss parallel: the last stage's cross-entropy (forward and backward) on the vocabulary shards
         with self._label("pipeline"), self._autocast, self._loss_parallel:
-            loss = pipeline_step(self._pipeline, inputs, targets)  # the mean loss, on every pp rank
+            loss = pipeline_step(self.pipeline, inputs, targets)  # the mean loss, on every pp rank
         if self.resilience is not None and self.resilience.faults:  # tests only: injected faults
             loss = self.resilience.inject(self.step + 1, loss)
         return loss, data_wait, items
@@ -624,10 +546,10 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # clip and log the true gradient, not the scaled one
         clip = self.cfg.optim.grad_clip
-        if self._pipeline is not None:  # the norm over every stage, on every pp rank
+        if self.pipeline is not None:  # the norm over every stage, on every pp rank
             from slipstream.distributed.pipeline_parallel import pipeline_grad_norm
 
-            grad_norm = pipeline_grad_norm(self._pipeline, params)
+            grad_norm = pipeline_grad_norm(self.pipeline, params)
             if clip > 0:
                 torch.nn.utils.clip_grads_with_norm_(params, clip, grad_norm)
         elif clip > 0:
