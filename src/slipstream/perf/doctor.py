@@ -7,21 +7,26 @@ slipstream setting that addresses it. `suggested_overrides` turns the findings i
 `--section.key=value` overrides for `slipstream doctor --apply`.
 
 With several traces (one per rank) every rule runs on every rank and the worst rank is
-reported; one more rule compares the ranks with each other.
+reported; two more rules look at all ranks together: imbalance compares them, and
+pipeline_bubble (pipelined runs) reports each rank's wait on the pipeline's transfers next
+to the bubble the run planned (its metrics.jsonl, when the traces sit in <run dir>/traces/).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
 import os
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from slipstream.errors import UserError
-from slipstream.perf.trace import DATA_LABEL, LAUNCH_BOUND_MIN_OPS, TINY_OP_US, TraceAnalysis, load_and_analyze
+from slipstream.perf.trace import (DATA_LABEL, LAUNCH_BOUND_MIN_OPS, PIPELINE_LABEL, TINY_OP_US, TraceAnalysis,
+                                   load_and_analyze)
 
 # Below these shares of step time a problem is not worth a finding.
 DATA_WAIT_MIN = 0.10
@@ -32,11 +37,13 @@ IMBALANCE_MIN = 0.10
 LAUNCH_BOUND_MIN = 0.10  # share of step in runs of tiny ops; many tiny ops spread out cost little
 COMPUTE_MIN = 0.50
 SYNC_MIN_PER_STEP = 1.0  # the trainer syncs once per log_interval; every step is too often
+PIPELINE_BUBBLE_MIN = 0.15  # a pipeline rank waiting on its stages' transfers
 
 
 @dataclass
 class Finding:
-    rule: str  # stable id: data_wait, sync, launch_bound, imbalance, comm_exposed, memcpy, idle, compute
+    # stable id: data_wait, sync, launch_bound, imbalance, pipeline_bubble, comm_exposed, memcpy, idle, compute
+    rule: str
     title: str
     evidence: str
     severity: float  # share of step time, 0..1
@@ -77,6 +84,10 @@ class Report:
             if a.top_kernels:
                 tops = ", ".join(f"{_short(o['name'])} {_ms(o['per_step_us'])}" for o in a.top_kernels[:5])
                 lines.append(f"  top kernels per step: {tops}")
+            if a.pipeline_us is not None:
+                lines.append(f"  pipeline: {_ms(a.pipeline_us)} per step in {PIPELINE_LABEL}, waiting on its "
+                             f"transfers {_ms(a.pp_wait_us)} ({_pct(a.share(a.pp_wait_us))} of step, "
+                             f"{_pct(a.pp_bubble)} of the pipeline; {a.pp_transfers_per_step:g} sends/receives)")
             for note in a.notes:
                 lines.append(f"  note: {note}")
         lines.append("")
@@ -84,7 +95,8 @@ class Report:
             lines.append("no problems found")
         for i, f in enumerate(self.findings, 1):
             where = ""
-            if len(self.analyses) > 1 and f.rule != "imbalance":  # say which rank the numbers are from
+            # say which rank the numbers are from (these two name every rank themselves)
+            if len(self.analyses) > 1 and f.rule not in ("imbalance", "pipeline_bubble"):
                 where = f" (rank {f.rank})" if len(f.ranks) <= 1 else \
                     f" (worst: rank {f.rank}; on ranks {', '.join(map(str, f.ranks))})"
             lines.append(f"{i}. [{_pct(f.severity)} of step] {f.title}{where}")
@@ -119,8 +131,66 @@ def _summary(a: TraceAnalysis) -> dict[str, Any]:
     out = a.to_dict()
     out.pop("steps")
     out["shares"] = {k: a.share(getattr(a, k + "_us")) for k in
-                     ("compute", "comm_exposed", "memcpy", "idle", "data_wait")}
+                     ("compute", "comm_exposed", "memcpy", "idle", "data_wait", "pp_wait")}
+    out["pp_bubble"] = a.pp_bubble
     return out
+
+
+@dataclass
+class RunContext:
+    """What the run directory beside the traces (<run dir>/traces/rank*.json) tells the rules."""
+
+    run_dir: str | None = None
+    cfg: Any = None  # the run's config: the one given, else the run dir's config.toml
+    pp_bubble_planned: float | None = None  # metrics.jsonl's last pp_bubble_planned
+    world_size: int | None = None  # summary.json's
+
+
+def _run_dir(trace_files: list[str]) -> Path | None:
+    """The run directory of traces written by the trainer (all in one <run dir>/traces/)."""
+    dirs = {Path(f).resolve().parent for f in trace_files}
+    if len(dirs) != 1:
+        return None
+    (folder,) = dirs
+    return folder.parent if folder.name == "traces" else None
+
+
+def _last_planned_bubble(metrics: Path) -> float | None:
+    """The last pp_bubble_planned in a metrics.jsonl (lines that don't parse are skipped)."""
+    from slipstream.safe_read import DOCUMENT, loads_bounded, read_line_capped
+
+    planned = None
+    with contextlib.suppress(OSError), open(metrics, "rb") as f:
+        for line_no in itertools.count(1):
+            line = read_line_capped(f, DOCUMENT, metrics, line_no)
+            if not line:
+                break
+            with contextlib.suppress(ValueError, UserError):
+                record = loads_bounded(line, metrics)
+                value = record.get("pp_bubble_planned") if isinstance(record, dict) else None
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    planned = float(value)
+    return planned
+
+
+def read_run_context(trace_files: list[str], cfg=None) -> RunContext:
+    """The run's planned bubble and config from the run dir holding the traces (if any)."""
+    run_dir = _run_dir(trace_files)
+    if run_dir is None:
+        return RunContext(cfg=cfg)
+    if cfg is None and (run_dir / "config.toml").is_file():
+        from slipstream.config.load import config_from_toml_text
+        from slipstream.safe_read import DOCUMENT, read_bytes_capped
+
+        with contextlib.suppress(OSError, UnicodeDecodeError, UserError):
+            cfg = config_from_toml_text(read_bytes_capped(run_dir / "config.toml", DOCUMENT).decode("utf-8"))
+    world = None
+    with contextlib.suppress(OSError, ValueError, UserError):
+        from slipstream.safe_read import CHECKPOINT_JSON, load_json_capped
+
+        world = load_json_capped(run_dir / "summary.json", CHECKPOINT_JSON).get("world_size")
+    world = world if isinstance(world, int) and not isinstance(world, bool) and world > 0 else None
+    return RunContext(str(run_dir), cfg, _last_planned_bubble(run_dir / "metrics.jsonl"), world)
 
 
 # ---------------------------------------------------------------------------- rules
@@ -188,7 +258,8 @@ def _rule_launch_bound(a: TraceAnalysis, cfg) -> Finding | None:
 
 
 def _rule_comm_exposed(a: TraceAnalysis, cfg) -> Finding | None:
-    share = a.share(a.comm_exposed_us)
+    # A pipeline's blocking send/recv is its bubble (pipeline_bubble), not a collective to overlap.
+    share = a.share(a.comm_exposed_us - (a.pp_wait_comm_us or 0.0))
     if share < COMM_EXPOSED_MIN:
         return None
     return Finding(
@@ -288,8 +359,96 @@ def _rule_imbalance(analyses: list[TraceAnalysis]) -> Finding | None:
         rank=slow, ranks=[slow])
 
 
-def diagnose(analyses: list[TraceAnalysis], cfg=None) -> Report:
-    """Run every rule on every rank; keep the worst rank per rule; sort by severity."""
+def _runnable(cfg, overrides: list[str], world: int) -> bool:
+    """cfg with overrides passes the config checks (load_config's) and adds no reason the planner
+    knows why the trainer or torch would refuse the layout (e.g. torch's schedule rounds)."""
+    from slipstream.plan.space import strategy_from_config
+
+    try:
+        new = _with_overrides(cfg, overrides)
+    except UserError:
+        return False
+    try:
+        before, after = (set(strategy_from_config(c, world).not_runnable()) for c in (cfg, new))
+    except UserError:  # the world size does not fit the config: the config checks have to do
+        return True
+    return after <= before
+
+
+def _pipeline_overrides(cfg, world: int) -> list[str]:
+    """More micro-batches per step and, when the model has the blocks for it, a schedule with a
+    smaller planned bubble (zbv, else interleaved-1f1b); only a runnable set (_runnable)."""
+    from slipstream.config.dims import PP_ONE_STAGE, pp_microbatches
+    from slipstream.plan.space import ZERO_BUBBLE_SCHEDULES
+
+    p, t = cfg.parallel, cfg.train
+    sequences, micro = t.micro_batch_size * t.grad_accum_steps, pp_microbatches(cfg)
+    # The next micro-batch count from 2x that divides the sequences a rank runs per step; at one
+    # sequence per micro-batch already, more sequences per step (a larger global batch).
+    more = next((k for k in range(2 * micro, sequences + 1) if sequences % k == 0), None)
+    if more is not None:
+        micro_overrides = [f"--parallel.pp_microbatches={more}"]
+    else:
+        micro_overrides = [f"--train.grad_accum_steps={2 * t.grad_accum_steps}"]
+        if p.pp_microbatches:
+            micro_overrides.append(f"--parallel.pp_microbatches={2 * micro}")
+    schedules = []
+    if p.pp_schedule not in ZERO_BUBBLE_SCHEDULES:
+        schedules = ["zbv", "interleaved-1f1b"] if p.pp_schedule in PP_ONE_STAGE else ["zbv"]
+    candidates = [micro_overrides + [f"--parallel.pp_schedule={name}"] for name in schedules] + [micro_overrides]
+    return next((o for o in candidates if _runnable(cfg, o, world)), [])
+
+
+def _rule_pipeline_bubble(analyses: list[TraceAnalysis], run: RunContext) -> Finding | None:
+    """The pipeline's bubble: each rank's wait on its stages' transfers (perf.trace measures it
+    inside slipstream/pipeline); fires on pipelined runs whose worst rank waits too long."""
+    piped = [a for a in analyses if a.pp_wait_us is not None]
+    if not piped:
+        return None
+    shares = {a.rank: a.share(a.pp_wait_us) for a in piped}
+    worst = max(piped, key=lambda a: shares[a.rank])
+    if shares[worst.rank] < PIPELINE_BUBBLE_MIN:
+        return None
+    per_rank = ", ".join(f"rank {a.rank} {_pct(shares[a.rank])} of step ({_ms(a.pp_wait_us)}; "
+                         f"{_pct(a.pp_bubble)} of the pipeline)" for a in sorted(piped, key=lambda a: a.rank))
+    cfg = run.cfg
+    planned, where = run.pp_bubble_planned, "pp_bubble_planned in the run's metrics.jsonl"
+    setup, overrides = "", []
+    if cfg is not None and cfg.parallel.pp > 1:
+        from slipstream.config.dims import pp_microbatches, virtual_stages
+        from slipstream.plan.timing import pipeline_bubble
+
+        p = cfg.parallel
+        setup = f" ({p.pp_schedule}, pp {p.pp}, {pp_microbatches(cfg)} micro-batches per step)"
+        if planned is None:
+            planned = pipeline_bubble(p.pp_schedule, p.pp, virtual_stages(p), pp_microbatches(cfg))
+            where = "the planner's formula for the run's config"
+        overrides = _pipeline_overrides(cfg, run.world_size or len(analyses))
+    evidence = f"waiting on the pipeline's send/recv with no compute running: {per_rank}"
+    if planned is None:
+        evidence += "; planned bubble unknown (no metrics.jsonl or config.toml beside the traces)"
+    else:
+        evidence += f"; planned bubble {_pct(planned)} of the pipeline{setup}, from {where}"
+    share = shares[worst.rank]
+    return Finding(
+        "pipeline_bubble",
+        f"the pipeline bubble: rank {worst.rank} waits on other stages for {_pct(share)} of the step",
+        evidence, share,
+        "give the pipeline more micro-batches per step (parallel.pp_microbatches, which must divide "
+        "train.micro_batch_size x grad_accum_steps; or a larger train.grad_accum_steps, which also grows "
+        "the global batch), switch to a schedule that fills the bubble (interleaved-1f1b with virtual "
+        "stages, or the zero-bubble zbv), or run fewer pipeline stages (a lower parallel.pp, more data "
+        "parallelism)",
+        overrides,
+        {"share": shares, "pp_bubble": {a.rank: a.pp_bubble for a in piped},
+         "pp_wait_us": {a.rank: a.pp_wait_us for a in piped}, "pipeline_us": {a.rank: a.pipeline_us for a in piped},
+         "step_us": {a.rank: a.step_us for a in piped}, "planned": planned},
+        rank=worst.rank, ranks=sorted(r for r, v in shares.items() if v >= PIPELINE_BUBBLE_MIN))
+
+
+def diagnose(analyses: list[TraceAnalysis], cfg=None, run: RunContext | None = None) -> Report:
+    """Run every rule on every rank; keep the worst rank per rule; sort by severity.
+    run: what the run dir says (pipeline_bubble's planned bubble and config); default: cfg only."""
     if not analyses:
         raise UserError("no traces to diagnose")
     findings = []
@@ -304,9 +463,9 @@ def diagnose(analyses: list[TraceAnalysis], cfg=None) -> Report:
             worst = max(fired, key=lambda f: f.severity)
             worst.ranks = sorted(f.rank for f in fired)
             findings.append(worst)
-    imbalance = _rule_imbalance(analyses)
-    if imbalance is not None:
-        findings.append(imbalance)
+    for finding in (_rule_imbalance(analyses), _rule_pipeline_bubble(analyses, run or RunContext(cfg=cfg))):
+        if finding is not None:
+            findings.append(finding)
     findings.sort(key=lambda f: -f.severity)
     return Report(findings, analyses)
 
@@ -403,7 +562,9 @@ def run_doctor(trace_files: list[str] | None, cfg=None, overrides: list[str] | N
     else:
         result = _profile(cfg, quiet=as_json)
         files = list(result["trace_files"])
-    report = diagnose(load_and_analyze(files, max_trace_bytes), cfg)
+    analyses = load_and_analyze(files, max_trace_bytes)
+    run = read_run_context(files, cfg) if any(a.pipeline_us is not None for a in analyses) else None
+    report = diagnose(analyses, cfg, run)
     out = report.to_dict()
     out["trace_files"] = files
 

@@ -20,6 +20,21 @@ compute + exposed communication + exposed memory copies + idle = step.
 Slipstream's trainer labels its phases with record_function ranges named
 `slipstream/data`, `slipstream/forward`, ...; they give the data-loading wait. Traces
 from other programs work too; the data wait is then reported as unknown.
+
+Pipeline parallelism: the trainer runs each step's schedule inside `slipstream/pipeline`.
+What a pipelined trace shows there (CPU, gloo; torch 2.13): the stage's forward/backward
+ops, the `c10d::send` / `c10d::recv_` ops that post each transfer, and a `gloo:send` /
+`gloo:recv` range per transfer. The wait sits in one or the other: a `c10d::recv_` (or
+send) that blocks until the peer is there, its gloo range then lasting microseconds, or a
+short post followed by a gloo range that lasts until the schedule's wait returns (1F1B posts
+a send and a recv together and waits for both). torch's 1F1B and interleaved schedules
+label no forward/backward chunks, so the chunks can't be timed from the trace, and the
+op-free time of the range is mostly the schedule's Python gaps between ops, not waiting.
+So the bubble is measured from the transfers: the part of the pipeline range inside a
+transfer (the union of those ops and ranges) while no compute runs (CPU: no top-level op
+but communication; CUDA: NCCL SendRecv kernels not overlapped by compute kernels, in the
+device copy of the range). A stage that finishes early and then waits in a collective
+(the tied embedding's all-reduce, the gradient norm) is not counted: a lower bound.
 """
 
 from __future__ import annotations
@@ -39,6 +54,14 @@ from slipstream.errors import UserError
 
 LABEL_PREFIX = "slipstream/"
 DATA_LABEL = "slipstream/data"
+PIPELINE_LABEL = "slipstream/pipeline"
+
+# A pipeline's point-to-point transfers on the host timeline (gloo's range of each transfer
+# and the ops that post them); on the device, NCCL's p2p kernel (NCCL's host ranges end when
+# the work is queued, so they say nothing about waiting).
+P2P_RANGES = frozenset({"gloo:send", "gloo:recv"})
+P2P_POST_OPS = frozenset({"c10d::send", "c10d::recv_", "c10d::recv_any_source_"})
+P2P_KERNEL_MARKER = "sendrecv"  # ncclDevKernel_SendRecv, ncclKernel_SendRecv_RING_...
 
 # Host-device synchronization points: the host blocks until the device catches up.
 # On a CPU trace they cost nothing yet, but the same code stalls the GPU pipeline.
@@ -128,7 +151,12 @@ class StepStats:
     top_level_ops: int
     tiny_ops: int
     tiny_stretch_us: float  # wall time of runs of consecutive tiny ops (launch overhead included)
-    gaps: list[Gap]
+    gaps: list[Gap]  # idle gaps, the pipeline's transfer wait left out (that is pp_wait_us)
+    # Pipelined runs (a slipstream/pipeline range in the trace), else None:
+    pipeline_us: float | None = None  # time inside slipstream/pipeline
+    pp_wait_us: float | None = None  # of it: inside a p2p transfer with no compute running (the bubble)
+    pp_wait_comm_us: float | None = None  # the part of pp_wait_us counted in comm_exposed_us too
+    pp_transfers: int = 0  # p2p transfers (sends and receives) in the pipeline range
 
 
 @dataclass
@@ -160,6 +188,19 @@ class TraceAnalysis:
     gaps: list[Gap]  # the longest idle gaps over all steps
     idle_by_host: dict[str, float]  # per step: idle time by what the host was doing
     notes: list[str]
+    # Pipelined runs only (else None): per step, see StepStats.
+    pipeline_us: float | None = None
+    pp_wait_us: float | None = None
+    pp_wait_comm_us: float | None = None
+    pp_transfers_per_step: float = 0.0
+
+    @property
+    def pp_bubble(self) -> float | None:
+        """The transfer wait's share of the pipeline range (the schedule's time), comparable with
+        the trainer's logged pp_bubble; share(pp_wait_us) is its share of the whole step."""
+        if self.pp_wait_us is None or not self.pipeline_us:
+            return None
+        return self.pp_wait_us / self.pipeline_us
 
     @property
     def comm_overlapped_us(self) -> float:
@@ -295,6 +336,11 @@ def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
     return [(s, e) for s, e in out]
 
 
+def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """a and b; both disjoint and sorted."""
+    return _subtract(a, _subtract(a, b))
+
+
 def _length(disjoint: list[tuple[float, float]]) -> float:
     return sum(e - s for s, e in disjoint)
 
@@ -324,6 +370,12 @@ def _clip(events: list[Event], start: float, end: float) -> list[tuple[float, fl
 def _is_comm(name: str) -> bool:
     low = name.lower()
     return any(m in low for m in COMM_MARKERS)
+
+
+def _is_p2p(e: Event, cuda: bool) -> bool:
+    if cuda:
+        return e.cat == "kernel" and P2P_KERNEL_MARKER in e.name.lower()
+    return e.name in P2P_RANGES or e.name in P2P_POST_OPS
 
 
 def _is_memcpy(e: Event) -> bool:
@@ -431,6 +483,12 @@ def analyze(trace: Trace, top_n: int = 10) -> TraceAnalysis:
     sync_names = {id(outer): names for outer, names in sync_points}
     # Host context for gaps: our labels, top-level ops and runtime calls (e.g. a sync wait).
     host_ctx_idx = _Index(labels + top_ops + [e for e in trace.events if e.cat in ("cuda_runtime", "cuda_driver")])
+    # The pipeline's range: on CUDA its device copy (the kernels run after the host range), if any.
+    pipeline = [e for e in labels if e.name == PIPELINE_LABEL]
+    if cuda:
+        pipeline = [e for e in trace.events if e.name == PIPELINE_LABEL and e.cat == DEVICE_ANNOTATION_CAT] or pipeline
+    pipeline_idx = _Index(pipeline)
+    p2p_idx = _Index([e for e in trace.events if _is_p2p(e, cuda)])
 
     steps: list[StepStats] = []
     for step_event in trace.steps:
@@ -449,11 +507,20 @@ def analyze(trace: Trace, top_n: int = 10) -> TraceAnalysis:
         for name in sorted({x.name for x in step_labels}):
             phases[name] = _length(_union(_clip([x for x in step_labels if x.name == name], s, e)))
 
+        pipe_window = _union(_clip(pipeline_idx.overlapping(s, e), s, e))
+        transfers = _union(_clip(p2p_idx.overlapping(s, e), s, e))
+        pp_wait = _subtract(_intersect(transfers, pipe_window), compute)
+        pp = {} if not pipeline else {
+            "pipeline_us": _length(pipe_window), "pp_wait_us": _length(pp_wait),
+            "pp_wait_comm_us": _length(_intersect(pp_wait, comm_exposed)),
+            "pp_transfers": sum(1 for x in p2p_idx.starting_in(s, e)
+                                if x.name not in P2P_POST_OPS and any(ws <= x.ts < we for ws, we in pipe_window))}
+
         data_ranges = _union(_clip([x for x in step_labels if x.name == DATA_LABEL], s, e))
-        long_idle = sum(ge - gs for gs, ge in _subtract(idle, data_ranges) if ge - gs >= MIN_GAP_US)
+        long_idle = sum(ge - gs for gs, ge in _subtract(idle, _union(data_ranges + pp_wait)) if ge - gs >= MIN_GAP_US)
 
         gaps = []
-        for gs, ge in idle:
+        for gs, ge in _subtract(idle, pp_wait):
             if ge - gs < MIN_GAP_US:
                 continue
             overlap: Counter[str] = Counter()
@@ -471,7 +538,7 @@ def analyze(trace: Trace, top_n: int = 10) -> TraceAnalysis:
             sync_points=len(syncs), sync_us=sum(x.dur for x in syncs),
             sync_ops=dict(Counter(name for x in syncs for name in sync_names[id(x)])),
             top_level_ops=len(ops_in_step), tiny_ops=sum(1 for x in ops_in_step if x.dur < TINY_OP_US),
-            tiny_stretch_us=_tiny_stretches(ops_in_step), gaps=gaps))
+            tiny_stretch_us=_tiny_stretches(ops_in_step), gaps=gaps, **pp))
 
     n = len(steps)
 
@@ -527,7 +594,11 @@ def analyze(trace: Trace, top_n: int = 10) -> TraceAnalysis:
         median_op_us=statistics.median([x.dur for x in step_ops]) if step_ops else 0.0,
         tiny_stretch_us=mean([st.tiny_stretch_us for st in steps]),
         top_ops=top_by_name(step_ops), top_kernels=top_by_name(step_kernels),
-        gaps=all_gaps[:top_n], idle_by_host=dict(idle_by_host.most_common(top_n)), notes=notes)
+        gaps=all_gaps[:top_n], idle_by_host=dict(idle_by_host.most_common(top_n)), notes=notes,
+        pipeline_us=mean([st.pipeline_us for st in steps]) if pipeline else None,
+        pp_wait_us=mean([st.pp_wait_us for st in steps]) if pipeline else None,
+        pp_wait_comm_us=mean([st.pp_wait_comm_us for st in steps]) if pipeline else None,
+        pp_transfers_per_step=mean([st.pp_transfers for st in steps]))
 
 
 def load_and_analyze(paths: list[str | Path], max_bytes: int | None = None) -> list[TraceAnalysis]:
