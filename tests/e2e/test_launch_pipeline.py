@@ -99,9 +99,11 @@ def test_every_schedule_trains_like_one_process(schedule, reference, pp2_1f1b, d
         run = pp2_1f1b
     else:
         run = tmp_path / "run"
+        # Regional compile inside the stages on one of them (fp32: the same losses).
+        compiled = ["--compile.scope=blocks"] if schedule == "interleaved-1f1b" else []
         proc = _launch(COMMON + [f"--data.dir={data_dir}", f"--run.dir={run}", "--train.micro_batch_size=4",
-                                 "--train.grad_accum_steps=2", "--parallel.pp=2", f"--parallel.pp_schedule={schedule}"],
-                       nproc=2)
+                                 "--train.grad_accum_steps=2", "--parallel.pp=2", f"--parallel.pp_schedule={schedule}",
+                                 *compiled], nproc=2)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         assert "parallel: none on 2 process(es) [pp 2 x dp_replicate 1]" in proc.stdout
     _close(_losses(run), _losses(reference))
@@ -154,6 +156,45 @@ def test_pipeline_with_tensor_parallel_trains_like_one_process(model, extra, dat
     _check_pipeline_ran(run, pp=2, dp=2)  # each tp rank of a stage holds its blocks (split over tp)
 
 
+@pytest.mark.timeout(300)
+def test_bf16_autocast_reaches_the_stages(data_dir, tmp_path):
+    """bf16 autocast around the schedule: the pipeline logs one bf16 process's losses, which are
+    not the fp32 ones (the switch acted inside the stages)."""
+    bf16 = ["--precision.autocast=bf16", "--train.eval_steps=0", "--checkpoint.interval=0"]
+    single, fp32 = tmp_path / "single", tmp_path / "fp32"
+    for run, extra in ((single, bf16), (fp32, ["--train.eval_steps=0", "--checkpoint.interval=0"])):
+        train_lm(load_config(None, COMMON + extra + [f"--data.dir={data_dir}", f"--run.dir={run}",
+                                                     "--train.micro_batch_size=8"]))
+    run = tmp_path / "run"
+    proc = _launch(COMMON + bf16 + [f"--data.dir={data_dir}", f"--run.dir={run}", "--train.micro_batch_size=8",
+                                    "--parallel.pp=2"], nproc=2)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    got, want, full = _losses(run), _losses(single), _losses(fp32)
+    for step in got:
+        assert got[step] == pytest.approx(want[step], rel=1e-3)
+    assert max(abs(got[s] - full[s]) / full[s] for s in got) > 1e-5  # bf16 did change the numbers
+
+
+@pytest.mark.timeout(300)
+def test_the_stability_guards_agree_across_stages(data_dir, tmp_path):
+    """A NaN loss seen on one stage's rank only skips the step on every stage: injected on the
+    first stage's rank or on the last's, the runs continue identically (a skip on one stage
+    alone would leave the two runs with different models)."""
+    losses = []
+    for rank in (0, 1):
+        run = tmp_path / f"run{rank}"
+        proc = _launch(COMMON + [f"--data.dir={data_dir}", f"--run.dir={run}", "--train.micro_batch_size=8",
+                                 "--parallel.pp=2", "--stability.policy=skip", "--checkpoint.interval=0"],
+                       nproc=2, fault=f"nan@3@{rank}")
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+        events = [r for r in _records(run) if "guard_event" in r]
+        assert [(e["step"], e["action"]) for e in events] == [(3, "skip")]
+        losses.append({s: v for s, v in _losses(run).items() if s != 3})
+    assert sorted(losses[0]) == sorted(losses[1]) == [1, 2, 4]
+    for step, value in losses[0].items():  # a skip on one stage alone moves step 4 by ~1e-2
+        assert losses[1][step] == pytest.approx(value, rel=1e-6), step
+
+
 # --- checkpoints: the unsplit names, resumed at another pipeline degree ------------------------------
 
 def test_a_pipeline_checkpoint_holds_the_unsplit_names(pp2_1f1b):
@@ -166,6 +207,26 @@ def test_a_pipeline_checkpoint_holds_the_unsplit_names(pp2_1f1b):
                  "model.final_norm.weight", "optim.state.blocks.4.mlp.down_proj.weight.exp_avg"):
         assert name in keys, sorted(keys)[:20]
     assert not any("stages" in key or "_orig_mod" in key for key in keys)
+
+
+def test_checkpoint_export_consolidates_a_pipeline_checkpoint(pp2_1f1b, reference, tmp_path):
+    """`checkpoint export` of a pp2 checkpoint: one file with every weight by its unsplit name,
+    equal to the export of the single process's checkpoint at the same step (fp32 noise)."""
+    from safetensors.torch import load_file
+
+    outs = []
+    for source, name in ((pp2_1f1b, "piped"), (reference, "single")):
+        out = tmp_path / name
+        proc = subprocess.run([sys.executable, "-m", "slipstream", "checkpoint", "export",
+                               str(source / "checkpoints" / "step_00000002"), "--format", "safetensors", "--out",
+                               str(out)], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "PYTHONPATH": SRC})
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outs.append(load_file(out / "model.safetensors"))
+    piped, single = outs
+    assert sorted(piped) == sorted(single) and "blocks.4.attn.q_proj.weight" in piped
+    for name, tensor in single.items():
+        assert (piped[name] - tensor).abs().max().item() <= 1e-5, name
 
 
 @pytest.mark.timeout(300)
