@@ -82,16 +82,21 @@ def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> s
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def torchrun(worker: Path, world: int, out: Path, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
+    """`torchrun --standalone` of a worker script writing into `out`: (the process, its seconds)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
+           str(worker), str(out)]
+    t0 = time.perf_counter()
+    proc = _run(cmd, timeout)
+    return proc, time.perf_counter() - t0
+
+
 class Launch:
     """One torchrun launch of dp_worker.py and its per-rank results."""
 
     def __init__(self, world: int, out: Path):
         self.world, self.out = world, out
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-               str(WORKER), str(out)]
-        t0 = time.perf_counter()
-        self.proc = _run(cmd, LAUNCH_TIMEOUT_S[world])
-        self.seconds = time.perf_counter() - t0
+        self.proc, self.seconds = torchrun(WORKER, world, out, LAUNCH_TIMEOUT_S[world])
 
     def tail(self) -> str:
         return f"exit code {self.proc.returncode}; stderr tail:\n{self.proc.stderr[-6000:]}"

@@ -14,8 +14,6 @@ the same global batch: the loss, every gradient, every parameter after one AdamW
 from __future__ import annotations
 
 import dataclasses
-import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -26,7 +24,7 @@ from slipstream.distributed.pipeline_stages import (StageCosts, build_stage_modu
 from slipstream.errors import UserError
 from slipstream.models.transformer import build_model, lm_loss
 from tests.distributed import pp_worker as w
-from tests.distributed.test_data_parallel import _run
+from tests.distributed.test_data_parallel import torchrun
 
 WORKER = Path(__file__).resolve().parent / "pp_worker.py"
 LAUNCH_TIMEOUT_S = {2: 120, 4: 120}
@@ -226,11 +224,7 @@ def test_v_rank_holds_its_own_copy_of_the_tied_embedding():
 class Launch:
     def __init__(self, world: int, out: Path):
         self.world, self.out = world, out
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-               str(WORKER), str(out)]
-        t0 = time.perf_counter()
-        self.proc = _run(cmd, LAUNCH_TIMEOUT_S[world])
-        self.seconds = time.perf_counter() - t0
+        self.proc, self.seconds = torchrun(WORKER, world, out, LAUNCH_TIMEOUT_S[world])
 
     def results(self, name: str) -> list[dict]:
         out = []
