@@ -251,10 +251,13 @@ def test_a_pipeline_checkpoint_resumes_in_one_process(pp2_1f1b, reference, data_
 
 
 @pytest.mark.timeout(300)
-def test_a_pipeline_checkpoint_resumes_at_pp2_x_dp2(pp2_1f1b, reference, data_dir, tmp_path):
+@pytest.mark.parametrize("layout", [
+    ["--train.micro_batch_size=4", "--parallel.dp_strategy=fsdp"],  # pp2 x fsdp2: the stages sharded
+    ["--train.micro_batch_size=8", "--parallel.tp=2"],               # pp2 x tp2: the stages split over tp
+], ids=["pp2xfsdp2", "pp2xtp2"])
+def test_a_pipeline_checkpoint_resumes_at_world_4(layout, pp2_1f1b, reference, data_dir, tmp_path):
     run = tmp_path / "run"
-    proc = _launch(COMMON + [f"--data.dir={data_dir}", f"--run.dir={run}", "--train.micro_batch_size=4",
-                             "--parallel.pp=2", "--parallel.dp_strategy=fsdp",
+    proc = _launch(COMMON + [f"--data.dir={data_dir}", f"--run.dir={run}", "--parallel.pp=2", *layout,
                              f"--checkpoint.resume={pp2_1f1b / 'checkpoints' / 'step_00000002'}"], nproc=4)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert sorted(_losses(run)) == [3, 4]
