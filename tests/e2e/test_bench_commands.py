@@ -5,8 +5,9 @@ that writes it; every rung / row / strategy ran and did what it claims (a memory
 the peak it is meant to lower, a sharding strategy shrinks the state it shards, the planner's
 rows hold measured and planned bytes within the target).
 
-The ladders run at `--size ci`, `bench sharding` at `--size ci` (3.9M parameters) and `bench
-planner` at `--cases stratified` (12 of the 52 cases): each a few seconds to tens of seconds,
+The ladders run at `--size ci`, `bench sharding` at `--size ci` (3.9M parameters), `bench pipeline`
+at `--size ci` (gpipe and 1f1b at pp 2) and `bench planner` at `--cases stratified` (12 of the 52
+cases): each a few seconds to tens of seconds,
 mostly process start-up, torchrun and (speed ladder) the compile rungs' compilation. SLIPSTREAM_SLOW_BENCH=1
 also runs each at the size its committed file was made at (minutes in all on 2 cores)."""
 
@@ -185,6 +186,48 @@ def test_bench_sharding(tmp_path, data_dir, size):
         for cat in ("optimizer_state", "gradients", "parameters"):
             expected = full[cat] / 2 if cat in halves[name] else full[cat]
             assert cats[cat] == pytest.approx(expected, rel=0.01), (name, cat, cats[cat], full[cat])
+
+
+def _check_pipeline_rungs(result: dict, rung_keys: list[str], rank_keys: list[str]) -> None:
+    """Every rung ran on every rank, its stages hold every block once, its bubbles are fractions
+    and its planned bubble is plan/timing.pipeline_bubble's."""
+    from slipstream.plan.timing import pipeline_bubble
+
+    n_layer = int(next(o.split("=")[1] for o in result["overrides"] if o.startswith("--model.n_layer=")))
+    for r in result["rungs"]:
+        assert sorted(r) == rung_keys, r["rung"]
+        assert len(r["ranks"]) == r["world"] == r["pp"] * r["dp"], r["rung"]
+        assert all(sorted(k) == rank_keys for k in r["ranks"]), r["rung"]
+        stages = {int(i): blocks for k in r["ranks"] for i, blocks in k["stages"].items()}  # dp replicas agree
+        assert sorted(stages) == list(range(r["pp"] * r["virtual_stages"])), r["rung"]
+        assert sorted(b for blocks in stages.values() for b in blocks) == list(range(n_layer)), r["rung"]
+        assert r["timed_steps"] == result["steps"] - 2 == len(r["bubble_measured_by_step"]), r["rung"]
+        assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0 and r["final_loss"] == r["final_loss"], r["rung"]
+        assert all(0 <= b < 1 for b in r["bubble_measured_by_step"]) and 0 <= r["bubble_measured"] < 1, r["rung"]
+        assert r["bubble_planned"] == pytest.approx(
+            pipeline_bubble(r["schedule"], r["pp"], r["virtual_stages"], r["microbatches"])), r["rung"]
+
+
+def test_bench_pipeline(tmp_path, data_dir):
+    from slipstream.perf.pipeline_bench import SIZES as PIPELINE_SIZES
+    from slipstream.plan.space import SCHEDULE_VIRTUAL
+
+    _bench("pipeline", "--size", "ci", "--data-dir", data_dir, "--out", tmp_path / "pp.json", cwd=tmp_path)
+    new, old = _same_shape(tmp_path / "pp.json", "pipeline-cpu.json")
+    rung_keys, rank_keys = sorted(old["rungs"][0]), sorted(old["rungs"][0]["ranks"][0])
+    model, schedules, _, _ = PIPELINE_SIZES["ci"]
+    assert new["size"] == "ci" and new["overrides"][:len(model)] == model
+    assert [(r["schedule"], r["world"]) for r in new["rungs"]] == [(s, 2) for s in schedules]
+    _check_pipeline_rungs(new, rung_keys, rank_keys)
+    for r in new["rungs"]:  # memory measured on every rank
+        assert r["memory_error"] is None, r["memory_error"]
+        assert all(k["step_peak_bytes"] > 0 and k["activations_bytes"] > 0 for k in r["ranks"]), r["rung"]
+    # activations in flight on the first stage: GPipe all micro-batches', 1F1B at most pp of them
+    first = {r["schedule"]: r["ranks"][0]["activations_bytes"] for r in new["rungs"]}
+    assert first["gpipe"] > first["1f1b"], first
+    # the committed file: every schedule at world 2 and 4, planned by the formula in use now
+    assert {(r["schedule"], r["world"]) for r in old["rungs"]} == {(s, w) for s in SCHEDULE_VIRTUAL for w in (2, 4)}
+    _check_pipeline_rungs(old, rung_keys, rank_keys)
 
 
 @pytest.mark.parametrize("cases", [pytest.param("stratified"), pytest.param("grid", marks=slow_bench)])

@@ -3,6 +3,7 @@
     slipstream bench overhead [--config FILE] [--section.key=value ...] [--rounds N] [--out FILE]
     slipstream bench sharding [--nproc N --strategies ddp zero1 zero2 fsdp --steps N --size default|ci]
     slipstream bench sharding --layouts tp1 tp2 tp4 cp2 cp4 cp2tp2
+    slipstream bench pipeline [--schedules gpipe 1f1b ... --nproc 2 4 --steps N --size default|ci --out FILE]
     slipstream bench checkpoint [--repeats N] [--model.* overrides]
     slipstream bench fused-ce [--rows N --d D --vocab V --dtype ... --chunk-size ...]
     slipstream bench ladder [memory|speed|both] [--device D --size S --repeats N --steps N --batch B]
@@ -58,6 +59,16 @@ def cmd_bench_sharding(args: argparse.Namespace, extra: list[str]) -> int:
         return 0
     run_sharding_bench(nproc=args.nproc, strategies=tuple(args.strategies), data_dir=args.data_dir,
                        steps=args.steps, out=args.out, size=args.size)
+    return 0
+
+
+def cmd_bench_pipeline(args: argparse.Namespace, extra: list[str]) -> int:
+    from slipstream.perf.pipeline_bench import run_pipeline_bench
+
+    no_extra(extra)
+    refuse_existing(args.out, args.force)  # an explicit --out; the default benchmarks/ file is refreshed
+    run_pipeline_bench(schedules=tuple(args.schedules or ()), nproc=tuple(args.nproc or ()), steps=args.steps,
+                       size=args.size, out=args.out, data_dir=args.data_dir)
     return 0
 
 
@@ -159,8 +170,15 @@ def cmd_bench_gpu(args: argparse.Namespace, extra: list[str]) -> int:
     return 1 if summary["failed"] else 0
 
 
+def _add_data_dir_and_out(p: argparse.ArgumentParser, default_out: str) -> None:
+    """--data-dir, --out and --force of a bench that trains on the prepared corpus."""
+    p.add_argument("--data-dir", default="", help="prepared data folder (default: the stdlib corpus, prepared once)")
+    p.add_argument("--out", default="", help=f"JSON file (default {default_out})")
+    add_force(p)
+
+
 def add_commands(sub) -> None:
-    """Register `bench overhead|ladder|sharding|checkpoint|fused-ce|planner|gpu` on the top-level subparsers."""
+    """Register `bench overhead|ladder|sharding|pipeline|checkpoint|fused-ce|planner|gpu` on the top-level parser."""
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_cmd", required=True)
     p = with_config(bench.add_parser("overhead", help="Trainer vs a hand-written loop, alternated"))
     p.add_argument("--rounds", type=int, default=5, help="alternations of (trainer, hand loop)")
@@ -193,10 +211,23 @@ def add_commands(sub) -> None:
     p.add_argument("--layouts", nargs="+", default=None, metavar="LAYOUT",
                    help="instead of the data-parallel strategies: tensor / context-parallel layouts (tp1 tp2 tp4 cp2 "
                         "cp4 cp2tp2), memory per rank vs the planner (default file benchmarks/model-parallel-cpu.json)")
-    p.add_argument("--data-dir", default="", help="prepared data folder (default: the stdlib corpus, prepared once)")
-    p.add_argument("--out", default="", help="JSON file (default benchmarks/sharding-cpu.json)")
-    add_force(p)
+    _add_data_dir_and_out(p, "benchmarks/sharding-cpu.json")
     p.set_defaults(func=cmd_bench_sharding)
+    from slipstream.plan.space import SCHEDULE_VIRTUAL
+
+    p = bench.add_parser("pipeline", help="every pipeline schedule at world 2 and 4: step time, bubble measured vs "
+                                          "planned, memory per stage (torchrun, CPU)")
+    p.add_argument("--schedules", nargs="+", default=None, choices=list(SCHEDULE_VIRTUAL), metavar="SCHEDULE",
+                   help=f"schedules to run (default: all: {' '.join(SCHEDULE_VIRTUAL)}; --size ci: gpipe 1f1b)")
+    p.add_argument("--nproc", nargs="+", type=int, default=None, choices=[2, 4],
+                   help="worlds (pp = world; at 4 also 1f1b as pp 2 x fsdp 2); default 2 4 (--size ci: 2)")
+    p.add_argument("--steps", type=int, default=0,
+                   help="training steps per rung: step 2 is memory-tracked, 3.. timed (default 8; --size ci: 3)")
+    p.add_argument("--size", default="default", choices=["default", "ci"],
+                   help="model scale: default = GPT-2 shape, 8 blocks of width 256, 8 micro-batches of 128 tokens; "
+                        "ci = 4 blocks of width 64 (a seconds-long smoke run for tests; needs --out)")
+    _add_data_dir_and_out(p, "benchmarks/pipeline-cpu.json")
+    p.set_defaults(func=cmd_bench_pipeline)
     p = bench.add_parser("checkpoint", help="checkpoint save: training stall of synchronous vs asynchronous saves")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="", help="JSON file (default benchmarks/checkpoint-cpu.json)")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -40,21 +41,25 @@ SIZES = {"default": MODEL,
 
 
 def run_strategy(strategy: str, nproc: int, overrides: list[str], run_dir: str, steps: int = 3,
-                 timeout_s: float = 600.0) -> dict[str, Any]:
-    """One torchrun training run; returns its summary.json (with per-rank memory)."""
+                 timeout_s: float = 600.0, memory_breakdown: bool = True) -> dict[str, Any]:
+    """One torchrun training run; returns its summary.json (with per-rank memory unless
+    memory_breakdown is off)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "slipstream", "train", *overrides, f"--parallel.dp_strategy={strategy}", f"--run.dir={run_dir}",
            f"--train.max_steps={steps}", "--train.eval_steps=0", "--checkpoint.save_final=false",
            "--logging.progress=false", "--logging.tensorboard=false", "--logging.log_interval=1",
-           "--metrics.memory_breakdown=true", "--optim.warmup_steps=1"]
+           f"--metrics.memory_breakdown={str(memory_breakdown).lower()}", "--optim.warmup_steps=1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         raise UserError(f"the {strategy} run did not finish within {timeout_s:g} s") from None
     if proc.returncode != 0:
-        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
-        raise UserError(f"the {strategy} run failed (exit {proc.returncode}):\n{tail}")
+        lines = (proc.stdout + proc.stderr).splitlines()
+        # the first exception a rank raised (the root cause; the others' follow from it) heads the message
+        cause = next((line for line in lines if re.match(r"\w+(Error|Exception): ", line)), "")
+        tail = "\n".join(lines[-15:])
+        raise UserError(f"the {strategy} run failed (exit {proc.returncode}): {cause}\n{tail}")
     return json.loads((Path(run_dir) / "summary.json").read_text(encoding="utf-8"))
 
 
