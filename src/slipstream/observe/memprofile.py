@@ -236,8 +236,10 @@ class _StepMemTracker(PeakMemTracker):
 def _reset_tracker_per_top_level_forward(tracker: MemTracker) -> Iterator[None]:
     """MemTracker refuses a second forward of a top-level module within one tracking
     context ("multiple iterative calls"), which gradient accumulation does by design.
-    Clearing its per-module stats before each top-level forward lifts that; the memory
-    accounting we read (live storages, peaks) is not per-module and is kept.
+    Dropping that module's per-module stats before each of its top-level forwards lifts that;
+    the memory accounting we read (live storages, peaks) is not per-module and is kept. Only the
+    entries of the module about to run go: a pipeline rank runs several stages, and another
+    stage's backward (which reads its own entries) may still be pending.
 
     Global hooks run in registration order, so these must be registered before the
     tracker is entered (its own global hooks then run after ours)."""
@@ -248,7 +250,8 @@ def _reset_tracker_per_top_level_forward(tracker: MemTracker) -> Iterator[None]:
         if torch._C._current_graph_task_id() != -1:
             return  # a recomputation (activation checkpointing) inside backward
         if depth == 0:
-            tracker.reset_mod_stats()
+            for submodule in module.modules():
+                tracker.memory_tracking.pop(submodule, None)
         depth += 1
 
     def post_hook(module: nn.Module, args: Any, output: Any) -> None:
