@@ -139,6 +139,7 @@ PP = ["--model.preset=tiny", "--model.n_layer=4", "--train.seq_len=32", "--paral
     (["--precision.autocast=fp16"], "use --precision.autocast=bf16"),
     (["--compile.scope=model"], "use --compile.scope=blocks"),
     (["--activations.checkpointing=offload"], "use full or selective"),
+    (["--parallel.pp_schedule=zbv", "--activations.checkpointing=selective"], "use --activations.checkpointing=full"),
 ])
 def test_bad_pipeline_config_is_refused_when_loaded(extra, message):
     from slipstream.config import load_config
@@ -152,7 +153,8 @@ def test_bad_pipeline_config_is_refused_when_loaded(extra, message):
     (["--parallel.dp_strategy=zero1"], 4, "runs with dp_strategy none, ddp, fsdp or hsdp"),
     (["--parallel.dp_strategy=zero2"], 4, "runs with dp_strategy none, ddp, fsdp or hsdp"),
     (["--parallel.cp=2", "--parallel.dp_strategy=fsdp"], 4, "does not compose with parallel.cp yet"),
-    (["--parallel.dp_strategy=ddp", "--parallel.local_sgd_period=2"], 4, "local_sgd_period with parallel.pp"),
+    (["--parallel.dp_strategy=ddp", "--parallel.local_sgd_period=2"], 4, "are DDP settings, which parallel.pp > 1"),
+    (["--parallel.dp_strategy=ddp", "--parallel.comm_hook=bf16"], 4, "are DDP settings, which parallel.pp > 1"),
     ([], 3, "does not divide the world size 3"),
 ])
 def test_layouts_a_pipeline_cannot_run_are_refused_before_joining(extra, world, message):
@@ -163,6 +165,16 @@ def test_layouts_a_pipeline_cannot_run_are_refused_before_joining(extra, world, 
     with pytest.raises(UserError) as e:
         check_compatibility(cfg, resolve_parallel_dims(cfg.parallel, world, world))
     assert message in str(e.value)
+
+
+def test_the_trainer_refuses_a_custom_loss_under_a_pipeline():
+    """The Python API: the last stage computes the LM loss; a custom loss_fn would be ignored."""
+    from slipstream.config import load_config
+    from slipstream.train.trainer import Trainer
+
+    cfg = load_config(None, [*PP, "--train.micro_batch_size=4", "--model.vocab_size=64"])
+    with pytest.raises(UserError, match="a custom loss_fn cannot run inside the schedule"):
+        Trainer(build_model(cfg.model), None, lambda model, batch: model(batch[0]).mean(), config=cfg)
 
 
 def test_mesh_puts_the_pipeline_outermost():

@@ -398,7 +398,14 @@ def _load_weights(path: Path, model: torch.nn.Module, optimizer: Any | None, mod
                         "pipeline parallelism (one list of every parameter), which a pipeline stage cannot read; "
                         "resume it with --parallel.pp=1 once and save again")
     payload = state_payload(model, optimizer, model_key, flat_optimizer)
+    aliases, borrowed = _tied_copy_aliases(path, model, payload) if optimizer is not None else ({}, set())
     load_dcp(path / "model_optim", payload)
+    for copy_key, table_key in aliases.items():  # the head's copy takes the table's optimizer state
+        value = payload["optim"][table_key]
+        # A rank holding the table too gives the copy state of its own (never one shared tensor).
+        payload["optim"][copy_key] = value if table_key in borrowed or not torch.is_tensor(value) else value.clone()
+    for key in borrowed:
+        del payload["optim"][key]
     if optimizer is None:
         set_model_state_dict(model, payload[model_key])
     elif is_local_sgd(optimizer):
@@ -418,6 +425,32 @@ def _load_weights(path: Path, model: torch.nn.Module, optimizer: Any | None, mod
         set_state_dict(model, torch_optimizers(optimizer), model_state_dict=payload["model"],
                        optim_state_dict=payload["optim"],
                        options=StateDictOptions(flatten_optimizer_state_dict=flat_optimizer))
+
+
+def _tied_copy_aliases(path: Path, model: torch.nn.Module, payload: dict[str, Any]) -> tuple[dict[str, str], set[str]]:
+    """A pipeline stage's copy of a tied embedding (`lm_head.weight`, distributed/pipeline_parallel.py)
+    has optimizer state of its own; a checkpoint saved without a pipeline holds only the table's
+    (`tok_emb.weight`, the one parameter). Then the copy reads the table's entries. Returns
+    ({copy key: table key}, the table keys put into the payload only to load them), having taken
+    the copy's keys out of the payload; ({}, set()) when the checkpoint has the copy's own."""
+    from slipstream.checkpoint.untrusted import read_dcp_metadata
+
+    optim = payload.get("optim", {})
+    if getattr(model, "pipeline", None) is None or not getattr(model.pipeline, "tied", False):
+        return {}, set()
+    copy_keys = [key for key in optim if key.startswith(("state.lm_head.weight.", "param_groups.lm_head.weight."))]
+    saved = read_dcp_metadata(path / "model_optim").state_dict_metadata if copy_keys else {}
+    if not copy_keys or any(f"optim.{key}" in saved for key in copy_keys):
+        return {}, set()
+    aliases, borrowed = {}, set()
+    for key in copy_keys:
+        table_key = key.replace("lm_head.weight", "tok_emb.weight", 1)
+        if table_key not in optim:  # this rank holds the copy only: the table's entry loads into the copy's tensor
+            optim[table_key] = optim[key]
+            borrowed.add(table_key)
+        aliases[key] = table_key
+        del optim[key]
+    return aliases, borrowed
 
 
 def checkpoint_tokenizer(path: Path, meta: dict[str, Any], fallback: str) -> str:

@@ -20,6 +20,8 @@ NOT_YET = {"ep": "expert"}
 # (rank r holds stages r and 2 pp - 1 - r); the others loop pp_virtual_stages stages per rank.
 PP_ONE_STAGE = ("gpipe", "1f1b")
 PP_V_SHAPED = ("zbv", "dualpipev")
+# The zero-bubble schedules: each backward runs as an input-gradient pass, later a weight-gradient pass.
+PP_SPLIT_BACKWARD = ("interleaved-zero-bubble", "zbv", "dualpipev")
 
 
 @dataclass(frozen=True)
@@ -183,6 +185,12 @@ def check_pipeline_config(cfg: Config) -> None:
     if cfg.activations.checkpointing == "offload":
         raise UserError("activations.checkpointing = offload with parallel.pp > 1 is not supported; "
                         "use full or selective")
+    if p.pp_schedule in PP_SPLIT_BACKWARD and cfg.activations.checkpointing == "selective":
+        # Measured on torch 2.13: their input-gradient pass, then weight-gradient pass, run the
+        # saved selective-checkpoint values twice ("Trying to backward an extra time").
+        raise UserError(f"activations.checkpointing = selective with parallel.pp_schedule = {p.pp_schedule} (a "
+                        "zero-bubble schedule, which splits each backward in two) is not supported; use "
+                        "--activations.checkpointing=full or a 1f1b / interleaved-1f1b schedule")
 
 
 def pp_microbatches(cfg: Config) -> int:
@@ -216,8 +224,12 @@ def check_compatibility(cfg: Config, dims: ParallelDims) -> None:
     if dims.pp > 1 and dims.cp > 1:
         raise UserError("parallel.pp > 1 does not compose with parallel.cp yet; set --parallel.cp=1 "
                         "(or --parallel.pp=1)")
-    if dims.pp > 1 and p.local_sgd_period:
-        raise UserError("parallel.local_sgd_period with parallel.pp > 1 is not supported; set it to 0")
+    if dims.pp > 1 and (p.local_sgd_period or p.comm_hook != "none" or p.static_graph or p.find_unused_parameters):
+        # Under a pipeline the stages are not DDP modules: their gradients are averaged after the
+        # schedule (distributed/pipeline_parallel.py), so DDP's own settings would do nothing.
+        raise UserError("parallel.local_sgd_period, comm_hook, static_graph and find_unused_parameters are DDP "
+                        "settings, which parallel.pp > 1 does not use (the stages' gradients are averaged after "
+                        "the schedule); leave them at their defaults")
     if dims.cp > 1 and dims.tp > 1 and s == "ddp":
         raise UserError("parallel.cp and parallel.tp together need dp_strategy = fsdp or hsdp")
     if p.async_tp:

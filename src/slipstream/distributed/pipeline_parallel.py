@@ -91,6 +91,14 @@ class Pipeline:
         self.busy_s = self.step_s = 0.0
         return bubble
 
+    def sequence_losses(self, model: nn.Module, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The Evaluator's sequence_loss_fn: per-sequence losses through the stages (model unused)."""
+        return pipeline_sequence_losses(self, inputs, targets)
+
+    def batch_loss(self, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """The Evaluator's loss_fn for plain validation batches: their mean loss through the stages."""
+        return pipeline_sequence_losses(self, *batch).mean()
+
     def interval_record(self, parallel) -> dict[str, float | None]:
         """The log's pipeline numbers: `pp_bubble`, the ranks' mean idle share of the schedule's wall
         time since the last log (CPU only: there the stages' host time is their compute time), and
@@ -387,7 +395,7 @@ def apply_pipeline_parallel(model: Transformer, parallel: Any, cfg: Any,
     """Cut `model` (meta: initialized from cfg.train.seed as one process would; or real) into this
     rank's stages over the mesh's pp dim, run the rest of the chain on each stage
     (`parallelize_stage`: AC, compile, FSDP/DDP), and return the rank's PipelineModel."""
-    from slipstream.config.dims import pp_layers, pp_microbatches, virtual_stages
+    from slipstream.config.dims import PP_SPLIT_BACKWARD, pp_layers, pp_microbatches, virtual_stages
     from slipstream.models.transformer import lm_loss
 
     if not isinstance(model, Transformer):
@@ -402,6 +410,12 @@ def apply_pipeline_parallel(model: Transformer, parallel: Any, cfg: Any,
     splits = split_layers(model.cfg.n_layer, n_stages, pp_layers(p), stage_costs(model.cfg, cfg.train.seq_len))
     indices = stage_indices(p.pp_schedule, pp_rank, pp_size, v)
     modules = split_stages(model, indices, splits, parallel.device, seed=cfg.train.seed)
+    if p.pp_schedule in PP_SPLIT_BACKWARD and cfg.compile.scope != "off":
+        # The zero-bubble schedules take input gradients with retain_graph (the weight gradients
+        # follow later); a compiled backward that donates its buffers refuses that.
+        import torch._functorch.config as functorch_config
+
+        functorch_config.donated_buffer = False
     parts = [parallelize_stage(module) for module in modules]
     pipe = assemble_pipeline(model.cfg, p.pp_schedule, modules, parts, indices, n_stages, pp_group,
                              pp_microbatches(cfg), lm_loss, parallel.device)

@@ -34,6 +34,7 @@ import torch.nn as nn
 
 from slipstream.checkpoint import manager as ckpt
 from slipstream.checkpoint.writer import CheckpointWriter
+from slipstream.config.dims import check_pipeline_config
 from slipstream.config.load import check_training_rules, config_to_toml
 from slipstream.config.schema import Config
 from slipstream.distributed.data_parallel import full_value, gradients_live_in_buckets, no_sync, unwrap
@@ -48,6 +49,7 @@ from slipstream.optimize.optimizers import torch_optimizers
 from slipstream.optimize.precision import autocast_context, make_grad_scaler
 from slipstream.runtime import configure_runtime
 from slipstream.train.evaluate import format_eval
+from slipstream.train.lm_loss import lm_loss_fn
 from slipstream.train.memory_probe import MemoryProbe
 from slipstream.train.meter import IntervalMeter
 from slipstream.train.resume import config_changes, load_checkpoint_state, resume_target
@@ -146,6 +148,11 @@ class Trainer:
 
         self.cfg = config or Config()
         check_training_rules(self.cfg)  # config-only rules (a Config built in code was never loaded)
+        check_pipeline_config(self.cfg)
+        if self.cfg.parallel.pp > 1 and loss_fn is not lm_loss_fn:  # the schedule's last stage computes the loss
+            raise UserError("parallel.pp > 1 trains with the language-model loss (next-token cross-entropy, computed "
+                            "by the last stage); a custom loss_fn cannot run inside the schedule. Pass "
+                            "slipstream.train.lm_loss.lm_loss_fn or set --parallel.pp=1")
         # Joins the process group under torchrun (idempotent); a single process gets a world-1 context.
         self.parallel = parallel or init_parallel(self.cfg)
         self.device = device or self.parallel.device
@@ -157,11 +164,8 @@ class Trainer:
         self._cp = getattr(unwrap(self.model), "context_parallel", None)
         # Pipeline parallel: the schedule runs forward and backward over this rank's stages.
         self.pipeline = getattr(self.model, "pipeline", None)
-        if self.pipeline is not None:
-            from slipstream.distributed.pipeline_parallel import pipeline_sequence_losses
-
-            sequence_loss_fn = lambda model, x, y: pipeline_sequence_losses(self.pipeline, x, y)  # noqa: E731
-            loss_fn_eval = lambda model, batch: sequence_loss_fn(model, *batch).mean()  # noqa: E731
+        if self.pipeline is not None:  # evaluation runs through the stages too
+            sequence_loss_fn, eval_loss_fn = self.pipeline.sequence_losses, self.pipeline.batch_loss
         self.loss_fn = loss_fn
         self.train_loader = _as_loader(train_data, self.cfg, self.device, shuffle=True, collate_fn=collate_fn,
                                        parallel=self.parallel)
@@ -186,7 +190,7 @@ class Trainer:
         if self.val_loader is not None and self.cfg.train.eval_steps:
             from slipstream.train.evaluate import Evaluator
 
-            self.evaluator = Evaluator(self.val_loader, loss_fn if self.pipeline is None else loss_fn_eval, self.parallel,
+            self.evaluator = Evaluator(self.val_loader, loss_fn if self.pipeline is None else eval_loss_fn, self.parallel,
                                        LossParallel(self._loss_parallel.enabled, inside=self._autocast),
                                        context_parallel=self._cp,
                                        max_batches=self.cfg.train.eval_steps, sequence_loss_fn=sequence_loss_fn)
@@ -443,9 +447,12 @@ class Trainer:
         suffix = f"_rank{self.parallel.rank}" if self.parallel.world_size > 1 else ""
         return self.run_dir / f"memory_snapshot{suffix}.pickle"
 
-    def _next_batch(self, it: Iterator) -> Any:
+    def _next_batch(self, it: Iterator) -> tuple[Any, float]:
+        """The next training batch and the seconds spent waiting for it."""
+        t0 = time.perf_counter()
         try:
-            return next(it)
+            with self._label("data"):
+                return next(it), time.perf_counter() - t0
         except StopIteration:
             raise UserError("the training data ran out; use an infinite/stateful loader or fewer train.max_steps") from None
 
@@ -490,10 +497,8 @@ class Trainer:
         for micro in range(accum):
             if in_backward:  # accumulate, and step inside the last micro-batch's backward only
                 self.optimizer.step_enabled = micro == accum - 1
-            t0 = time.perf_counter()
-            with self._label("data"):
-                batch = self._next_batch(it)
-            data_wait += time.perf_counter() - t0
+            batch, wait = self._next_batch(it)
+            data_wait += wait
             if self._cp is not None:
                 batch = self._cp.shard_batch(batch)  # this rank's tokens of every sequence
             items += (self.tokens_per_batch or _batch_size(batch)) * dp
@@ -519,12 +524,8 @@ class Trainer:
         would accumulate), run through the schedule as parallel.pp_microbatches micro-batches."""
         from slipstream.distributed.pipeline_parallel import pipeline_step
 
-        batches, data_wait = [], 0.0
-        for _ in range(self.cfg.train.grad_accum_steps):
-            t0 = time.perf_counter()
-            with self._label("data"):
-                batches.append(self._next_batch(it))
-            data_wait += time.perf_counter() - t0
+        batches, waits = zip(*(self._next_batch(it) for _ in range(self.cfg.train.grad_accum_steps)))
+        data_wait = sum(waits)
         inputs, targets = (torch.cat([batch[i] for batch in batches]) for i in (0, 1))
         items = (self.tokens_per_batch or _batch_size(batches[0])) * len(batches) * self.parallel.dims.dp
         # loss parallel: the last stage's cross-entropy (forward and backward) on the vocabulary shards
@@ -587,7 +588,6 @@ class Trainer:
             with contextlib.suppress(Exception):
                 self.writer.wait(timeout_s=30.0 if self.parallel.world_size > 1 else None)
             raise
-
 
     def _decide(self, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> str:
         """The guards' verdict on this step (left in self._verdict for the loop)."""
