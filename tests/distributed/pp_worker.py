@@ -92,7 +92,7 @@ def run(sc: dict[str, Any], rank: int) -> dict[str, Any]:
     opt.step()
     return {"loss": None if loss is None else float(loss), "grads": grads,
             "params": {name: p.detach().clone() for name, p in params.items()},
-            "stages": [m.layers for m in pipe.modules], "indices": [s.stage_index for s in pipe.stages]}
+            "stages": [list(m.layers) for m in pipe.modules], "indices": [s.stage_index for s in pipe.stages]}
 
 
 def main(argv: list[str]) -> int:

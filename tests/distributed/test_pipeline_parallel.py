@@ -245,7 +245,7 @@ class Launch:
             if not path.is_file():
                 pytest.fail(f"world {self.world}: no result for {name!r} rank {rank}; exit {self.proc.returncode}\n"
                             f"{self.proc.stderr[-6000:]}")
-            result = torch.load(path, weights_only=False)  # our own worker's output
+            result = torch.load(path, weights_only=True)  # our own worker's output: tensors, numbers, lists
             if "error" in result:
                 pytest.fail(f"world {self.world}: {name!r} failed on rank {rank}:\n{result['error']}")
             out.append(result)

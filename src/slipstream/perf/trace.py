@@ -51,6 +51,7 @@ from typing import Any
 
 from slipstream import safe_read
 from slipstream.errors import UserError
+from slipstream.perf.intervals import intersect, length, subtract, union
 
 LABEL_PREFIX = "slipstream/"
 DATA_LABEL = "slipstream/data"
@@ -320,49 +321,6 @@ def load_trace(path: str | Path, default_rank: int = 0, max_bytes: int | None = 
     return Trace(str(p), _rank_of(p, metadata, default_rank), events, steps, metadata)
 
 
-# ---------------------------------------------------------------------------- intervals
-
-
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """Merge overlapping intervals into disjoint, sorted ones."""
-    out: list[list[float]] = []
-    for s, e in sorted(intervals):
-        if e <= s:
-            continue
-        if out and s <= out[-1][1]:
-            out[-1][1] = max(out[-1][1], e)
-        else:
-            out.append([s, e])
-    return [(s, e) for s, e in out]
-
-
-def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """a and b; both disjoint and sorted."""
-    return _subtract(a, _subtract(a, b))
-
-
-def _length(disjoint: list[tuple[float, float]]) -> float:
-    return sum(e - s for s, e in disjoint)
-
-
-def _subtract(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """a minus b; both disjoint and sorted."""
-    out, j = [], 0
-    for s, e in a:
-        cur = s
-        while j < len(b) and b[j][1] <= cur:
-            j += 1
-        k = j
-        while k < len(b) and b[k][0] < e:
-            if b[k][0] > cur:
-                out.append((cur, b[k][0]))
-            cur = max(cur, b[k][1])
-            k += 1
-        if cur < e:
-            out.append((cur, e))
-    return out
-
-
 def _clip(events: list[Event], start: float, end: float) -> list[tuple[float, float]]:
     return [(max(e.ts, start), min(e.end, end)) for e in events if e.end > start and e.ts < end]
 
@@ -494,33 +452,33 @@ def analyze(trace: Trace, top_n: int = 10) -> TraceAnalysis:
     for step_event in trace.steps:
         s, e = step_event.ts, step_event.end
         number = int(_STEP_RE.match(step_event.name).group(1))
-        compute = _union(_clip(compute_idx.overlapping(s, e), s, e))
-        comm = _union(_clip(comm_idx.overlapping(s, e), s, e))
-        copies = _union(_clip(copy_idx.overlapping(s, e), s, e))
-        busy = _union(compute + comm + copies)
-        comm_exposed = _subtract(comm, compute)
-        copies_exposed = _subtract(copies, _union(compute + comm))
-        idle = _subtract([(s, e)], busy)
+        compute = union(_clip(compute_idx.overlapping(s, e), s, e))
+        comm = union(_clip(comm_idx.overlapping(s, e), s, e))
+        copies = union(_clip(copy_idx.overlapping(s, e), s, e))
+        busy = union(compute + comm + copies)
+        comm_exposed = subtract(comm, compute)
+        copies_exposed = subtract(copies, union(compute + comm))
+        idle = subtract([(s, e)], busy)
 
         phases: dict[str, float] = {}
         step_labels = label_idx.overlapping(s, e)
         for name in sorted({x.name for x in step_labels}):
-            phases[name] = _length(_union(_clip([x for x in step_labels if x.name == name], s, e)))
+            phases[name] = length(union(_clip([x for x in step_labels if x.name == name], s, e)))
 
-        pipe_window = _union(_clip(pipeline_idx.overlapping(s, e), s, e))
-        transfers = _union(_clip(p2p_idx.overlapping(s, e), s, e))
-        pp_wait = _subtract(_intersect(transfers, pipe_window), compute)
+        pipe_window = union(_clip(pipeline_idx.overlapping(s, e), s, e))
+        transfers = union(_clip(p2p_idx.overlapping(s, e), s, e))
+        pp_wait = subtract(intersect(transfers, pipe_window), compute)
         pp = {} if not pipeline else {
-            "pipeline_us": _length(pipe_window), "pp_wait_us": _length(pp_wait),
-            "pp_wait_comm_us": _length(_intersect(pp_wait, comm_exposed)),
+            "pipeline_us": length(pipe_window), "pp_wait_us": length(pp_wait),
+            "pp_wait_comm_us": length(intersect(pp_wait, comm_exposed)),
             "pp_transfers": sum(1 for x in p2p_idx.starting_in(s, e)
                                 if x.name not in P2P_POST_OPS and any(ws <= x.ts < we for ws, we in pipe_window))}
 
-        data_ranges = _union(_clip([x for x in step_labels if x.name == DATA_LABEL], s, e))
-        long_idle = sum(ge - gs for gs, ge in _subtract(idle, _union(data_ranges + pp_wait)) if ge - gs >= MIN_GAP_US)
+        data_ranges = union(_clip([x for x in step_labels if x.name == DATA_LABEL], s, e))
+        long_idle = sum(ge - gs for gs, ge in subtract(idle, union(data_ranges + pp_wait)) if ge - gs >= MIN_GAP_US)
 
         gaps = []
-        for gs, ge in _subtract(idle, pp_wait):
+        for gs, ge in subtract(idle, pp_wait):
             if ge - gs < MIN_GAP_US:
                 continue
             overlap: Counter[str] = Counter()
@@ -532,8 +490,8 @@ def analyze(trace: Trace, top_n: int = 10) -> TraceAnalysis:
         syncs = sync_idx.starting_in(s, e)
         steps.append(StepStats(
             step=number, start_us=s, step_us=e - s,
-            compute_us=_length(compute), comm_us=_length(comm), comm_exposed_us=_length(comm_exposed),
-            memcpy_us=_length(copies_exposed), idle_us=_length(idle), long_idle_us=long_idle,
+            compute_us=length(compute), comm_us=length(comm), comm_exposed_us=length(comm_exposed),
+            memcpy_us=length(copies_exposed), idle_us=length(idle), long_idle_us=long_idle,
             data_wait_us=phases.get(DATA_LABEL, 0.0) if has_labels else None, phases_us=phases,
             sync_points=len(syncs), sync_us=sum(x.dur for x in syncs),
             sync_ops=dict(Counter(name for x in syncs for name in sync_names[id(x)])),
