@@ -82,6 +82,11 @@ def _hostile_metadata(genuine: Path, tmp_path: Path, marker: Path) -> Path:
     return ckpt
 
 
+# A non-tensor value of the checkpoint: the learning rate of the table's group (the optimizer
+# state is saved flat, keyed by parameter name: checkpoint/manager.state_payload).
+LR_KEY = "optim.param_groups.tok_emb.weight.lr"
+
+
 def _hostile_value(genuine: Path, tmp_path: Path, marker: Path) -> Path:
     """Genuine metadata, except that the learning rate's blob (DCP stores non-tensor values as
     torch.save'd pickles) now points at an attacker's pickle appended to the shard."""
@@ -90,7 +95,7 @@ def _hostile_value(genuine: Path, tmp_path: Path, marker: Path) -> Path:
     ckpt = _copy(genuine, tmp_path)
     folder = ckpt / "model_optim"
     metadata = read_dcp_metadata(folder)
-    (index, info), = [(i, s) for i, s in metadata.storage_data.items() if i.fqn == "optim.param_groups.0.lr"]
+    (index, info), = [(i, s) for i, s in metadata.storage_data.items() if i.fqn == LR_KEY]
     shard = folder / info.relative_path
     payload = pickle.dumps(_Exec(_touch_code(marker)))
     info.offset, info.length = shard.stat().st_size, len(payload)
@@ -165,7 +170,7 @@ def test_crafted_metadata_pickle_is_refused_everywhere(command, genuine, tmp_pat
 def test_crafted_value_blob_is_refused_on_resume(command, genuine, tmp_path, data_dir):
     marker = tmp_path / "pwned"
     ckpt = _hostile_value(genuine, tmp_path, marker)
-    _run_and_check(command, ckpt, tmp_path, data_dir, marker, "optim.param_groups.0.lr", str(ckpt))
+    _run_and_check(command, ckpt, tmp_path, data_dir, marker, LR_KEY, str(ckpt))
 
 
 def test_rollback_reloads_through_the_same_guard(genuine, tmp_path):
