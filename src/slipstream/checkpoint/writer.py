@@ -16,6 +16,8 @@ at worst a stale .tmp folder, which the next save removes.
 
 from __future__ import annotations
 
+import functools
+import io
 import json
 import os
 import shutil
@@ -63,8 +65,9 @@ def _killsave_steps(rank: int) -> set[int]:
 
 
 def state_bytes(payload: Any) -> int:
-    """Bytes of the tensors in a save's payload: what the checkpoint needs on disk (a DTensor
-    counts whole, as the ranks' shards add up to it)."""
+    """Bytes a save's payload needs on disk: its tensors (a DTensor counts whole, as the ranks'
+    shards add up to it), and every other value, which DCP writes as a torch.save blob of its own
+    (the flat optimizer state has a few per parameter: its group's lr, betas, ...)."""
     total, stack = 0, [payload]
     while stack:
         value = stack.pop()
@@ -74,7 +77,17 @@ def state_bytes(payload: Any) -> int:
             stack += value
         elif isinstance(value, torch.Tensor):
             total += value.numel() * value.element_size()
+        else:
+            total += _blob_bytes()
     return total
+
+
+@functools.cache
+def _blob_bytes() -> int:
+    """The size of one small value saved by torch.save (mostly its zip framing): ~1.3 KB on torch 2.13."""
+    buffer = io.BytesIO()
+    torch.save(0.0, buffer)
+    return len(buffer.getvalue())
 
 
 def _own_shard_files(folder: Path, rank: int) -> list[str]:
