@@ -31,7 +31,7 @@ LAUNCH_TIMEOUT_S = {2: 120, 4: 120}
 
 LOSS_RTOL = 1e-6    # relative; measured <= 1.2e-7 (every schedule, world 2 and 4)
 GRAD_RTOL = 1e-5    # of the largest reference gradient; measured <= 4.5e-7
-PARAM_ATOL = 5e-5   # after one AdamW step at lr 1e-2; measured <= 6.2e-6
+PARAM_ATOL = 1e-5   # after one AdamW step at lr 1e-2 (the bound); measured <= 6.2e-6
 
 # Scenarios a schedule cannot run: a UserError on every rank, before any communication.
 EXPECTED_ERRORS = {

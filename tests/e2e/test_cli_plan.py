@@ -147,8 +147,13 @@ def test_plan_user_errors(capsys, args, message):
 
 
 def test_prime_batch_runnable_only(capsys):
+    """7 sequences on 8 GPUs: no data parallelism divides them; a tp x pp layout runs them."""
     code, out, err = run(capsys, "plan", "--model", "gpt2", "--gpus", "8xH100", "--seq", "1024",
                          "--global-batch", "7", "--runnable-only")
+    assert code == 0, err
+    assert "best: none tp2+sp pp4:1f1b mb1x7" in out
+    code, out, err = run(capsys, "plan", "--model", "gpt2", "--gpus", "8xH100", "--seq", "1024",
+                         "--global-batch", "7", "--runnable-only", "--pp", "1")
     assert code == 2 and "no layout divides the work" in err
 
 

@@ -417,7 +417,11 @@ class CPUOffloadOptimizer(torch.optim.Optimizer):
         for index, (_, master, _) in enumerate(self._slots):
             # A new dict: the inner state_dict's values are the live per-param state dicts.
             state[index] = {**state.get(index, {}), "master_param": master}
-        return {"state": state, "param_groups": state_dict["param_groups"]}
+        # The groups as the schedulers see them (e.g. their initial_lr): the flat checkpoint form
+        # keys every entry of this optimizer's own groups by parameter name.
+        groups = [{**inner_group, **{key: value for key, value in group.items() if key != "params"}}
+                  for group, inner_group in zip(self.param_groups, state_dict["param_groups"])]
+        return {"state": state, "param_groups": groups}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         _wait_for_copies(self._devices)  # a pending async copy may still be reading the masters
