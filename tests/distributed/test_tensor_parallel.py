@@ -418,7 +418,10 @@ def test_async_tp_is_cuda_only_and_switches_inductors_micro_pipeline_on(monkeypa
         check_device_rules(cfg, torch.device("cpu"))  # ...that needs CUDA
     # What the chain calls on CUDA: the Inductor pass on, symmetric memory for the tp group.
     enabled = []
-    monkeypatch.setattr(inductor_config, "_micro_pipeline_tp", False)
     monkeypatch.setattr(_symmetric_memory, "enable_symm_mem_for_group", enabled.append)
-    enable_async_tp(SimpleNamespace(get_group=lambda: SimpleNamespace(group_name="tp-group")))
-    assert inductor_config._micro_pipeline_tp is True and enabled == ["tp-group"]
+    # Inductor's config is restored by its own patch(): monkeypatch's undo would delete the key
+    # (it is no plain module attribute), and every later compile in this process would fail.
+    with inductor_config.patch(_micro_pipeline_tp=False):
+        enable_async_tp(SimpleNamespace(get_group=lambda: SimpleNamespace(group_name="tp-group")))
+        assert inductor_config._micro_pipeline_tp is True and enabled == ["tp-group"]
+    assert inductor_config._micro_pipeline_tp is False

@@ -145,16 +145,16 @@ def test_invalid_values_are_user_errors(kwargs, match):
 
 
 def test_configure_compile_cache(monkeypatch, tmp_path):
-    # monkeypatch restores the process-wide settings afterwards, so the compiled tests keep
-    # using the per-checkout cache.
+    # monkeypatch restores the environment afterwards, and Inductor's own patch() its config
+    # (monkeypatch's undo would delete the key: later compiles in this process would fail), so
+    # the compiled tests keep using the per-checkout cache.
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "unused"))
-    monkeypatch.setattr(inductor_config, "fx_graph_cache", False)
-
-    path = configure_compile_cache(tmp_path / "run" / "inductor")
-    assert path == tmp_path / "run" / "inductor" and path.is_dir()
-    assert inductor_config.fx_graph_cache is True
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-    assert cache_dir() == str(path)  # what inductor will use
+    with inductor_config.patch(fx_graph_cache=False):
+        path = configure_compile_cache(tmp_path / "run" / "inductor")
+        assert path == tmp_path / "run" / "inductor" and path.is_dir()
+        assert inductor_config.fx_graph_cache is True
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+        assert cache_dir() == str(path)  # what inductor will use
 
     monkeypatch.setenv("SLIPSTREAM_CACHE_DIR", str(tmp_path / "user"))
     assert default_compile_cache_dir() == tmp_path / "user" / "inductor"
