@@ -197,11 +197,11 @@ def _tied_group(cfg: ModelConfig, schedule: str, pp_group: dist.ProcessGroup, n_
         return None  # untied, or both copies on one rank (V): summed without communication
     if pp_size == 2:
         return pp_group if dist.get_rank(pp_group) in owners else None
+    if dist.get_rank(pp_group) not in owners:
+        return None
     ranks = dist.get_process_group_ranks(pp_group)
     # communicates: creates a group of the 2 owners (only they call it: local synchronization)
-    group = dist.new_group([ranks[owners[0]], ranks[owners[1]]], use_local_synchronization=True) \
-        if dist.get_rank(pp_group) in owners else None
-    return group
+    return dist.new_group([ranks[owners[0]], ranks[owners[1]]], use_local_synchronization=True)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
