@@ -40,8 +40,13 @@ def test_preset_resolves_and_param_count_matches_model(name):
     # The FLOP formula's matmul parameters: every block weight plus the (padded) output head.
     matmul = sum(p.numel() for p in model.blocks.parameters()) + model.lm_head.weight.numel()
     assert counted.matmul == matmul
+    # A token passes through top_k of the routed experts (counted from the built experts' weights).
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    assert counted.experts == experts
+    active = matmul - (experts - experts * cfg.moe_top_k // cfg.moe_experts if cfg.moe_experts else 0)
+    assert counted.active_matmul == active
     T = 64
-    assert flops_per_token(cfg, T) == 6 * matmul + 12 * cfg.n_layer * cfg.d_model * T
+    assert flops_per_token(cfg, T) == 6 * active + 12 * cfg.n_layer * cfg.d_model * T
 
 
 def test_gpt2_preset_is_124m():

@@ -259,6 +259,23 @@ def check_consistency(cfg: Config) -> None:
     kv = m.n_kv_head or m.n_head
     if m.n_head % kv:
         raise UserError(f"model.n_head = {m.n_head} must be divisible by model.n_kv_head = {kv}")
+    if m.moe_experts and m.moe_top_k > m.moe_experts:
+        raise UserError(f"model.moe_top_k = {m.moe_top_k} is larger than model.moe_experts = {m.moe_experts}: a "
+                        "token cannot be routed to more experts than there are; lower moe_top_k or raise moe_experts")
+    if m.moe_experts and m.moe_first_dense >= m.n_layer:
+        raise UserError(f"model.moe_first_dense = {m.moe_first_dense} leaves no MoE layer in a model of {m.n_layer} "
+                        "blocks; lower it (or set model.moe_experts = 0 for a dense model)")
+    if m.moe_experts and cfg.parallel.ep > 1 and m.moe_experts % cfg.parallel.ep:
+        raise UserError(f"model.moe_experts = {m.moe_experts} is not divisible by parallel.ep = {cfg.parallel.ep}: "
+                        "every expert-parallel rank holds the same number of experts; choose an ep that divides it")
+    if m.moe_experts and (m.moe_aux_loss or m.moe_z_loss) and cfg.precision.autocast == "fp16":
+        raise UserError("fp16 loss scaling with the MoE balancing losses is not supported (they add their gradient "
+                        "at the MoE layers, outside the scaled loss); use --precision.autocast=bf16, or set "
+                        "model.moe_aux_loss = moe_z_loss = 0")
+    if cfg.parallel.ep > 1 and not m.moe_experts:
+        raise UserError(f"parallel.ep = {cfg.parallel.ep} splits the experts of a mixture-of-experts model, but "
+                        "model.moe_experts = 0 (a dense model); set --parallel.ep=1 or choose an MoE model "
+                        "(e.g. --model.preset=moe-tiny)")
     if t.seq_len > m.max_seq_len:
         raise UserError(f"train.seq_len = {t.seq_len} exceeds model.max_seq_len = {m.max_seq_len}; "
                         f"lower train.seq_len or raise model.max_seq_len")

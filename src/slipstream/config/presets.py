@@ -30,6 +30,19 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-1b": dict(_LLAMA3, n_layer=16, n_head=32, n_kv_head=8, d_model=2048, d_ff=8192, tie_embeddings=True),
     "llama-8b": dict(_LLAMA3, n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_ff=14336, tie_embeddings=False),
     "llama-70b": dict(_LLAMA3, n_layer=80, n_head=64, n_kv_head=8, d_model=8192, d_ff=28672, tie_embeddings=False),
+    # Mixture of experts. Test size: 4 SwiGLU experts, top-2, in both blocks; vocab from the data.
+    "moe-tiny": dict(_LLAMA3, n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=128, max_seq_len=256, vocab_size=0,
+                     rope_theta=10000.0, tie_embeddings=False, moe_experts=4, moe_top_k=2),
+    # A small DeepSeek-style model (DeepSeek-MoE / V3 choices, standard attention): fine-grained experts
+    # (32 of width 256, top-4) + 2 shared ones, the first block dense, sigmoid router with the
+    # auxiliary-loss-free bias and a small auxiliary loss.
+    "deepseek-moe-small": dict(_LLAMA3, n_layer=8, n_head=8, n_kv_head=8, d_model=512, d_ff=1408, max_seq_len=2048,
+                               vocab_size=0, rope_theta=10000.0, tie_embeddings=False, moe_experts=32, moe_top_k=4,
+                               moe_expert_hidden=256, moe_shared_experts=2, moe_first_dense=1, moe_router="sigmoid",
+                               moe_bias_rate=1e-3, moe_aux_loss=1e-4),
+    # Mixtral 8x7B (Jiang et al. 2024): 8 SwiGLU experts, top-2, every block; used for planning.
+    "mixtral-8x7b": dict(_LLAMA3, n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_ff=14336, max_seq_len=32768,
+                         vocab_size=32000, rope_theta=1e6, tie_embeddings=False, moe_experts=8, moe_top_k=2),
 }
 
 

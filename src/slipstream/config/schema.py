@@ -56,6 +56,25 @@ class ModelConfig:
     tie_embeddings: bool = option(True, "Share the token embedding with the output head.")
     dropout: float = option(0.0, "Dropout probability (embeddings, attention output, MLP output).", min=0.0, max=0.99)
     init_std: float = option(0.02, "Std of the normal init; residual projections get std/sqrt(2*n_layer).", min=0.0)
+    qk_norm: bool = option(False, "RMSNorm over each head of the queries and keys before RoPE (Qwen3, OLMo 2): steadier attention logits.")
+    # Mixture of experts (models/moe.py): the MLP of chosen blocks becomes routed experts.
+    moe_experts: int = option(0, "Mixture of experts: routed experts per MoE layer; 0 = a dense model (every other moe_* field is ignored).", min=0)
+    moe_top_k: int = option(2, "MoE: experts each token is routed to (at most moe_experts).", min=1)
+    moe_every: int = option(1, "MoE: every k-th block (counted from the first block after moe_first_dense) has experts; the others keep a dense MLP.", min=1)
+    moe_first_dense: int = option(0, "MoE: the first n blocks keep a dense MLP (DeepSeek keeps 1-3).", min=0)
+    moe_expert_hidden: int = option(0, "MoE: hidden width of one expert; 0 = the dense MLP width (d_ff). Smaller, more experts = fine-grained experts (DeepSeek).", min=0)
+    moe_shared_experts: int = option(0, "MoE: shared experts every token passes through besides its routed ones (DeepSeek), each moe_expert_hidden wide.", min=0)
+    moe_router: str = option("softmax", "MoE router: softmax (softmax over the experts, then top-k: Mixtral, Qwen) or sigmoid (sigmoid scores, top-k, weights normalized over the chosen: DeepSeek-V3).",
+                             choices=("softmax", "sigmoid"))
+    moe_norm_topk: bool = option(True, "MoE, softmax router: renormalize the top-k weights to sum to 1 (Mixtral); false keeps the raw probabilities (OLMoE). The sigmoid router always normalizes.")
+    moe_route_scale: float = option(1.0, "MoE: the routed experts' weights are multiplied by this (DeepSeek-V3: 2.5).", min=0.0, min_exclusive=True)
+    moe_aux_loss: float = option(0.01, "MoE: coefficient of the auxiliary load-balancing loss (Switch/GShard: n_experts x sum_i tokens_i x mean_prob_i); 0 = off.", min=0.0)
+    moe_z_loss: float = option(0.0, "MoE: coefficient of the router z-loss (ST-MoE: mean squared logsumexp of the router logits; 1e-3 is usual); 0 = off.", min=0.0)
+    moe_bias_rate: float = option(0.0, "MoE: auxiliary-loss-free balancing (DeepSeek-V3): after each step every expert's routing bias moves by this toward balance (-rate if over-loaded, +rate if under); the bias only picks experts, never weighs them. 0 = off; 1e-3 is DeepSeek's.", min=0.0)
+    moe_dropless: bool = option(True, "MoE: every routed token is computed (dropless). false: an expert takes at most moe_capacity_factor x its fair share of a batch's tokens and drops the rest (they pass on through the residual).")
+    moe_capacity_factor: float = option(1.25, "MoE with moe_dropless = false: expert capacity = factor x tokens x top_k / experts (per process and micro-batch).", min=0.0, min_exclusive=True)
+    moe_gemm: str = option("auto", "MoE expert computation: grouped (one torch._grouped_mm over all experts), loop (one matmul per expert) or auto (grouped where torch supports it for the device and dtype). Same results either way.",
+                           choices=("auto", "grouped", "loop"))
 
 
 @dataclass
@@ -181,7 +200,7 @@ class ParallelConfig:
     pp_layers: str = option("", "pp > 1: blocks per stage, comma-separated in stage order (e.g. \"4,4,3,3\"); empty = split to balance the stages' training FLOPs (the embedding weighs on the first stage, the head on the last).")
     cp: int = option(1, "Context-parallel degree: the sequence of every batch is split over cp ranks (attention all-gathers keys and values); the cp ranks average gradients with the data-parallel ones (dp_strategy fsdp, hsdp or ddp). slipstream transformers only.", min=1)
     cp_load_balance: bool = option(True, "cp > 1: cut the sequence into 2 x cp chunks and give each rank one early and one late chunk, so causal attention costs every rank the same; train.seq_len must be divisible by 2 x cp (x tp with sequence parallel).")
-    ep: int = option(1, "Expert-parallel degree for MoE; must divide the data-parallel degree (runs with 1 until MoE lands).", min=1)
+    ep: int = option(1, "Expert-parallel degree for MoE models: each MoE layer's experts are split over ep data-parallel ranks, which send every token to the rank holding its experts and back (all-to-all). Must divide the data-parallel degree and model.moe_experts.", min=1)
     backend: str = option("auto", "Process-group backend: auto (nccl on CUDA, gloo on CPU), nccl or gloo.", choices=("auto", "nccl", "gloo"))
     init_timeout_s: float = option(120.0, "Start-up timeout (s): joining the process group and the first collectives; a rank that never shows up fails the run with an error instead of a hang.", min=1.0)
     timeout_s: float = option(600.0, "Collective timeout (s) once training runs; a stuck collective then fails the job (CUDA: with a flight-recorder dump).", min=1.0)

@@ -217,6 +217,9 @@ class TransformerStage(nn.Module):
 
     @torch.no_grad()
     def init_stage_buffers(self) -> None:
+        for module in self.modules():  # derived state (MoE balancing bias and statistics) starts fresh
+            if module is not self and hasattr(module, "reset_state"):
+                module.reset_state()
         if self.rope_cos is not None:
             cos, sin = rope_tables(self.cfg.d_model // self.cfg.n_head, self.cfg.max_seq_len, self.cfg.rope_theta,
                                    device=self.rope_cos.device)

@@ -82,6 +82,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.d_model, self.n_kv_head * self.head_dim, bias=cfg.bias)
         self.o_proj = nn.Linear(cfg.n_head * self.head_dim, cfg.d_model, bias=cfg.bias)
         self.dropout = cfg.dropout
+        # Per-head RMSNorm of queries and keys (Qwen3, OLMo 2), before RoPE.
+        self.q_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         # The attention kernel, an attribute so a technique applied from outside can replace it
         # (context parallelism attends over the keys of every sequence shard).
         self.attend = F.scaled_dot_product_attention
@@ -93,6 +96,8 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:  # the (T, head_dim) tables of this sequence's positions
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         y = self.attend(
@@ -102,9 +107,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, hidden: int | None = None):
         super().__init__()
-        hidden = mlp_hidden(cfg)
+        hidden = hidden or mlp_hidden(cfg)
         self.swiglu = cfg.mlp == "swiglu"
         self.up_proj = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
         self.gate_proj = nn.Linear(cfg.d_model, hidden, bias=cfg.bias) if self.swiglu else None
@@ -117,12 +122,14 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
+        from slipstream.models.moe import MoE, is_moe_layer
+
         self.attn_norm = make_norm(cfg)
         self.attn = Attention(cfg)
         self.mlp_norm = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp = MoE(cfg) if is_moe_layer(cfg, index) else MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
@@ -140,7 +147,7 @@ class Transformer(nn.Module):
         self.tok_emb = nn.Embedding(vocab, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
         self.emb_dropout = nn.Dropout(cfg.dropout)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.final_norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, vocab, bias=False)
         if cfg.tie_embeddings:
@@ -206,7 +213,7 @@ class Transformer(nn.Module):
         std = self.cfg.init_std
         residual_std = std / math.sqrt(2 * self.cfg.n_layer)
         for name, param in self.named_parameters():
-            if name.endswith("o_proj.weight") or name.endswith("down_proj.weight"):
+            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.w_down")):
                 values = torch.randn(param.shape, generator=gen) * residual_std
             elif name.endswith(".bias"):
                 values = torch.zeros(param.shape)
@@ -215,6 +222,9 @@ class Transformer(nn.Module):
             else:
                 values = torch.randn(param.shape, generator=gen) * std
             write(param, values)
+        for module in self.modules():  # derived state (MoE balancing bias and statistics) starts fresh
+            if module is not self and hasattr(module, "reset_state"):
+                module.reset_state()
         if self.rope_cos is not None:
             cos, sin = rope_tables(self.cfg.d_model // self.cfg.n_head, self.cfg.max_seq_len, self.cfg.rope_theta)
             self.rope_cos.copy_(cos)
