@@ -295,16 +295,8 @@ class MoEStats:
 
 def moe_layers(model: nn.Module) -> list[tuple[str, MoE]]:
     """(block name, layer) for every MoE layer of a model, a pipeline stage or any wrapper of them."""
-    return [(name.removesuffix(".mlp").replace("._orig_mod", "").replace("._checkpoint_wrapped_module", ""), m)
-            for name, m in model.named_modules() if isinstance(m, MoE)]
+    def block_name(name: str) -> str:  # without wrappers' names (DDP, compile, activation checkpointing)
+        name = name.removesuffix(".mlp").replace("._orig_mod", "").replace("._checkpoint_wrapped_module", "")
+        return name[name.find("blocks."):] if "blocks." in name else name
 
-
-def set_aux_grad_scale(model: nn.Module, scale: float) -> None:
-    """The loss scale of one micro-batch (1 / micro-batches per step), for the balancing losses."""
-    for _, layer in moe_layers(model):
-        layer.aux_grad_scale = scale
-
-
-def end_moe_step(model: nn.Module) -> None:
-    for _, layer in moe_layers(model):
-        layer.end_step()
+    return [(block_name(name), m) for name, m in model.named_modules() if isinstance(m, MoE)]

@@ -90,6 +90,8 @@ def format_metrics(metrics: dict[str, Any]) -> str:
         parts.append(f"{human_count(metrics['tokens_per_s'])} tok/s")
     if metrics.get("mfu") is not None:
         parts.append(f"mfu {100 * metrics['mfu']:.1f}%")
+    if metrics.get("moe/imbalance_max") is not None:  # the worst MoE layer's max/mean expert load
+        parts.append(f"moe imbalance {metrics['moe/imbalance_max']:.2f}")
     return " | ".join(parts)
 
 

@@ -59,6 +59,9 @@ def _numeric_items(record: dict[str, Any]) -> dict[str, float]:
         number = _as_number(value)
         if number is not None:
             out[metric_tag(key)] = number
+        elif isinstance(value, list) and value and all(_as_number(v) is not None for v in value):
+            # A vector (an MoE layer's load per expert): one curve per entry, tag/0, tag/1, ...
+            out.update({f"{metric_tag(key)}/{i}": _as_number(v) for i, v in enumerate(value)})
     return out
 
 

@@ -1,9 +1,11 @@
-"""Run set-up: the optimizer variant (device and process-wide settings: slipstream.runtime)."""
+"""Run set-up: the optimizer variant and the data loaders a Trainer wraps (device and process-wide
+settings: slipstream.runtime)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 import torch.nn as nn
 
 from slipstream.config.schema import Config
@@ -49,3 +51,37 @@ def build_optimizer(model: nn.Module, cfg: Config, parallel=None):
     if o.offload:
         return CPUOffloadOptimizer(groups, **hyper)
     return make_adamw(groups, **hyper)
+
+
+# --- the data a Trainer is given ------------------------------------------------------------------------------------
+
+def as_loader(data: Any, cfg: Config, device: torch.device, shuffle: bool, collate_fn=None, parallel=None):
+    """Wrap a map-style Dataset in our stateful loader (sharded over the data-parallel ranks);
+    pass stateful loaders through."""
+    if data is None or (hasattr(data, "state_dict") and hasattr(data, "load_state_dict") and hasattr(data, "__iter__")
+                        and not isinstance(data, torch.utils.data.Dataset)):
+        dp = parallel.dims.dp if parallel else 1
+        if data is not None and getattr(data, "world_size", dp) != dp:
+            raise UserError(f"the {'training' if shuffle else 'validation'} loader was built for world_size = "
+                            f"{data.world_size}, but this job has {dp} data-parallel ranks: every rank would "
+                            f"read the same batches. Build it with rank={parallel.dp_rank if parallel else 0}, "
+                            f"world_size={dp}, or pass a Dataset and let the Trainer shard it")
+        return data
+    if isinstance(data, torch.utils.data.Dataset):
+        from slipstream.data.loader import DatasetLoader
+
+        return DatasetLoader(data, batch_size=cfg.train.micro_batch_size, shuffle=shuffle, seed=cfg.train.seed,
+                             drop_last=shuffle, collate_fn=collate_fn, device=device,
+                             rank=parallel.dp_rank if parallel else 0, world_size=parallel.dims.dp if parallel else 1)
+    raise UserError(f"train_data must be a torch Dataset or a stateful loader (state_dict/load_state_dict), "
+                    f"got {type(data).__name__}")
+
+
+def batch_size_of(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0]
+    if isinstance(batch, (list, tuple)) and batch:
+        return batch_size_of(batch[0])
+    if isinstance(batch, dict) and batch:
+        return batch_size_of(next(iter(batch.values())))
+    raise UserError(f"cannot tell the batch size of a {type(batch).__name__} batch; pass tokens_per_batch=")

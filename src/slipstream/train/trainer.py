@@ -55,43 +55,10 @@ from slipstream.train.meter import IntervalMeter
 from slipstream.train.resume import config_changes, load_checkpoint_state, resume_target
 from slipstream.train.rundir import make_run_dir, on_rank0, prepare_run_dir, release_run_dir
 from slipstream.train.schedule import build_scheduler, scheduler_state
-from slipstream.train.setup import build_optimizer
+from slipstream.train.moe_monitor import MoEMonitor
+from slipstream.train.setup import as_loader, batch_size_of, build_optimizer
 
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
-
-
-# --- data ------------------------------------------------------------------------------------
-
-def _as_loader(data: Any, cfg: Config, device: torch.device, shuffle: bool, collate_fn=None, parallel=None):
-    """Wrap a map-style Dataset in our stateful loader (sharded over the data-parallel ranks);
-    pass stateful loaders through."""
-    if data is None or (hasattr(data, "state_dict") and hasattr(data, "load_state_dict") and hasattr(data, "__iter__")
-                        and not isinstance(data, torch.utils.data.Dataset)):
-        dp = parallel.dims.dp if parallel else 1
-        if data is not None and getattr(data, "world_size", dp) != dp:
-            raise UserError(f"the {'training' if shuffle else 'validation'} loader was built for world_size = "
-                            f"{data.world_size}, but this job has {dp} data-parallel ranks: every rank would "
-                            f"read the same batches. Build it with rank={parallel.dp_rank if parallel else 0}, "
-                            f"world_size={dp}, or pass a Dataset and let the Trainer shard it")
-        return data
-    if isinstance(data, torch.utils.data.Dataset):
-        from slipstream.data.loader import DatasetLoader
-
-        return DatasetLoader(data, batch_size=cfg.train.micro_batch_size, shuffle=shuffle, seed=cfg.train.seed,
-                             drop_last=shuffle, collate_fn=collate_fn, device=device,
-                             rank=parallel.dp_rank if parallel else 0, world_size=parallel.dims.dp if parallel else 1)
-    raise UserError(f"train_data must be a torch Dataset or a stateful loader (state_dict/load_state_dict), "
-                    f"got {type(data).__name__}")
-
-
-def _batch_size(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.shape[0]
-    if isinstance(batch, (list, tuple)) and batch:
-        return _batch_size(batch[0])
-    if isinstance(batch, dict) and batch:
-        return _batch_size(next(iter(batch.values())))
-    raise UserError(f"cannot tell the batch size of a {type(batch).__name__} batch; pass tokens_per_batch=")
 
 
 # --- the trainer -------------------------------------------------------------------------------
@@ -164,13 +131,16 @@ class Trainer:
         self._cp = getattr(unwrap(self.model), "context_parallel", None)
         # Pipeline parallel: the schedule runs forward and backward over this rank's stages.
         self.pipeline = getattr(self.model, "pipeline", None)
+        # Mixture of experts: balancing-loss scale, bias updates and the load statistics (None: dense).
+        self.moe = MoEMonitor.attach(self.model, self.parallel, self.pipeline.n_microbatches if self.pipeline
+                                     else self.cfg.train.grad_accum_steps)
         if self.pipeline is not None:  # evaluation runs through the stages too
             sequence_loss_fn, eval_loss_fn = self.pipeline.sequence_losses, self.pipeline.batch_loss
         self.loss_fn = loss_fn
-        self.train_loader = _as_loader(train_data, self.cfg, self.device, shuffle=True, collate_fn=collate_fn,
+        self.train_loader = as_loader(train_data, self.cfg, self.device, shuffle=True, collate_fn=collate_fn,
                                        parallel=self.parallel)
         # Fixed evaluation windows pass through as they are; anything else becomes a stateful loader.
-        self.val_loader = val_data if isinstance(val_data, EvalWindows) else _as_loader(
+        self.val_loader = val_data if isinstance(val_data, EvalWindows) else as_loader(
             val_data, self.cfg, self.device, shuffle=False, collate_fn=collate_fn, parallel=self.parallel)
         self.tokens_per_batch = tokens_per_batch
         self.flops_per_token = flops_per_token
@@ -325,6 +295,8 @@ class Trainer:
                 run_step = self._measured_train_step if self.memory.measures(self.step + 1) else self.train_step
                 with self.comm.counting(self.step + 1):
                     loss, grad_norm, wait, items = run_step(it)
+                if self.moe is not None:  # balancing biases move after every step, applied or skipped
+                    self.moe.end_step()
                 verdict = self._verdict
                 self.step += 1
                 self.tokens_seen += items
@@ -394,6 +366,8 @@ class Trainer:
         if self.pipeline is not None:  # the measured bubble next to the planned one (a collective)
             record.update(self.pipeline.interval_record(self.parallel))
         record.update(self.memory.take_record())
+        if self.moe is not None:  # expert load per layer (a gather under torchrun)
+            record.update(self.moe.interval_record())
         if self.scaler is not None:
             record["loss_scale"] = self.scaler.get_scale()
             record["skipped_steps"] = int(self.skipped_steps.item())  # host sync, at the log only
@@ -501,7 +475,7 @@ class Trainer:
             data_wait += wait
             if self._cp is not None:
                 batch = self._cp.shard_batch(batch)  # this rank's tokens of every sequence
-            items += (self.tokens_per_batch or _batch_size(batch)) * dp
+            items += (self.tokens_per_batch or batch_size_of(batch)) * dp
             # DDP: no gradient all-reduce before the last micro-batch (forward arms it, backward runs it).
             # loss parallel: the cross-entropy's forward and backward both run on the vocabulary shards.
             with no_sync(self.model, last_micro_batch=micro == accum - 1), self._loss_parallel:
@@ -527,7 +501,7 @@ class Trainer:
         batches, waits = zip(*(self._next_batch(it) for _ in range(self.cfg.train.grad_accum_steps)))
         data_wait = sum(waits)
         inputs, targets = (torch.cat([batch[i] for batch in batches]) for i in (0, 1))
-        items = (self.tokens_per_batch or _batch_size(batches[0])) * len(batches) * self.parallel.dims.dp
+        items = (self.tokens_per_batch or batch_size_of(batches[0])) * len(batches) * self.parallel.dims.dp
         # loss parallel: the last stage's cross-entropy (forward and backward) on the vocabulary shards
         with self._label("pipeline"), self._autocast, self._loss_parallel:
             loss = pipeline_step(self.pipeline, inputs, targets)  # the mean loss, on every pp rank
