@@ -36,8 +36,10 @@ export
                    also carries step, preset, dtype and the slipstream version.
       hf           a Hugging Face folder (config.json, model.safetensors) that
                    `AutoModelForCausalLM.from_pretrained(out)` loads: GPT-2-shaped models
-                   (position=learned, layernorm, gelu, bias) and Llama-shaped ones (rope,
-                   rmsnorm, swiglu) only; needs `transformers`. A bpe checkpoint also gets
+                   (position=learned, layernorm, gelu, bias), Llama-shaped ones (rope,
+                   rmsnorm, swiglu) and mixture-of-experts ones as Mixtral or Qwen3-MoE
+                   (models/hf_moe.py: experts stored one tensor per expert, as on the Hub)
+                   only; needs `transformers`. A bpe checkpoint also gets
                    tokenizer.json and tokenizer_config.json (PreTrainedTokenizerFast).
 
     Every format also gets config.toml (the run's resolved config), export.json (source,
@@ -391,22 +393,22 @@ def _check_hf_exportable(ckpt_dir: Path) -> None:
         hf_family(cfg.model)
     except UserError as e:
         raise UserError(f"--format hf supports GPT-2-shaped models (position=learned, norm=layernorm, mlp=gelu, "
-                        f"bias=true, no grouped-query attention) and Llama-shaped ones (position=rope, "
-                        f"norm=rmsnorm, mlp=swiglu); this one is neither: {e}. Use --format safetensors or "
-                        "--format torch instead") from None
+                        f"bias=true, no grouped-query attention), Llama-shaped ones (position=rope, "
+                        f"norm=rmsnorm, mlp=swiglu) and Mixtral / Qwen3-MoE-shaped mixtures of experts; this "
+                        f"one is none of them: {e}. Use --format safetensors or --format torch instead") from None
     _import_transformers()
 
 
 def _write_hf(model, folder: Path, dtype: torch.dtype | None, tokenizer_file: Path | None) -> dict[str, str]:
     from safetensors.torch import save_file
 
-    from slipstream.models.hf import hf_config, to_hf
+    from slipstream.models.hf import hf_config, to_hf_files
 
     if dtype is not None:
         model = model.to(dtype)  # floating parameters only; ties survive
     config = hf_config(model)
     config.dtype = str(dtype or torch.float32).removeprefix("torch.")
-    sd = {k: v.cpu().contiguous() for k, v in to_hf(model).items()}
+    sd = {k: v.cpu().contiguous() for k, v in to_hf_files(model).items()}
     ties = {}
     if model.cfg.tie_embeddings:  # safetensors refuses shared memory; HF re-ties the head itself
         del sd["lm_head.weight"]

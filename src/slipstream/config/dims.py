@@ -15,7 +15,6 @@ from slipstream.errors import UserError
 
 SHARDED = ("zero2", "fsdp", "hsdp")   # FSDP2 fully_shard strategies
 REPLICATED = ("ddp", "zero1")         # DistributedDataParallel strategies
-NOT_YET = {"ep": "expert"}
 # Pipeline schedules that run one stage per pp rank, and the V schedules that run exactly two
 # (rank r holds stages r and 2 pp - 1 - r); the others loop pp_virtual_stages stages per rank.
 PP_ONE_STAGE = ("gpipe", "1f1b")
@@ -112,12 +111,7 @@ def resolve_parallel_dims(p: ParallelConfig, world_size: int, local_world_size: 
                             f"dp_shard = {p.dp_shard or 'auto'}. Set both so their product is {dp}")
     if dp % p.ep:
         raise UserError(f"parallel.ep = {p.ep} must divide the data-parallel degree {dp}")
-    dims = ParallelDims(strategy, replicate, shard, p.tp, p.pp, p.cp, p.ep)
-    for name, kind in NOT_YET.items():
-        if getattr(dims, name) > 1:
-            raise UserError(f"parallel.{name} = {getattr(dims, name)}: {kind} parallelism is planned but not "
-                            f"implemented yet; set --parallel.{name}=1 (`slipstream plan` will size it)")
-    return dims
+    return ParallelDims(strategy, replicate, shard, p.tp, p.pp, p.cp, p.ep)
 
 
 def virtual_stages(p: ParallelConfig) -> int:

@@ -60,6 +60,11 @@ def apply_ddp(model: nn.Module, cfg: Config, par: Parallel) -> nn.Module:
     from slipstream.distributed.comm_hooks import register_comm_hook
 
     p = cfg.parallel
+    # Expert-parallel weights (DTensors over the ep ranks) differ by rank: their gradients are
+    # complete without DDP (see distributed/expert_parallel.py), so DDP leaves them alone.
+    sharded = [name for name, param in model.named_parameters() if hasattr(param, "device_mesh")]
+    if sharded:
+        DDP._set_params_and_buffers_to_ignore_for_model(model, sharded)
     ddp = DDP(model, device_ids=[par.device.index] if par.device.type == "cuda" else None,
               process_group=_dp_group(par), bucket_cap_mb=p.bucket_mb, static_graph=p.static_graph,
               gradient_as_bucket_view=p.grad_as_bucket_view, find_unused_parameters=p.find_unused_parameters)
@@ -87,7 +92,10 @@ def apply_fsdp(model: nn.Module, cfg: Config, par: Parallel) -> nn.Module:
 
         # One communication unit per block: only one block's full parameters exist at a time
         # (two with prefetching), and the gathers overlap the neighbouring blocks' compute.
+        from slipstream.distributed.expert_parallel import shard_experts_for_fsdp
+
         for _, block in block_slots(model):
+            shard_experts_for_fsdp(block, par, {**options, "reshard_after_forward": reshard})
             fully_shard(block, reshard_after_forward=reshard, **options)
     # The root unit holds the rest (embeddings, final norm, head); backward needs it first,
     # so it is not resharded after forward.
@@ -168,3 +176,49 @@ def materialize_sharded(model: nn.Module, materialize: Callable[..., Any], cfg: 
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
     """A plain tensor from a DTensor (e.g. the gradient norm of sharded parameters)."""
     return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The 2-norm of all gradients, whatever meshes their DTensors live on (expert-parallel weights
+    on the ep mesh next to data/tensor-parallel ones): each mesh's norm is reduced over its own
+    ranks (communicates), then they are combined."""
+    groups: dict[int, list[torch.Tensor]] = {}
+    for grad in grads:
+        groups.setdefault(id(getattr(grad, "device_mesh", None)), []).append(grad)
+    if len(groups) <= 1:
+        return torch.nn.utils.get_total_norm(grads)
+    norms = [full_value(torch.nn.utils.get_total_norm(group)).float() for group in groups.values()]
+    return torch.stack(norms).square().sum().sqrt()
+
+
+def clip_grads(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor | None = None) -> torch.Tensor:
+    """clip_grad_norm_ for gradients on several meshes (see total_grad_norm); returns the pre-clip norm."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = total_grad_norm(grads) if norm is None else norm
+    groups: dict[int, list[torch.Tensor]] = {}
+    for param in params:
+        if param.grad is not None:
+            groups.setdefault(id(getattr(param.grad, "device_mesh", None)), []).append(param)
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, full_value(norm) if len(groups) > 1 else norm)
+    return norm
+
+
+def zero_grads(optimizer, keep_buckets: bool) -> None:
+    """optimizer.zero_grad; keep_buckets: DDP's gradients are views into its buckets, so they are
+    zeroed in place, not dropped (DTensor gradients, which DDP does not own, are dropped: one
+    foreach call cannot mix them with plain tensors)."""
+    if not keep_buckets:
+        optimizer.zero_grad(set_to_none=True)
+        return
+    plain = []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if param.grad is None:
+                continue
+            if hasattr(param.grad, "device_mesh"):
+                param.grad = None
+            else:
+                plain.append(param.grad)
+    if plain:
+        torch._foreach_zero_(plain)

@@ -109,6 +109,17 @@ class Parallel:
     def cp_mesh(self):
         return self.mesh["cp"]
 
+    @cached_property
+    def ep_mesh(self):
+        """Expert parallelism's mesh over the same ranks: the data-parallel degree split into
+        dp_mod_ep (ranks holding the same experts) x ep (consecutive ranks splitting them). A
+        collective on first use (new groups): every rank asks for it at the same point."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        d = self.dims
+        return init_device_mesh(self.device.type, (d.pp, d.dp // d.ep, d.ep, d.cp, d.tp),
+                                mesh_dim_names=("pp", "dp_mod_ep", "ep", "cp", "tp"))
+
     def barrier(self) -> None:
         if self.distributed and self.world_size > 1:
             dist.barrier()
@@ -181,6 +192,10 @@ def init_parallel(cfg: Config) -> Parallel:
         from slipstream.distributed.context_parallel import check_context_parallel
 
         check_context_parallel(cfg, dims.cp, dims.tp)
+    if dims.ep > 1:
+        from slipstream.distributed.expert_parallel import check_expert_parallel
+
+        check_expert_parallel(cfg, dims)
     if _CURRENT is not None and _CURRENT.env == env and _CURRENT.dims == dims:
         check_device_rules(cfg, _CURRENT.device)
         return _CURRENT

@@ -1,6 +1,6 @@
 """The one ordered chain that turns a model into the model a rank trains.
 
-    [pipeline split] -> fp8 -> tensor/sequence parallel -> context parallel
+    [pipeline split] -> fp8 -> tensor/sequence parallel -> context parallel -> expert parallel
         -> activation checkpointing -> compile -> FSDP/HSDP or DDP -> materialize + init
 
 `parallelize(model, parallel, cfg)` is called once, by the Trainer. Each step is one
@@ -24,6 +24,7 @@ from slipstream.config.dims import REPLICATED, SHARDED
 from slipstream.config.schema import Config
 from slipstream.distributed.mesh import Parallel
 from slipstream.errors import UserError
+from slipstream.models.moe import MoE
 
 
 def parallelize(model: nn.Module, parallel: Parallel, cfg: Config,
@@ -82,6 +83,12 @@ def _parallelize_part(model: nn.Module, parallel: Parallel, cfg: Config, device)
             enable_async_tp(parallel.tp_mesh)
     if dims.cp > 1:
         model = apply_context_parallel(model, parallel, cfg)
+    # Mixture of experts: the experts split over the ep ranks (all-to-all dispatch), and every MoE
+    # layer's token counts summed over the data-parallel ranks (the whole batch's balance).
+    if any(isinstance(m, MoE) for m in model.modules()):
+        from slipstream.distributed.expert_parallel import apply_expert_parallel
+
+        model = apply_expert_parallel(model, parallel, cfg)
 
     # AC before compile, so compile traces the recompute regions (selective AC is then a
     # compiler-visible policy, not a graph break).

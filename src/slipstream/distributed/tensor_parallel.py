@@ -169,6 +169,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
     from torch.distributed.tensor.parallel import parallelize_module
 
     from slipstream.distributed.pipeline_stages import TransformerStage
+    from slipstream.models.moe import MoE
     from slipstream.models.transformer import Transformer, block_slots, padded_vocab_size
 
     if not isinstance(model, (Transformer, TransformerStage)):
@@ -213,11 +214,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
             "attn.v_proj": Colwise(),
             "attn.o_proj": Rowwise(output_layouts=stream),
             "mlp_norm": norm(),
-            "mlp": PrepareInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),),
-                                **input_kwargs("up_proj")),
-            "mlp.up_proj": Colwise(),
-            "mlp.down_proj": Rowwise(output_layouts=stream),
-            **({"mlp.gate_proj": Colwise()} if block.mlp.gate_proj is not None else {}),
+            **(_moe_styles(stream) if isinstance(block.mlp, MoE) else {
+                "mlp": PrepareInput(input_layouts=(stream,), desired_input_layouts=(Replicate(),),
+                                    **input_kwargs("up_proj")),
+                "mlp.up_proj": Colwise(),
+                "mlp.down_proj": Rowwise(output_layouts=stream),
+                **({"mlp.gate_proj": Colwise()} if block.mlp.gate_proj is not None else {}),
+            }),
         })
     # The embedding's output is to_local()'s view of a DTensor's local tensor. A compiled block
     # that takes such a view as its input hands backward a plain-tensor gradient where DTensor's
@@ -250,6 +253,19 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
     shard_dropout_rng(model, tp_mesh, stream_sharded=sp)
     return model
 
+
+
+def _moe_styles(stream) -> dict[str, Any]:
+    """An MoE layer is not split over tp (its experts split over ep instead): every tp rank runs it
+    on the whole (gathered) sequence of its batch, as plain tensors, and keeps its own shard of
+    the result (Replicate -> Shard(1) is a local slice; its backward gathers the gradient). Its
+    weights stay plain tensors with full, equal gradients on every tp rank."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import PrepareModuleInputOutput
+
+    return {"mlp": PrepareModuleInputOutput(input_layouts=(stream,), desired_input_layouts=(Replicate(),),
+                                            use_local_input=True, output_layouts=(Replicate(),),
+                                            desired_output_layouts=(stream,), use_local_output=True)}
 
 
 def _block_linear_styles(model: nn.Module, tp: int):

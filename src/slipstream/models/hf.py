@@ -1,6 +1,8 @@
 """Hugging Face interop: load GPT-2 / Llama checkpoints into our Transformer and back.
 
-Two families are supported, each mapped onto the one `Transformer`:
+Two dense families are supported here, each mapped onto the one `Transformer`; the
+mixture-of-experts ones (MixtralForCausalLM, Qwen3MoeForCausalLM) live in hf_moe.py, and the
+functions below dispatch to it by `model_type` / architecture (export: model.moe_experts > 0):
 
   GPT2LMHeadModel   learned positions, LayerNorm, GELU(tanh), biases. Its linear layers are
                     `Conv1D` modules that store weights as (in, out), i.e. transposed from
@@ -36,7 +38,9 @@ from slipstream.errors import UserError
 from slipstream.safe_read import HF_JSON, load_json_capped
 from slipstream.models.transformer import Transformer, kv_heads, mlp_hidden, padded_vocab_size, rope_tables
 
-SUPPORTED_ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama"}
+SUPPORTED_ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama",
+                           "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
+_MOE_FAMILIES = ("mixtral", "qwen3_moe")  # mapped in hf_moe.py
 
 # HF buffers that may appear in checkpoints but are not weights: GPT-2's causal-mask buffers
 # (persistent in old transformers versions) and Llama's rotary frequencies. We rebuild both.
@@ -48,9 +52,13 @@ _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias", "rotary_emb.inv_freq", "
 
 
 def model_config_from_hf(hf_cfg: Any) -> ModelConfig:
-    """Our ModelConfig for a HF GPT-2 / Llama config (a transformers config or its dict)."""
+    """Our ModelConfig for a HF GPT-2 / Llama / Mixtral / Qwen3-MoE config (a transformers config or its dict)."""
     c = hf_cfg if isinstance(hf_cfg, dict) else hf_cfg.to_dict()
     family = _family_of_hf_config(c)
+    if family in _MOE_FAMILIES:
+        from slipstream.models.hf_moe import moe_model_config
+
+        return moe_model_config(c, family)
     return _gpt2_model_config(c) if family == "gpt2" else _llama_model_config(c)
 
 
@@ -61,8 +69,9 @@ def _family_of_hf_config(c: dict) -> str:
             raise UserError(f"unsupported Hugging Face architecture '{arch}'; "
                             f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}")
     model_type = c.get("model_type")
-    if model_type not in ("gpt2", "llama"):
-        raise UserError(f"unsupported Hugging Face model_type '{model_type}'; supported: gpt2, llama")
+    if model_type not in SUPPORTED_ARCHITECTURES.values():
+        raise UserError(f"unsupported Hugging Face model_type '{model_type}'; "
+                        f"supported: {', '.join(SUPPORTED_ARCHITECTURES.values())}")
     return model_type
 
 
@@ -112,7 +121,7 @@ def _llama_model_config(c: dict) -> ModelConfig:
     )
 
 
-def _llama_rope_theta(c: dict) -> float:
+def _llama_rope_theta(c: dict, arch: str = "Llama") -> float:
     """RoPE base from either config layout; only plain (unscaled) RoPE is supported.
 
     transformers 5 keeps it in `rope_parameters` = {"rope_type", "rope_theta", ...};
@@ -122,7 +131,7 @@ def _llama_rope_theta(c: dict) -> float:
     scaling = c.get("rope_scaling") or {}
     rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
     if rope_type != "default":
-        raise UserError(f"Llama rope scaling '{rope_type}' (rope_scaling / rope_parameters) is not supported; "
+        raise UserError(f"{arch} rope scaling '{rope_type}' (rope_scaling / rope_parameters) is not supported; "
                         f"only plain RoPE")
     return float(params.get("rope_theta", c.get("rope_theta", 10000.0)))
 
@@ -132,9 +141,9 @@ def _llama_rope_theta(c: dict) -> float:
 
 
 def from_hf(model_or_dir: Any, device: str | torch.device = "cpu") -> Transformer:
-    """Our Transformer (fp32, on `device`) with the weights of a HF GPT-2 / Llama model.
+    """Our Transformer (fp32, on `device`) with the weights of a HF GPT-2 / Llama / Mixtral / Qwen3-MoE model.
 
-    `model_or_dir` is a GPT2LMHeadModel / LlamaForCausalLM instance, or a local directory with
+    `model_or_dir` is an instance of one of SUPPORTED_ARCHITECTURES, or a local directory with
     `config.json` and `model.safetensors` / `pytorch_model.bin` (or their sharded `.index.json`).
     Nothing is downloaded.
     """
@@ -148,7 +157,11 @@ def from_hf(model_or_dir: Any, device: str | torch.device = "cpu") -> Transforme
         hf_cfg, hf_sd = model_or_dir.config.to_dict(), model_or_dir.state_dict()
     cfg = model_config_from_hf(hf_cfg)
     hf_sd = dict(hf_sd)  # we pop consumed entries; never mutate the caller's dict
-    if cfg.position == "learned":
+    if cfg.moe_experts:
+        from slipstream.models.hf_moe import moe_to_ours
+
+        ours = moe_to_ours(hf_sd, cfg, _family_of_hf_config(hf_cfg))
+    elif cfg.position == "learned":
         ours = _gpt2_to_ours(hf_sd, cfg)
     else:
         ours = _llama_to_ours(hf_sd, cfg)
@@ -312,15 +325,19 @@ def _build_with_weights(cfg: ModelConfig, ours: dict[str, torch.Tensor], device)
 
 
 def hf_family(cfg: ModelConfig) -> str:
-    """'gpt2' or 'llama': which HF architecture represents `cfg` exactly (else UserError)."""
+    """'gpt2', 'llama', 'mixtral' or 'qwen3_moe': which HF architecture represents `cfg` exactly (else UserError)."""
+    if cfg.moe_experts:
+        from slipstream.models.hf_moe import moe_family
+
+        return moe_family(cfg)
     family = "gpt2" if cfg.position == "learned" else "llama"
     if family == "gpt2":
-        wanted = dict(norm="layernorm", mlp="gelu", bias=True)
+        wanted = dict(norm="layernorm", mlp="gelu", bias=True, qk_norm=False)
         if kv_heads(cfg) != cfg.n_head:
             raise UserError(f"GPT-2 has no grouped-query attention; n_kv_head={cfg.n_kv_head} "
                             f"!= n_head={cfg.n_head} cannot be exported")
     else:
-        wanted = dict(norm="rmsnorm", mlp="swiglu")
+        wanted = dict(norm="rmsnorm", mlp="swiglu", qk_norm=False)
     for field, value in wanted.items():
         if getattr(cfg, field) != value:
             arch = "GPT2LMHeadModel" if family == "gpt2" else "LlamaForCausalLM"
@@ -348,9 +365,24 @@ def to_hf(model: Transformer) -> dict[str, torch.Tensor]:
     """
     cfg = model.cfg
     family = hf_family(cfg)
+    if family in _MOE_FAMILIES:
+        from slipstream.models.hf_moe import ours_to_hf_moe
+
+        return ours_to_hf_moe(model, family)
     if family == "gpt2":
         return _ours_to_gpt2(model)
     return _ours_to_llama(model)
+
+
+def to_hf_files(model: Transformer) -> dict[str, torch.Tensor]:
+    """`to_hf` in the layout of HF's saved files (what save_pretrained writes): MoE experts one
+    tensor per expert, as on the Hub, instead of the modules' fused 3-D tensors. Dense models: to_hf."""
+    family = hf_family(model.cfg)
+    if family in _MOE_FAMILIES:
+        from slipstream.models.hf_moe import ours_to_hf_moe
+
+        return ours_to_hf_moe(model, family, per_expert=True)
+    return to_hf(model)
 
 
 def _ours_to_gpt2(model: Transformer) -> dict[str, torch.Tensor]:
@@ -414,17 +446,22 @@ def _import_transformers():
 
 
 def hf_config(model: Transformer):
-    """The transformers GPT2Config / LlamaConfig describing `model`.
+    """The transformers GPT2Config / LlamaConfig (MixtralConfig / Qwen3MoeConfig) describing `model`.
 
     `transformers.GPT2LMHeadModel(hf_config(m))` (or LlamaForCausalLM) plus
     `load_state_dict(to_hf(m))` gives a HF model computing the same logits.
     """
     transformers = _import_transformers()
     cfg = model.cfg
+    family = hf_family(cfg)
+    if family in _MOE_FAMILIES:
+        from slipstream.models.hf_moe import moe_hf_config
+
+        return moe_hf_config(model, family)
     # Token ids are only meaningful for the GPT-2 tokenizer's vocabulary (<|endoftext|> = 50256);
     # otherwise leave them unset rather than point outside the vocabulary.
     end_of_text = 50256 if cfg.vocab_size == 50257 else None
-    if hf_family(cfg) == "gpt2":
+    if family == "gpt2":
         return transformers.GPT2Config(
             vocab_size=cfg.vocab_size, n_positions=cfg.max_seq_len, n_embd=cfg.d_model, n_layer=cfg.n_layer,
             n_head=cfg.n_head, n_inner=mlp_hidden(cfg), activation_function="gelu_new",
@@ -462,7 +499,7 @@ def save_hf(model: Transformer, out_dir: str | Path) -> Path:
             raise UserError(f"'{out_dir}' exists and holds other files ({', '.join(other[:3])}); "
                             f"choose a new or empty directory for save_hf")
     config = hf_config(model)
-    sd = {k: v.cpu() for k, v in to_hf(model).items()}
+    sd = {k: v.cpu() for k, v in to_hf_files(model).items()}
     if model.cfg.tie_embeddings:
         # safetensors refuses tensors that share memory; HF re-ties the head when loading.
         del sd["lm_head.weight"]

@@ -74,12 +74,26 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
 def _matmul_per_expert(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x (N, in) sorted by expert, counts (E,), w (E, out, in) -> (N, out): one matmul per expert."""
     pieces = torch.split(x, counts.tolist())  # host sync: the split sizes
-    return torch.cat([F.linear(piece, w[e]) for e, piece in enumerate(pieces)]) if x.shape[0] else x.new_zeros(0, w.shape[1])
+    # Every expert's matmul runs, an empty one too: its weights then get a (zero) gradient on every rank.
+    return torch.cat([F.linear(piece, w[e]) for e, piece in enumerate(pieces)])
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity; hands backward a contiguous gradient (torch._grouped_mm's backward rejects the
+    broadcast gradient a plain .sum() produces, torch 2.13)."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 def _grouped(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    offs = torch.cumsum(counts, 0, dtype=torch.int32)
-    return torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)  # where each expert's rows end
+    return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
 
 
 def expert_ffn(x: torch.Tensor, counts: torch.Tensor, w_up: torch.Tensor, w_gate: torch.Tensor | None,

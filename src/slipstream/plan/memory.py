@@ -29,6 +29,18 @@ slipstream's transformer and checked against MemTracker (tests/unit/test_plan_me
   the matmuls and attention plus the block input.
   autocast keeps a low-precision copy of every weight its matmuls saved (2 bytes per matmul
   parameter), freed as backward goes past the layer; checkpointed blocks keep none.
+
+Mixture of experts (plan/experts.py): an MoE block's MLP is not split by tp and sees the n
+tokens of its micro-batch routed to top_k experts each (k n rows, spread evenly):
+    router               2 n E 4        fp32 logits and scores
+    routing              k n 20         the picks, the sort order (int64) and the fp32 weights
+    dispatched rows      k n d r        the token copies the experts take (sent to their ranks under ep)
+    experts              4 k n h a (swiglu), 2 k n h a (gelu), h = moe_expert_hidden
+    combine              k n d a        the experts' outputs, weighed per token
+    shared experts       as an MLP of moe_shared_experts x h
+  a backward also holds the dispatch buffers of the gradients (2 k n d r). Its parameters: the
+  router and the shared experts whole on every tp rank, E / ep routed experts, sharded over the
+  dp / ep ranks holding the same experts (Strategy.expert_shard_group).
 """
 
 from __future__ import annotations
@@ -37,6 +49,7 @@ import math
 from dataclasses import dataclass, field
 
 from slipstream.models.flops import param_count
+from slipstream.plan.experts import Experts, experts_of
 from slipstream.plan.space import PlanModel, Strategy
 
 GIB = 2**30
@@ -87,9 +100,12 @@ def _dtypes(s: Strategy) -> _Dtypes:
     return _Dtypes(residual=4, compute=2 if low else 4, autocast=low, gathered=4, reduce=4)
 
 
-def block_activation_bytes(model: PlanModel, tokens: int, s: Strategy, mode: str | None = None) -> int:
-    """Bytes one transformer block saves for backward for `tokens` tokens on this GPU."""
+def block_activation_bytes(model: PlanModel, tokens: int, s: Strategy, mode: str | None = None,
+                           moe: bool = False) -> int:
+    """Bytes one transformer block saves for backward for `tokens` tokens on this GPU
+    (moe: a block with experts, of a model that has them)."""
     cfg, dt = model.cfg, _dtypes(s)
+    ex = experts_of(model) if moe else None
     mode = s.ac if mode is None else mode
     d, n, tp = cfg.d_model, tokens, s.tp
     # Sequence parallel splits the residual/norm tensors over tp ranks too; without it they are replicated.
@@ -101,13 +117,14 @@ def block_activation_bytes(model: PlanModel, tokens: int, s: Strategy, mode: str
     head_dim = d // cfg.n_head
     kv = (cfg.n_kv_head or cfg.n_head) * head_dim
     hidden = _mlp_hidden(model)
-    active_hidden = hidden * (model.moe.top_k if model.moe else 1)
     swiglu = cfg.mlp == "swiglu"
     qkv = n * (d + 2 * kv) * a // tp
     attention = n * d * a // tp + n * cfg.n_head * 4 // tp
     projections = n * d * a // seq_split                    # o_proj and down_proj outputs (selective keeps them)
-    mlp_inner = n * active_hidden * a // tp
+    mlp_inner = n * hidden * a // tp
     if mode == "selective":
+        if ex is not None:
+            return block_input + qkv + attention + projections + _moe_saved(ex, cfg, n, s, "selective")
         return block_input + qkv + attention + projections * 2 + mlp_inner * (2 if swiglu else 1)
     stats = n * 4 * (1 if cfg.norm == "rmsnorm" else 2) // seq_split
     rms_extra = n * d * 4 // seq_split if cfg.norm == "rmsnorm" else 0
@@ -116,8 +133,27 @@ def block_activation_bytes(model: PlanModel, tokens: int, s: Strategy, mode: str
     else:
         norm_outs = 2 * n * d * r // seq_split
     residual_mid = n * d * r // seq_split
-    mlp = mlp_inner * (4 if swiglu else 2)
+    mlp = mlp_inner * (4 if swiglu else 2) if ex is None else _moe_saved(ex, cfg, n, s, "none")
     return block_input + residual_mid + norm_outs + 2 * (stats + rms_extra) + qkv + attention + mlp
+
+
+def _moe_saved(ex: Experts, cfg, n: int, s: Strategy, mode: str) -> int:
+    """What an MoE layer saves for backward for the n tokens of its micro-batch (module doc)."""
+    dt = _dtypes(s)
+    d, r, a = cfg.d_model, dt.residual, dt.compute
+    n_up = 2 if cfg.mlp == "swiglu" else 1
+    routed = n * ex.top_k
+    shared_inner = n * ex.shared_hidden * a
+    if mode == "selective":
+        # the matmuls' outputs: router logits, the experts' up (and gate) and down, the shared experts'
+        return (n * ex.n * a + routed * ex.hidden * a * n_up + routed * d * a
+                + (shared_inner * n_up + n * d * a if ex.shared_hidden else 0))
+    router = 2 * n * ex.n * 4
+    routing = routed * (8 + 8 + 4)
+    rows = routed * d * r
+    inner = routed * ex.hidden * a * 2 * n_up
+    combine = routed * d * a
+    return router + routing + rows + inner + combine + shared_inner * 2 * n_up
 
 
 def _mlp_hidden(model: PlanModel) -> int:
@@ -157,14 +193,14 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
     if model.traced is not None:
         return _traced_memory(model, s, seq_len, device, optimizer_state_bytes)
     cfg, dt = model.cfg, _dtypes(s)
-    pc = param_count(cfg, (model.moe.n_experts, model.moe.top_k) if model.moe else None)
+    pc = param_count(cfg)
+    ex = experts_of(model)
     shard_grad, group = s.shards()[1], s.state_shard_group
     layers = _stage_layers(model, s)
     notes: list[str] = []
 
     # ---- parameters per GPU: this stage's blocks (split by tp, experts by ep) + embedding / head
-    expert_share = (pc.mlp / s.ep if model.moe else pc.mlp)
-    block_params = (pc.attn + expert_share) / s.tp + pc.norm
+    block_params = (pc.attn + pc.mlp) / s.tp + pc.norm
     vocab_params = pc.embedding - (cfg.max_seq_len * cfg.d_model if cfg.position == "learned" else 0)
     pos_params = pc.embedding - vocab_params
     first_stage = vocab_params / s.tp + pos_params
@@ -172,18 +208,30 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
     edge = first_stage + last_stage if s.pp == 1 else max(first_stage, last_stage)
     if s.pp == 1 and cfg.tie_embeddings:
         edge = first_stage + cfg.d_model
-    local_params = layers * block_params + edge
+    n_moe = ex.stage_layers(layers) if ex else 0     # the busiest stage's blocks with experts
+    stage_blocks, experts = layers * block_params, 0.0
+    if ex:
+        # Dense blocks split by tp; an MoE block's attention by tp, its router and shared experts
+        # whole, its routed experts E / ep. The largest block sizes the FSDP buffers.
+        dense_block = (pc.attn + ex.dense_mlp) / s.tp + pc.norm
+        expert_block = ex.routed_params / s.ep
+        moe_block = pc.attn / s.tp + pc.norm + ex.other_params + expert_block
+        stage_blocks = (layers - n_moe) * dense_block + n_moe * moe_block
+        experts = n_moe * expert_block
+        block_params = moe_block if n_moe == layers else max(dense_block, moe_block)
+        notes.append(f"mixture of experts: {n_moe} of this stage's {layers} blocks hold {ex.n // s.ep} of "
+                     f"{ex.n} experts each; tokens are planned as spread evenly over the experts")
+    local_params = stage_blocks + edge
 
     def sharded(count: float, is_sharded: bool) -> float:
         return count / group if is_sharded else count
 
     param_bytes, grad_bytes, optim_bytes = model_state_bytes(local_params, s, optimizer_state_bytes)
-    if model.moe and s.ep > 1:
-        # Each expert lives on dp/ep of the data-parallel ranks, so its state shards over
-        # those only: EP saves expert compute and gathers, not expert-state memory.
-        experts = layers * expert_share / s.tp
+    if experts and s.ep > 1:
+        # The routed experts shard over the dp / ep ranks that hold the same ones (FSDP), or not
+        # at all (DDP, ep = dp): per GPU, E / ep experts / (dp / ep) = E / dp under FSDP.
         dense = model_state_bytes(local_params - experts, s, optimizer_state_bytes)
-        expert = model_state_bytes(experts, s, optimizer_state_bytes, shard_group=max(1, s.shard_group // s.ep))
+        expert = model_state_bytes(experts, s, optimizer_state_bytes, shard_group=s.expert_shard_group)
         param_bytes, grad_bytes, optim_bytes = (a + b for a, b in zip(dense, expert))
     host = 0
     if s.offload:
@@ -194,17 +242,22 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
     # ---- activations of one micro-batch on this GPU
     tokens = s.micro_batch * seq_len // s.cp
     per_block = block_activation_bytes(model, tokens, s)
+    stage_acts = layers * per_block
+    if n_moe:
+        stage_acts = (layers - n_moe) * per_block + n_moe * block_activation_bytes(model, tokens, s, moe=True)
     seq_split = s.tp if (s.tp > 1 and s.sequence_parallel) else 1
     final_norm = tokens * cfg.d_model * (dt.residual + (dt.compute if dt.autocast else dt.residual)) // seq_split
     if cfg.norm == "rmsnorm":
         final_norm += tokens * cfg.d_model * 4 // seq_split
     in_flight = in_flight_microbatches(s)
-    acts = (layers * per_block + final_norm) * in_flight
+    acts = (stage_acts + final_norm) * in_flight
 
     # Autocast keeps a bf16 copy of each weight a saved matmul needs (blocks without AC).
     weight_copies = 0.0
     if dt.autocast and s.ac == "none":
         matmul_per_block = (pc.active_matmul - vocab_params) / cfg.n_layer / s.tp
+        if ex:  # every weight of the stage's blocks: an MoE block casts all of its local experts
+            matmul_per_block = stage_blocks / layers
         weight_copies = layers * matmul_per_block * dt.compute + vocab_params / s.tp * dt.compute
 
     # ---- the loss: logits (tokens x vocab) and their fp32 log-softmax (on the last stage;
@@ -224,6 +277,7 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
 
     # ---- gathered parameters and communication buffers
     gather_unit = block_params * dt.gathered
+    mean_gather_unit = stage_blocks / layers * dt.gathered if n_moe else gather_unit   # per block of the stage
     # zero2 keeps the gathered parameters from forward to backward; so does FSDP under a
     # pipeline (as torchtitan runs it), or every micro-batch would gather them again.
     keeps_gathered = s.dp_strategy == "zero2" or (s.pp > 1 and s.dp_strategy in ("fsdp", "hsdp"))
@@ -231,7 +285,7 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
     if s.dp_strategy in ("fsdp", "hsdp") and not keeps_gathered:
         comm = 2 * gather_unit                        # the block being computed and the prefetched next one
     elif keeps_gathered:
-        comm = layers * gather_unit + edge * dt.gathered   # parameters stay gathered between forward and backward
+        comm = layers * mean_gather_unit + edge * dt.gathered   # parameters stay gathered between forward and backward
     reduce_buffer = block_params * dt.reduce if s.dp_strategy in ("zero2", "fsdp", "hsdp") else 0.0
     # DDP/zero1 gradients are views into the all-reduce buckets and never freed; with
     # accumulation every gradient exists from the second micro-batch on.
@@ -254,7 +308,18 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
     transient = _block_backward_transient(model, tokens, s)
     # A checkpointed block's backward first recomputes what it did not keep.
     recompute = block_activation_bytes(model, tokens, s, mode="none") - per_block if s.ac != "none" else 0
-    other_micro = acts - (layers * per_block + final_norm)          # other in-flight micro-batches stay
+    mean_block = per_block
+    if n_moe:
+        # The walk goes down the stage's blocks at their mean; the largest MoE block's backward
+        # (and recompute) is the one alive at each point.
+        expert_grads = experts / s.expert_shard_group if shard_grad else experts
+        block_grad = (sharded(stage_blocks - experts, shard_grad) + expert_grads) / layers * 4
+        transient = max(transient, _block_backward_transient(model, tokens, s, moe=True))
+        if s.ac != "none":
+            recompute = max(recompute, block_activation_bytes(model, tokens, s, mode="none", moe=True)
+                            - block_activation_bytes(model, tokens, s, moe=True))
+        mean_block = stage_acts / layers
+    other_micro = acts - (stage_acts + final_norm)          # other in-flight micro-batches stay
     worst = phase(all_grads or head_grad, acts + weight_copies, loss_bwd + comm + reduce_buffer)
     copies_per_block = weight_copies / max(layers, 1)
     # Blocks 1..i still hold their activations. The total is linear in i, so its highest point
@@ -263,8 +328,8 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
     for i in dict.fromkeys((layers, 1)) if layers >= 1 else ():
         grads = all_grads or head_grad + (layers - i) * block_grad
         # zero2 frees a block's gathered parameters once its gradients are reduced.
-        gathered = i * gather_unit + edge * dt.gathered if keeps_gathered else comm
-        candidate = phase(grads, other_micro + i * (per_block + copies_per_block),
+        gathered = i * mean_gather_unit + edge * dt.gathered if keeps_gathered else comm
+        candidate = phase(grads, other_micro + i * (mean_block + copies_per_block),
                           recompute + transient + gathered + reduce_buffer)
         if sum(candidate.values()) > sum(worst.values()):
             worst = candidate
@@ -324,11 +389,18 @@ def model_state_bytes(params: float, s: Strategy, optimizer_state_bytes: int = 4
             params * 2 * optimizer_state_bytes / (group if shard_opt else 1))
 
 
-def _block_backward_transient(model: PlanModel, tokens: int, s: Strategy) -> int:
+def _block_backward_transient(model: PlanModel, tokens: int, s: Strategy, moe: bool = False) -> int:
     """Gradients of activations alive while one block is differentiated, beyond what the block
     already saved: the MLP's inner gradient (gelu: one n x F tensor; swiglu: two, the gate's
-    and the up projection's) next to the residual stream's gradient and its copy."""
+    and the up projection's) next to the residual stream's gradient and its copy. An MoE
+    block's: its k n routed rows' inner gradients (whole: not split by tp), the shared
+    experts', and the dispatch buffers of the rows' gradients (sent and received)."""
     cfg, dt = model.cfg, _dtypes(s)
-    hidden = _mlp_hidden(model) * (model.moe.top_k if model.moe else 1)
-    inner = tokens * hidden * dt.compute // s.tp * (2 if cfg.mlp == "swiglu" else 1)
+    n_up = 2 if cfg.mlp == "swiglu" else 1
+    ex = experts_of(model) if moe else None
+    if ex is not None:
+        routed = tokens * ex.top_k
+        inner = (routed * ex.hidden + tokens * ex.shared_hidden) * dt.compute * n_up
+        return inner + 2 * routed * cfg.d_model * dt.residual + 2 * tokens * cfg.d_model * dt.residual
+    inner = tokens * _mlp_hidden(model) * dt.compute // s.tp * n_up
     return inner + 2 * tokens * cfg.d_model * dt.residual

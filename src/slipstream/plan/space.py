@@ -2,8 +2,8 @@
 
 A Strategy is everything the memory and time models need to know about how a step runs
 on the cluster. `not_runnable()` says why slipstream cannot run it today (empty: it can); the
-planner still plans the layouts it cannot run (expert parallelism, and the combinations the
-trainer refuses), and flags them, so that a user sees what they would buy.
+planner still plans the layouts it cannot run (the combinations the trainer refuses), and
+flags them, so that a user sees what they would buy.
 
 Pipeline schedules carry the trainer's names (parallel.pp_schedule); a pipeline micro-batch of
 Strategy(micro_batch=mb, grad_accum=m) is the config's train.micro_batch_size=mb,
@@ -48,13 +48,16 @@ AC_MODES = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16", "fp16")
 # What slipstream runs today; the rest is planned and flagged. Tensor parallelism runs at any
 # degree the model divides (the search only proposes those), with dp_strategy none, fsdp or hsdp.
-RUNNABLE_EP = 1
 TP_DP_STRATEGIES = ("none", "fsdp", "hsdp")
 # Context parallelism runs when the cp ranks average gradients with the data-parallel ones.
 CP_DP_STRATEGIES = ("ddp", "fsdp", "hsdp")
 # Pipeline parallelism runs with these over the data-parallel ranks; not with cp, nor (yet) with
 # tp: config.dims.check_compatibility refuses pp x tp until the trainer composes them (issue 14).
 PP_DP_STRATEGIES = ("none", "ddp", "fsdp", "hsdp")
+# Expert parallelism (distributed/expert_parallel.py) runs over the data-parallel ranks: the ranks
+# that hold the same experts are averaged by FSDP (fsdp, hsdp, zero2: sharded over the dp / ep of
+# them); DDP only where no two ranks hold the same experts (ep = dp); not with zero1, nor with cp.
+EP_DP_STRATEGIES = ("ddp", "zero2", "fsdp", "hsdp")
 
 
 def schedule_name(name: str) -> str:
@@ -66,22 +69,19 @@ def schedule_name(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class MoE:
-    """A mixture-of-experts MLP in every block (planning only: slipstream's model is dense)."""
-
-    n_experts: int
-    top_k: int
-
-
-@dataclass(frozen=True)
 class PlanModel:
-    """The model a plan is for: a transformer config (+ MoE), or a traced user module."""
+    """The model a plan is for: a transformer config (mixture of experts: its model.moe_* fields),
+    or a traced user module."""
 
     name: str
     cfg: ModelConfig
-    moe: MoE | None = None
     # A user nn.Module measured on fake tensors (see plan/trace.py); None for transformer configs.
     traced: object | None = None
+
+    @property
+    def moe(self) -> bool:
+        """Whether the model has routed experts (cfg.moe_experts > 0; plan/experts.py sizes them)."""
+        return self.traced is None and self.cfg.moe_experts > 0
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,8 @@ class Strategy:
     """One way to lay a training step out on `world` GPUs: world = dp x tp x pp x cp.
 
     dp is the data-parallel degree (ranks that see different data); for hsdp it is
-    dp_replicate x dp_shard. ep (experts) splits the experts over ranks of the dp x cp group.
+    dp_replicate x dp_shard. ep (experts) splits each MoE layer's routed experts over ep
+    consecutive data-parallel ranks (it divides dp and the experts).
     """
 
     dp_strategy: str = "none"
@@ -149,6 +150,15 @@ class Strategy:
         model keeps `shard_group` for the communication groups."""
         return self.shard_group * self.cp if SHARDS[self.dp_strategy][0] else 1
 
+    @property
+    def expert_shard_group(self) -> int:
+        """Ranks over which a rank's routed experts' state is split. ep = 1: the experts are part
+        of their block (state_shard_group). ep > 1: the dp x cp / ep ranks that hold the same
+        experts (FSDP over them, under hsdp too: the run's `dp_mod_ep` mesh dim)."""
+        if self.ep == 1:
+            return self.state_shard_group
+        return max(1, self.dp * self.cp // self.ep) if SHARDS[self.dp_strategy][0] else 1
+
     def shards(self) -> tuple[bool, bool, bool]:
         return SHARDS[self.dp_strategy]
 
@@ -163,8 +173,23 @@ class Strategy:
             reasons.append(f"context parallel {self.cp} with {self.dp_strategy}")
         if self.pp > 1:
             reasons += self._pipeline_reasons()
-        if self.ep > RUNNABLE_EP:
-            reasons.append(f"expert parallel {self.ep}")
+        if self.ep > 1:
+            reasons += self._expert_reasons()
+        return reasons
+
+    def _expert_reasons(self) -> list[str]:
+        """What the trainer refuses in an expert-parallel layout (distributed/expert_parallel.py).
+        That ep divides the experts is search.evaluate's (the model's side)."""
+        reasons = []
+        if self.cp > 1:
+            reasons.append(f"expert parallel {self.ep} with context parallel {self.cp}")
+        if self.dp % self.ep:
+            reasons.append(f"expert parallel {self.ep} over {self.dp} data-parallel ranks (ep must divide them)")
+        elif self.dp_strategy not in EP_DP_STRATEGIES:
+            reasons.append(f"expert parallel {self.ep} with {self.dp_strategy}")
+        elif self.dp_strategy == "ddp" and self.dp != self.ep:
+            reasons.append(f"expert parallel {self.ep} with ddp over {self.dp} ranks (ddp needs ep = dp; "
+                           "fsdp or hsdp average the ranks holding the same experts)")
         return reasons
 
     def _pipeline_reasons(self) -> list[str]:
@@ -249,6 +274,7 @@ def strategy_overrides(s: Strategy, seq_len: int) -> dict[str, object]:
     # Always written, so a layout laid over a config replaces its degrees (tp 1 over a tp 2 config too).
     values["parallel.cp"] = s.cp
     values["parallel.tp"] = s.tp
+    values["parallel.ep"] = s.ep
     # The pipeline: one planner micro-batch is one pipeline micro-batch (the mb x grad_accum
     # sequences of a step split into grad_accum); without one, the defaults (a pp config reset).
     piped = s.pp > 1
@@ -295,7 +321,7 @@ def strategy_from_config(cfg, world: int, dp_strategy: str | None = None, dp_sha
         grad_accum = p.pp_microbatches or sequences
         micro_batch = max(1, sequences // grad_accum)
     return Strategy(dp_strategy=dp_strategy, dp=dp, dp_shard=dp_shard if dp_strategy == "hsdp" else 0,
-                    tp=p.tp, cp=p.cp, sequence_parallel=p.sequence_parallel,
+                    tp=p.tp, cp=p.cp, ep=p.ep, sequence_parallel=p.sequence_parallel,
                     pp=p.pp, pp_schedule=p.pp_schedule if p.pp > 1 else "1f1b",
                     pp_virtual=p.pp_virtual_stages if p.pp > 1 else 0,
                     micro_batch=micro_batch, grad_accum=grad_accum, ac=ac,

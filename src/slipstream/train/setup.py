@@ -13,14 +13,19 @@ from slipstream.errors import UserError
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Matrices (dim >= 2: linear and embedding weights) decay; biases and norm gains don't."""
-    decay, no_decay = [], []
+    """Matrices (dim >= 2: linear and embedding weights) decay; biases and norm gains don't.
+    Parameters on another device mesh than the first one's (expert parallelism's, next to plain or
+    data-parallel ones) get groups of their own: fused and foreach AdamW step a group in one call,
+    which cannot mix meshes."""
+    decay: dict[int, list] = {}
+    no_decay: dict[int, list] = {}
     for param in model.parameters():  # parameters() yields tied weights once
         if param.requires_grad:
-            (decay if param.dim() >= 2 else no_decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
+            mesh = id(getattr(param, "device_mesh", None))
+            (decay if param.dim() >= 2 else no_decay).setdefault(mesh, []).append(param)
+    groups = [{"params": params, "weight_decay": weight_decay} for params in decay.values()] or \
+        [{"params": [], "weight_decay": weight_decay}]
+    groups += [{"params": params, "weight_decay": 0.0} for params in no_decay.values()]
     return groups
 
 

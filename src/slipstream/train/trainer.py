@@ -37,7 +37,8 @@ from slipstream.checkpoint.writer import CheckpointWriter
 from slipstream.config.dims import check_pipeline_config
 from slipstream.config.load import check_training_rules, config_to_toml
 from slipstream.config.schema import Config
-from slipstream.distributed.data_parallel import full_value, gradients_live_in_buckets, no_sync, unwrap
+from slipstream.distributed.data_parallel import (clip_grads, full_value, gradients_live_in_buckets, no_sync,
+                                                  total_grad_norm, unwrap, zero_grads)
 from slipstream.distributed.tensor_parallel import LossParallel
 from slipstream.errors import UserError
 from slipstream.observe.comm import StepComm
@@ -526,18 +527,18 @@ class Trainer:
 
             grad_norm = pipeline_grad_norm(self.pipeline, params)
             if clip > 0:
-                torch.nn.utils.clip_grads_with_norm_(params, clip, grad_norm)
-        elif clip > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, clip)
+                clip_grads(params, clip, grad_norm)
+        elif clip > 0:  # (gradients on several meshes too: expert parallelism's next to the others)
+            grad_norm = clip_grads(params, clip)
         else:
-            grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            grad_norm = total_grad_norm([p.grad for p in params if p.grad is not None])
         grad_norm = full_value(grad_norm)  # sharded parameters give a DTensor norm (already reduced)
         if self._decide(loss, grad_norm) in ("skip", "rollback", "stop"):
             # Drop this update: the scheduler still advances, so the step count stays the schedule's.
             if self.scaler is not None:
                 self.scaler.update()  # closes the scaler's unscale_ of this step (and backs off on inf)
             self.scheduler.step()
-            self.optimizer.zero_grad(set_to_none=not self._grads_in_buckets)
+            zero_grads(self.optimizer, keep_buckets=self._grads_in_buckets)
             return grad_norm
         if self.scaler is not None:
             scale_before = self.scaler._scale.clone()
@@ -549,7 +550,7 @@ class Trainer:
         else:
             self.optimizer.step()
         self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=not self._grads_in_buckets)
+        zero_grads(self.optimizer, keep_buckets=self._grads_in_buckets)
         return grad_norm
 
     @contextlib.contextmanager
