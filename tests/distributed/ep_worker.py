@@ -3,10 +3,10 @@
     python -m torch.distributed.run --standalone --nproc-per-node N tests/distributed/ep_worker.py OUT_DIR [NAME ...]
 
 Per scenario of SCENARIOS[N]: one optimizer step by hand (loss, every gradient and every
-parameter after AdamW, as full tensors) into OUT_DIR/<name>/step.pt, then a fresh Trainer's
-fit() (rank 0's metrics.jsonl, the final full parameters and balancing biases into final.pt),
-and the layout the experts really got (placements, local shapes, rows the dispatch moved) into
-layout.json. The pytest side runs the single-process references with the same builders.
+parameter after AdamW, as full tensors) into OUT_DIR/<name>/step_rank<R>.pt, then a fresh
+Trainer's fit() (rank 0's metrics.jsonl, the final full parameters and balancing biases into
+final_rank<R>.pt: a pipeline rank holds its stages' only), and every rank's layout of the experts
+(placements, local shapes, rows the dispatch moved) into layout.json. The pytest side runs the single-process references with the same builders.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from tests.distributed.tp_worker import COMMON, full_state, lm_batch_loss, make_dataset  # noqa: E402
+from slipstream.train.lm_loss import lm_loss_fn as lm_batch_loss  # noqa: E402  (a pipeline needs this very function)
+from tests.distributed.tp_worker import COMMON, full_state, make_dataset  # noqa: E402
 
 MICRO = 2  # per data-parallel rank
 MODEL_SEED = 7
@@ -37,8 +38,20 @@ SKEW_BIAS = [0.0, 0.0, -50.0, -50.0]
 
 
 def scenario(name: str, model: tuple[str, ...], ep: int, strategy: str, extra: tuple[str, ...] = (),
-             tp: int = 1, skew: bool = False):
-    return dict(name=name, model=list(model), ep=ep, strategy=strategy, extra=list(extra), tp=tp, skew=skew)
+             tp: int = 1, skew: bool = False, pp: int = 1, reference: tuple[str, ...] = ()):
+    """reference: the one-process run's own overrides (a pipeline's micro-batches: see PP_AUX)."""
+    return dict(name=name, model=list(model), ep=ep, strategy=strategy, extra=list(extra), tp=tp, skew=skew, pp=pp,
+                reference=list(reference))
+
+
+# A pipeline (pp2 at world 2) runs each rank's 2 sequences as 2 micro-batches of one: the
+# balancing losses are each micro-batch's, as in one process accumulating 2 micro-batches of one
+# sequence (the same sequences, in the same order). 1F1B and a zero-bubble V schedule.
+PP_AUX = ("--train.micro_batch_size=1", "--train.grad_accum_steps=2")
+# pp2 x ep2 at world 4: the counts of a micro-batch are summed over the 2 data-parallel ranks, so
+# the balancing losses see 2 sequences per micro-batch, which one process cannot group alike:
+# compared without them (routing, dispatch, loads and biases are still exact).
+NO_AUX = ("--model.moe_aux_loss=0", "--model.moe_bias_rate=0.01")
 
 
 SCENARIOS: dict[int, list[dict[str, Any]]] = {
@@ -49,19 +62,35 @@ SCENARIOS: dict[int, list[dict[str, Any]]] = {
         scenario("ep2_sigmoid_shared_bias", SIGMOID, 2, "fsdp"),
         scenario("ep2_skewed", MOE, 2, "ddp", skew=True),
         scenario("ep2_ac_compile", MOE, 2, "ddp", ("--activations.checkpointing=full", "--compile.scope=blocks")),
+        scenario("pp2_1f1b_aux", (*TOP1_Z, "--parallel.pp_schedule=1f1b"), 1, "none", pp=2, reference=PP_AUX),
+        scenario("pp2_zbv_aux", (*MOE, "--model.n_layer=4", "--parallel.pp_schedule=zbv"), 1, "none", pp=2,
+                 reference=PP_AUX),
     ],
     4: [
         scenario("ep2_fsdp2", MOE, 2, "fsdp"),
         scenario("ep4", MOE, 4, "ddp"),
         scenario("ep2_tp2", (*MOE, "--parallel.sequence_parallel=true", "--parallel.loss_parallel=true"), 2, "fsdp",
                  tp=2),
+        scenario("pp2_ep2_ddp", (*MOE, *NO_AUX, "--parallel.pp_schedule=1f1b"), 2, "ddp", pp=2),
+        scenario("pp2_ep2_fsdp_interleaved", (*MOE, *NO_AUX, "--model.n_layer=4",
+                                               "--parallel.pp_schedule=interleaved-1f1b"), 2, "fsdp", pp=2),
     ],
 }
 
 
-def overrides(sc: dict[str, Any], run_dir: Path | str, ep: int, strategy: str, micro: int, tp: int = 1) -> list[str]:
+def overrides(sc: dict[str, Any], run_dir: Path | str, ep: int, strategy: str, micro: int, tp: int = 1,
+              pp: int = 1) -> list[str]:
     return [*COMMON, *sc["model"], f"--run.dir={run_dir}", f"--parallel.ep={ep}", f"--parallel.tp={tp}",
-            f"--parallel.dp_strategy={strategy}", f"--train.micro_batch_size={micro}", *sc["extra"]]
+            f"--parallel.pp={pp}", f"--parallel.dp_strategy={strategy}", f"--train.micro_batch_size={micro}",
+            *sc["extra"]]
+
+
+def reference_overrides(sc: dict[str, Any], run_dir: Path | str, world: int) -> list[str]:
+    """One process at the scenario's global batch."""
+    dp = world // (sc["tp"] * sc["pp"])
+    keep = lambda args: [a for a in args if not a.startswith("--parallel.")]  # noqa: E731
+    return overrides({**sc, "model": keep(sc["model"]), "extra": keep(sc["extra"])}, run_dir, 1, "none",
+                     MICRO * dp) + sc["reference"]
 
 
 def build(cfg, skew: bool):
@@ -128,15 +157,15 @@ def main(argv: list[str]) -> int:
             continue
         where = out_dir / sc["name"]
         try:
-            cfg = load_config(None, overrides(sc, where / "run", sc["ep"], sc["strategy"], MICRO, sc["tp"]))
+            cfg = load_config(None, overrides(sc, where / "run", sc["ep"], sc["strategy"], MICRO, sc["tp"], sc["pp"]))
             result = run(cfg, sc["skew"])
-            rows = layout(result["trainer"])["_received_rows"]
-            every_rank_rows = result["trainer"].parallel.gather(rows)
+            info = layout(result["trainer"])
+            every_rank = result["trainer"].parallel.gather(info)
+            # Every rank writes its own tensors: a pipeline stage holds only its own parameters.
+            torch.save(result["step"], where / f"step_rank{rank}.pt")
+            torch.save(result["final"], where / f"final_rank{rank}.pt")
             if rank == 0:
-                torch.save(result["step"], where / "step.pt")
-                torch.save(result["final"], where / "final.pt")
-                info = {**layout(result["trainer"]), "_received_rows_per_rank": every_rank_rows}
-                (where / "layout.json").write_text(json.dumps(info, indent=1))
+                (where / "layout.json").write_text(json.dumps(every_rank, indent=1))
         except Exception:
             failed = True
             where.mkdir(parents=True, exist_ok=True)

@@ -70,13 +70,9 @@ CASES = [(world, sc["name"]) for world in (2, 4) for sc in w.SCENARIOS[world]]
 def test_expert_parallel_equals_one_process(launches, world, name, tmp_path):
     torch.set_num_threads(1)
     sc = {s["name"]: s for s in w.SCENARIOS[world]}[name]
-    dp = world // sc["tp"]
+    dp = world // (sc["tp"] * sc["pp"])
     got_dir = launches / str(world) / name
-    extra = [e for e in sc["extra"] if not e.startswith("--parallel.")]
-    model = [e for e in sc["model"] if not e.startswith("--parallel.")]
-    cfg = load_config(None, w.overrides({**sc, "model": model, "extra": extra}, tmp_path / "ref", 1, "none",
-                                        w.MICRO * dp))
-    ref = w.run(cfg, sc["skew"])
+    ref = w.run(load_config(None, w.reference_overrides(sc, tmp_path / "ref", world)), sc["skew"])
 
     got_logged, ref_logged = _logged(got_dir / "run"), _logged(tmp_path / "ref")
     assert [r["step"] for r in got_logged] == [r["step"] for r in ref_logged] == list(range(1, STEPS + 1))
@@ -91,7 +87,7 @@ def test_expert_parallel_equals_one_process(launches, world, name, tmp_path):
             assert g[key] == pytest.approx(r[key], abs=1e-6), (g["step"], key)
         assert g["moe/aux_loss"] == pytest.approx(r["moe/aux_loss"], rel=1e-5)
 
-    step = torch.load(got_dir / "step.pt", weights_only=True)  # the worker's own tensors: no code
+    step, final = (_merged(got_dir, kind, world) for kind in ("step", "final"))
     assert _close(step["grad_norm"], ref["step"]["grad_norm"], GRAD_NORM_RTOL)
     assert step["grads"].keys() == ref["step"]["grads"].keys()
     largest = max(t.abs().max().item() for t in ref["step"]["grads"].values())
@@ -100,7 +96,6 @@ def test_expert_parallel_equals_one_process(launches, world, name, tmp_path):
         assert (step["grads"][n] - want).abs().max().item() <= GRAD_RTOL * largest, n
     for n, want in ref["step"]["params"].items():
         assert (step["params"][n] - want).abs().max().item() <= STEP_PARAM_ATOL, n
-    final = torch.load(got_dir / "final.pt", weights_only=True)
     for n, want in ref["final"]["params"].items():
         assert (final["params"][n] - want).abs().max().item() <= FINAL_PARAM_ATOL, n
     assert final["biases"].keys() == ref["final"]["biases"].keys()
@@ -109,14 +104,26 @@ def test_expert_parallel_equals_one_process(launches, world, name, tmp_path):
     if "--model.moe_bias_rate=0.01" in sc["model"]:
         assert any(b.abs().sum() > 0 for b in ref["final"]["biases"].values())  # the bias really moved
 
-    layout = json.loads((got_dir / "layout.json").read_text())
-    _check_layout(layout, sc, dp, world)
+    layouts = json.loads((got_dir / "layout.json").read_text())
+    _check_layout(layouts, sc, dp)
 
 
-def _check_layout(layout: dict, sc: dict, dp: int, world: int) -> None:
+def _merged(got_dir: Path, kind: str, world: int) -> dict:
+    """Every rank's tensors in one dict (a pipeline rank holds its own stages' only; the worker's own
+    files: weights_only, no code)."""
+    parts = [torch.load(got_dir / f"{kind}_rank{r}.pt", weights_only=True) for r in range(world)]
+    out = dict(parts[0])
+    for key in ("grads", "params", "biases"):
+        if key in out:
+            out[key] = {n: t for part in reversed(parts) for n, t in part[key].items()}
+    return out
+
+
+def _check_layout(layouts: list[dict], sc: dict, dp: int) -> None:
     """The experts really are split over the ep ranks, and the dispatch really moved rows."""
     ep = sc["ep"]
-    layout = {k.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", ""): v for k, v in layout.items()}
+    clean = lambda name: name.replace("._checkpoint_wrapped_module", "").replace("._orig_mod", "")  # noqa: E731
+    layout = {clean(k): v for view in layouts for k, v in view.items()}
     experts = {k: v for k, v in layout.items() if ".experts." in k}
     assert experts
     for name, info in experts.items():
@@ -126,9 +133,12 @@ def _check_layout(layout: dict, sc: dict, dp: int, world: int) -> None:
             assert info["local_shape"][0] == math.ceil(4 // ep / fsdp), (name, info)  # 4 experts
         else:
             assert "ep" not in info["mesh"], (name, info)
-    rows = layout["_received_rows_per_rank"]
+    rows = [view["_received_rows"] for view in layouts]
     if ep == 1:
         assert all(r is None for view in rows for r in view.values())  # no dispatch without ep
+        return
+    if sc["pp"] > 1:  # each pp rank's MoE layers: the ep peers of a stage both computed rows
+        assert all(sum(view.values()) > 0 for view in rows), rows
         return
     per_rank = [sum(view.values()) for view in rows]
     if sc["skew"]:

@@ -166,6 +166,8 @@ def assemble_pipeline(cfg: ModelConfig, schedule: str, modules: list[Transformer
 
     stages = [PipelineStage(part, index, n_stages, torch.device(device), group=pp_group)
               for part, index in zip(parts, indices)]
+    for stage in stages:
+        _metadata_forward_not_counted(stage)
     pp_size = dist.get_world_size(pp_group)
     return Pipeline(build_schedule(schedule, stages, n_microbatches, loss_fn), modules, stages, n_microbatches,
                     pp_group=pp_group, last_rank=stage_rank(schedule, n_stages - 1, pp_size),
@@ -204,6 +206,21 @@ def _tied_group(cfg: ModelConfig, schedule: str, pp_group: dist.ProcessGroup, n_
     return dist.new_group([ranks[owners[0]], ranks[owners[1]]], use_local_synchronization=True)
 
 
+def _metadata_forward_not_counted(stage) -> None:
+    """The stage's first step runs one extra forward to learn its output shapes: MoE layers must
+    not count its tokens (or, on a later stage, the placeholder activations it feeds them)."""
+    from slipstream.models.moe import not_counted
+
+    for name in ("_forward_metadata_inference", "_shape_inference"):  # torch 2.13 / older
+        infer = getattr(stage, name, None)
+        if infer is not None:
+            def uncounted(*args, _infer=infer, **kwargs):
+                with not_counted():
+                    return _infer(*args, **kwargs)
+
+            setattr(stage, name, uncounted)
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """The local shard of a DTensor (FSDP), or the tensor itself."""
     return tensor.to_local() if hasattr(tensor, "to_local") else tensor
@@ -238,7 +255,10 @@ def average_over_data_parallel(pipe: Pipeline) -> None:
         return
     from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
-    grads = [p.grad for p in named_parameters(pipe.modules).values() if p.grad is not None]
+    # Expert-parallel weights (DTensors over the ep ranks) differ by rank and are complete already
+    # (distributed/expert_parallel.py): only the replicated parameters are averaged.
+    grads = [p.grad for p in named_parameters(pipe.modules).values()
+             if p.grad is not None and not hasattr(p.grad, "device_mesh")]
     flat = _flatten_dense_tensors(grads)
     dist.all_reduce(flat, op=dist.ReduceOp.AVG, group=pipe.dp_group)  # communicates: all gradients, dp ranks
     for grad, averaged in zip(grads, _unflatten_dense_tensors(flat, grads)):
@@ -293,11 +313,11 @@ def _from_last_stage(pipe: Pipeline, tensor: torch.Tensor) -> torch.Tensor:
 def pipeline_grad_norm(pipe: Pipeline, params: list[nn.Parameter]) -> torch.Tensor:
     """The global L2 norm of the gradients of every stage, on every pp rank: each rank's sum of
     squares (a tied embedding's second copy left out), summed over the pp group."""
-    from slipstream.distributed.data_parallel import full_value
+    from slipstream.distributed.data_parallel import full_value, total_grad_norm
 
     copy = pipe.tied_copy
     grads = [p.grad for p in params if p.grad is not None and p is not copy]
-    norm = full_value(torch.nn.utils.get_total_norm(grads)) if grads else torch.zeros(())
+    norm = full_value(total_grad_norm(grads)) if grads else torch.zeros(())
     squares = norm.float().square().to(pipe.stages[0].device)
     dist.all_reduce(squares, group=pipe.pp_group)  # communicates: one float per pp rank
     return squares.sqrt()

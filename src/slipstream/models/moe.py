@@ -22,6 +22,7 @@ experts and back).
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from typing import Any
@@ -149,6 +150,20 @@ class AddAuxLossGrad(torch.autograd.Function):
         return grad, torch.full(ctx.aux_shape, ctx.scale, dtype=ctx.aux_dtype, device=grad.device), None
 
 
+_UNCOUNTED = [0]  # > 0 inside `not_counted()`
+
+
+@contextlib.contextmanager
+def not_counted():
+    """Forwards that are not training steps (a pipeline stage's shape inference on its first
+    micro-batch) leave the statistics and the balancing bias alone."""
+    _UNCOUNTED[0] += 1
+    try:
+        yield
+    finally:
+        _UNCOUNTED[0] -= 1
+
+
 def _in_backward() -> bool:
     """True while autograd runs a backward: activation checkpointing recomputes the forward there,
     and a recomputed forward must not count its tokens a second time."""
@@ -215,7 +230,7 @@ class MoE(nn.Module):
             aux = self._balancing_losses(logits, scores, global_counts, N * k)
             if aux is not None:
                 out = AddAuxLossGrad.apply(out, aux, self.aux_grad_scale)
-            if not _in_backward():
+            if not _in_backward() and not _UNCOUNTED[0]:
                 self.stats.add(global_counts, assigned.numel() - order.numel(), N * k, self._last_losses)
         return out.view(B, T, d)
 
