@@ -105,7 +105,12 @@ def expert_ffn(x: torch.Tensor, counts: torch.Tensor, w_up: torch.Tensor, w_gate
     if x.dtype != w_up.dtype:  # autocast does not cover torch._grouped_mm: compute in the activations' dtype
         w_up, w_down = w_up.to(x.dtype), w_down.to(x.dtype)
         w_gate = w_gate.to(x.dtype) if w_gate is not None else None
-    grouped = gemm == "grouped" or (gemm == "auto" and grouped_mm_supported(x.device, x.dtype))
+    # torch._grouped_mm needs rows aligned to 16 bytes: the model width and the expert width.
+    aligned = all(width * x.element_size() % 16 == 0 for width in (x.shape[-1], w_up.shape[1]))
+    if gemm == "grouped" and not aligned:
+        raise ValueError(f"model.moe_gemm = grouped needs d_model ({x.shape[-1]}) and the expert width "
+                         f"({w_up.shape[1]}) to be multiples of {16 // x.element_size()} in {x.dtype}; use auto or loop")
+    grouped = gemm == "grouped" or (gemm == "auto" and aligned and grouped_mm_supported(x.device, x.dtype))
     mm = _grouped if grouped else _matmul_per_expert
     if w_gate is not None:
         h = F.silu(mm(x, counts, w_gate)) * mm(x, counts, w_up)
@@ -202,7 +207,8 @@ class MoE(nn.Module):
         B, T, d = x.shape
         tokens = x.reshape(-1, d)
         N, E, k = tokens.shape[0], self.n_experts, self.top_k
-        logits = self.router(tokens).float()  # routing in fp32 under autocast too
+        logits = self.router(tokens)
+        logits = logits.float() if logits.element_size() < 4 else logits  # routing in fp32 at least (autocast)
         scores = logits.sigmoid() if self.router_kind == "sigmoid" else logits.softmax(dim=-1)
         # The bias only decides which experts are picked (DeepSeek-V3); the weights come from the scores.
         chosen = torch.topk(scores.detach() + self.expert_bias, k, dim=-1).indices  # (N, k)
