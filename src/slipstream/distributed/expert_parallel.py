@@ -80,7 +80,7 @@ class CountReducer:
 
         for mesh, dim in self.mesh_dims:
             counts = funcol.all_reduce(counts, "sum", (mesh, dim))  # communicates: E integers
-        return counts
+        return funcol.wait_tensor(counts)
 
 
 def _token_mesh_dims(parallel) -> list[tuple[Any, int]]:

@@ -218,7 +218,9 @@ class MoE(nn.Module):
         weights = weights * self.route_scale
         assigned = chosen.reshape(-1)  # (N k,) token-major
         counts = torch.bincount(assigned, minlength=E)  # this rank's routed assignments per expert
-        global_counts = self.reduce_counts(counts)  # the whole batch's (a collective under data parallelism)
+        counting = self.training and torch.is_grad_enabled()  # a training forward (not evaluation)
+        # The whole batch's counts (a collective under data parallelism): training only.
+        global_counts = self.reduce_counts(counts) if counting else counts
 
         order = torch.argsort(assigned, stable=True)  # expert-major; tokens keep their order inside an expert
         kept_counts = counts
@@ -232,7 +234,7 @@ class MoE(nn.Module):
         if self.shared is not None:
             out = out + self.shared(tokens)
 
-        if self.training and torch.is_grad_enabled():
+        if counting:
             aux = self._balancing_losses(logits, scores, global_counts, N * k)
             if aux is not None:
                 out = AddAuxLossGrad.apply(out, aux, self.aux_grad_scale)
