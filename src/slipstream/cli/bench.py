@@ -4,6 +4,7 @@
     slipstream bench sharding [--nproc N --strategies ddp zero1 zero2 fsdp --steps N --size default|ci]
     slipstream bench sharding --layouts tp1 tp2 tp4 cp2 cp4 cp2tp2
     slipstream bench pipeline [--schedules gpipe 1f1b ... --nproc 2 4 --steps N --size default|ci --out FILE]
+    slipstream bench moe [--steps N --balance-steps N --size default|ci --out FILE]
     slipstream bench checkpoint [--repeats N] [--model.* overrides]
     slipstream bench fused-ce [--rows N --d D --vocab V --dtype ... --chunk-size ...]
     slipstream bench ladder [memory|speed|both] [--device D --size S --repeats N --steps N --batch B]
@@ -69,6 +70,16 @@ def cmd_bench_pipeline(args: argparse.Namespace, extra: list[str]) -> int:
     refuse_existing(args.out, args.force)  # an explicit --out; the default benchmarks/ file is refreshed
     run_pipeline_bench(schedules=tuple(args.schedules or ()), nproc=tuple(args.nproc or ()), steps=args.steps,
                        size=args.size, out=args.out, data_dir=args.data_dir)
+    return 0
+
+
+def cmd_bench_moe(args: argparse.Namespace, extra: list[str]) -> int:
+    from slipstream.perf.moe_bench import run_moe_bench
+
+    no_extra(extra)
+    refuse_existing(args.out, args.force)  # an explicit --out; the default benchmarks/ file is refreshed
+    run_moe_bench(steps=args.steps, balance_steps=args.balance_steps, size=args.size, out=args.out,
+                  data_dir=args.data_dir)
     return 0
 
 
@@ -178,7 +189,7 @@ def _add_data_dir_and_out(p: argparse.ArgumentParser, default_out: str) -> None:
 
 
 def add_commands(sub) -> None:
-    """Register `bench overhead|ladder|sharding|pipeline|checkpoint|fused-ce|planner|gpu` on the top-level parser."""
+    """Register `bench overhead|ladder|sharding|pipeline|moe|checkpoint|fused-ce|planner|gpu` on the top-level parser."""
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_cmd", required=True)
     p = with_config(bench.add_parser("overhead", help="Trainer vs a hand-written loop, alternated"))
     p.add_argument("--rounds", type=int, default=5, help="alternations of (trainer, hand loop)")
@@ -228,6 +239,15 @@ def add_commands(sub) -> None:
                         "ci = 4 blocks of width 64 (a seconds-long smoke run for tests; needs --out)")
     _add_data_dir_and_out(p, "benchmarks/pipeline-cpu.json")
     p.set_defaults(func=cmd_bench_pipeline)
+    p = bench.add_parser("moe", help="mixture of experts: dense vs MoE at equal active parameters, ep 1/2/4 (tokens/s, "
+                                     "memory per rank, all-to-all share), expert load under each balancing method")
+    p.add_argument("--steps", type=int, default=8, help="training steps per rung (2: memory, 4-5: profiled)")
+    p.add_argument("--balance-steps", type=int, default=200, help="training steps per balancing method")
+    p.add_argument("--size", default="default", choices=["default", "ci"],
+                   help="default = 4 blocks of width 256, 8 experts top-2; ci = moe-tiny at ep2 only, no balancing "
+                        "runs (a seconds-long smoke run for tests; needs --out)")
+    _add_data_dir_and_out(p, "benchmarks/moe-cpu.json")
+    p.set_defaults(func=cmd_bench_moe)
     p = bench.add_parser("checkpoint", help="checkpoint save: training stall of synchronous vs asynchronous saves")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="", help="JSON file (default benchmarks/checkpoint-cpu.json)")
