@@ -66,7 +66,8 @@ def apply_fp8(model: torch.nn.Module, device: torch.device, tp: int = 1) -> torc
     def keep_linear(module: torch.nn.Module, fqn: str) -> bool:
         # fp8 matmuls need dimensions divisible by 16, on each rank's shard under tensor
         # parallelism (column-parallel splits out_features, row-parallel in_features).
-        return (isinstance(module, torch.nn.Linear) and fqn != "lm_head"
+        # (An MoE router stays in high precision: fp8 noise would change which experts are picked.)
+        return (isinstance(module, torch.nn.Linear) and fqn != "lm_head" and not fqn.endswith("router")
                 and module.in_features % (16 * tp) == 0 and module.out_features % (16 * tp) == 0)
 
     convert_to_float8_training(model, module_filter_fn=keep_linear)
