@@ -104,6 +104,10 @@ def test_expert_parallel_equals_one_process(launches, world, name, tmp_path):
     if "--model.moe_bias_rate=0.01" in sc["model"]:
         assert any(b.abs().sum() > 0 for b in ref["final"]["biases"].values())  # the bias really moved
 
+    print(f"measured {world}/{name}: loss {max(abs(g['loss'] - r['loss']) / abs(r['loss']) for g, r in zip(got_logged, ref_logged)):.1e}"
+          f" grad {max((step['grads'][n] - t).abs().max().item() for n, t in ref['step']['grads'].items()) / largest:.1e}"
+          f" param {max((step['params'][n] - t).abs().max().item() for n, t in ref['step']['params'].items()):.1e}"
+          f" final {max((final['params'][n] - t).abs().max().item() for n, t in ref['final']['params'].items()):.1e}")
     layouts = json.loads((got_dir / "layout.json").read_text())
     _check_layout(layouts, sc, dp)
 
