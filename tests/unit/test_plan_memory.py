@@ -13,6 +13,7 @@ import torch
 
 from slipstream.config.presets import PRESETS
 from slipstream.config.schema import ModelConfig
+from slipstream.models.flops import param_count
 from slipstream.models.transformer import build_model
 from slipstream.optimize.activations import activation_memory_bytes, apply_activation_checkpointing
 from slipstream.plan.accuracy import TARGET_ERROR, Case, default_cases, measure_case, plan_case, stratified_cases
@@ -193,3 +194,93 @@ def test_device_accuracy_path_runs_on_cpu():
     (row,) = run_device_accuracy("cpu", "1xcpu", [case])
     assert abs(row["error"]) < TARGET_ERROR
     assert row["measured_step_s"] > 0 and row["planned_step_s"] > 0 and row["measured_reserved_bytes"] is None
+
+
+# ---------------------------------------------------------------- mixture of experts (issue 15)
+
+@pytest.mark.parametrize("overrides,ac", [
+    ({"moe_gemm": "loop"}, "none"), ({"moe_gemm": "loop"}, "selective"), ({}, "full"),
+    ({"moe_shared_experts": 1, "moe_gemm": "grouped"}, "selective"),
+    ({"mlp": "gelu", "moe_z_loss": 1e-3, "moe_top_k": 1, "moe_experts": 8, "moe_expert_hidden": 32}, "none"),
+])
+def test_moe_block_activation_bytes_equal_what_autograd_keeps(overrides, ac):
+    """An MoE block keeps its routed rows (tokens x top_k), the experts' inner activations, the
+    combine's two copies, the router's scores and the routing indices: as autograd does (fp32)."""
+    batch, seq = 4, 64
+    kept = []
+    for n_layer in (1, 2):
+        cfg = _cfg("moe-tiny", n_layer=n_layer, **overrides)
+        model = apply_activation_checkpointing(build_model(cfg), ac)
+        idx = torch.randint(0, 256, (batch, seq))
+        kept.append(activation_memory_bytes(model, lambda: idx))
+    planned = block_activation_bytes(PlanModel("moe-tiny", cfg), batch * seq, Strategy(ac=ac, precision="fp32"), moe=True)
+    assert planned == pytest.approx(kept[1] - kept[0], rel=0.01)
+
+
+def test_moe_step_peak_within_target_of_measured():
+    """Whole training steps of an MoE model (dense first block, shared experts; FSDP in bf16)."""
+    wide = (("n_layer", 4), ("d_model", 128), ("n_head", 4), ("d_ff", 256))
+    cases = [Case("moe-tiny", Strategy(micro_batch=8, precision="fp32"),
+                  overrides=wide + (("moe_shared_experts", 1), ("moe_first_dense", 1), ("moe_expert_hidden", 64))),
+             Case("moe-tiny", Strategy(dp_strategy="fsdp", dp=8, micro_batch=8, precision="bf16"), overrides=wide)]
+    worst, error = _worst_error(cases)
+    assert abs(error) < TARGET_ERROR, (worst, error)
+
+
+def test_moe_plan_counts_the_built_models_parameters():
+    """One process, no sharding: the planned parameters are the built model's, experts and all."""
+    for preset in ("moe-tiny", "deepseek-moe-small"):
+        model = resolve_model(preset, vocab=512)
+        built = sum(p.numel() for p in build_model(model.cfg).parameters())
+        b = estimate_memory(model, Strategy(precision="fp32"), 128, device="cpu").breakdown
+        assert b["parameters"] == 4 * built, preset
+        assert model.moe and not resolve_model("llama-8b").moe
+
+
+def test_expert_memory_per_rank_shrinks_with_ep():
+    """ddp at ep = dp: each rank holds E / ep experts, unsharded; the dense parts whole."""
+    model = resolve_model("mixtral-8x7b")
+    pc = param_count(model.cfg)
+    params = []
+    for ep in (1, 2, 4, 8):
+        s = Strategy("ddp", dp=ep, ep=ep, precision="bf16", ac="full") if ep > 1 else Strategy(precision="bf16", ac="full")
+        params.append(estimate_memory(model, s, 4096).breakdown["parameters"])
+        assert params[-1] == pytest.approx(4 * (pc.total - pc.experts + pc.experts / ep), rel=1e-9)
+    assert params == sorted(params, reverse=True)
+    # fsdp over 32 ranks: the dense parts over 32, the experts over the 32 / ep holding them
+    for ep in (2, 8):
+        b = estimate_memory(model, Strategy("fsdp", dp=32, ep=ep, precision="bf16", ac="full"), 4096).breakdown
+        assert b["optimizer_state"] == pytest.approx(8 * pc.total / 32, rel=1e-6)
+    # the FSDP gather buffers hold E / ep experts of a block: fewer with more ep
+    temp = [estimate_memory(model, Strategy("fsdp", dp=32, ep=ep, precision="bf16", ac="full"), 4096)
+            .breakdown["temporaries"] for ep in (1, 2, 8)]
+    assert temp[0] > temp[1] > temp[2]
+
+
+def test_moe_activations_grow_with_top_k():
+    base = resolve_model("mixtral-8x7b")
+    s = Strategy("fsdp", dp=8, ep=8, precision="bf16")
+    acts = [estimate_memory(PlanModel("m", dataclasses.replace(base.cfg, moe_top_k=k)), s, 4096).breakdown["activations"]
+            for k in (1, 2, 4)]
+    assert acts[0] < acts[1] < acts[2]
+    # an MoE block is not split by tp: its activations stay whole on every tp rank
+    tokens = 4096
+    dense, moe = (block_activation_bytes(base, tokens, Strategy(tp=8, precision="bf16"), moe=m) for m in (False, True))
+    assert moe > 8 * dense
+
+
+def test_preflight_plans_the_moe_model_it_runs():
+    """The run's own memory check (train.preflight_memory) plans the config's experts and its ep."""
+    from slipstream.config import load_config
+    from slipstream.plan.preflight import plan_training_memory
+
+    args = ["--model.preset=moe-tiny", "--model.vocab_size=64", "--train.seq_len=128", "--optim.state_dtype=fp32"]
+    cfg = load_config(None, args)
+    pc = param_count(cfg.model)
+    one = plan_training_memory(cfg, 1, "none", 0, "cpu")
+    assert one.breakdown["parameters"] == 4 * pc.total
+    assert any("mixture of experts" in note for note in one.notes)
+    ep2 = plan_training_memory(load_config(None, [*args, "--parallel.dp_strategy=ddp", "--parallel.ep=2"]), 2, "ddp", 0, "cpu")
+    assert ep2.breakdown["parameters"] == pytest.approx(4 * (pc.total - pc.experts / 2))
+    dense = plan_training_memory(load_config(None, [*args, "--model.moe_experts=0"]), 1, "none", 0, "cpu")
+    assert dense.total_bytes < one.total_bytes

@@ -65,3 +65,20 @@ def test_every_published_run_names_its_source():
     for run in PUBLISHED_RUNS:
         assert run.source and ("http" in run.source), run.name
         assert any(v is not None for v in (run.tflops_per_gpu, run.mfu, run.tokens_per_s_per_gpu, run.memory_gib_per_gpu))
+
+
+def test_published_moe_runs_plan_their_experts():
+    """A published run's n_experts / experts_top_k become the model's moe_* fields (experts as
+    wide as d_ff, in every block), and its ep layout is planned with the all-to-all."""
+    import dataclasses
+
+    from slipstream.models.flops import param_count
+    from slipstream.plan.report import _model, _strategy, compare_run
+
+    dense = next(r for r in PUBLISHED_RUNS if r.name == "torchtitan-llama3.1-8b-fsdp-8gpu")
+    run = dataclasses.replace(dense, name="moe-8x8b", n_experts=8, experts_top_k=2, ep=8)
+    model = _model(run)
+    assert model.moe and (model.cfg.moe_experts, model.cfg.moe_top_k, model.cfg.moe_expert_hidden) == (8, 2, 0)
+    assert param_count(model.cfg).moe_layers == run.n_layer
+    assert _strategy(run).ep == 8 and _model(dense).moe is False
+    assert [c.metric for c in compare_run(run, DEFAULT_EFFICIENCY)] == [c.metric for c in compare_run(dense, DEFAULT_EFFICIENCY)]

@@ -227,25 +227,102 @@ def test_evaluate_matches_plan_entry(gpt2):
 
 # ---------------------------------------------------------------- mixture of experts
 
-def test_mixtral_expert_parallel_flagged(mixtral_result):
+def test_mixtral_expert_parallel_runnable_and_ranked(mixtral_result):
+    """mixtral-8x7b is a real preset: its experts come from model.moe_*, and the expert-parallel
+    layouts slipstream runs (fsdp / hsdp / zero2, ddp at ep = dp) are runnable and ranked."""
     r = mixtral_result
-    assert r.model.moe is not None
+    assert r.model.moe and r.model.cfg.moe_experts == 8 and r.model.cfg.moe_top_k == 2
     ep = [c for c in r.ranked + r.rejected if c.strategy.ep > 1]
-    assert ep
-    assert {c.strategy.ep for c in ep} <= {2, 4, 8}
+    assert {c.strategy.ep for c in ep} == {2, 4, 8}
     for c in ep:
-        assert f"expert parallel {c.strategy.ep}" in c.not_runnable
-        assert (c.strategy.dp * c.strategy.cp) % c.strategy.ep == 0
-    assert any(c.strategy.ep > 1 for c in r.ranked)
+        s = c.strategy
+        assert s.dp % s.ep == 0
+        refused = s.cp > 1 or s.dp_strategy == "zero1" or (s.dp_strategy == "ddp" and s.dp != s.ep)
+        assert any(x.startswith(f"expert parallel {s.ep}") for x in c.not_runnable) == refused, (s.label(), c.not_runnable)
+    assert "mixture of experts" not in {x for c in r.ranked + r.rejected for x in c.not_runnable}
+    assert any(c.strategy.ep > 1 and not c.not_runnable for c in r.ranked)
+    best = r.best(runnable_only=True)
+    assert best is not None and best.not_runnable == []
 
 
-def test_mixtral_never_runnable(mixtral_result):
-    for c in mixtral_result.ranked + mixtral_result.rejected:
-        assert c.not_runnable, c.strategy.label()
-    assert mixtral_result.best(runnable_only=True) is None
+def test_mixtral_runnable_only_keeps_expert_parallel_layouts():
+    r = plan(resolve_model("mixtral-8x7b"), make_cluster("8xH100"), Workload(4096, 64), runnable_only=True)
+    assert r.ranked and all(not c.not_runnable for c in r.ranked + r.rejected)
+    assert {c.strategy.ep for c in r.ranked} >= {1, 2, 4, 8}
+    assert any(c.strategy.ep > 1 and c.strategy.tp > 1 for c in r.ranked + r.rejected)   # ep x tp
+    assert any(c.strategy.ep > 1 and c.strategy.pp > 1 for c in r.ranked + r.rejected)   # ep x pp
+
+
+def test_expert_parallel_rules():
+    """What the trainer runs (distributed/expert_parallel.py): ep with fsdp / hsdp / zero2, ddp
+    only where ep = dp, never zero1 nor cp; with tp and pp as they run without experts."""
+    assert Strategy("fsdp", dp=8, ep=4).not_runnable() == []
+    assert Strategy("zero2", dp=8, ep=2).not_runnable() == []
+    assert Strategy("hsdp", dp=16, dp_shard=8, ep=4).not_runnable() == []
+    assert Strategy("ddp", dp=8, ep=8).not_runnable() == []
+    assert Strategy("fsdp", dp=4, tp=2, ep=4).not_runnable() == []
+    assert Strategy("fsdp", dp=4, pp=2, ep=2, grad_accum=2).not_runnable() == []
+    assert Strategy("ddp", dp=8, ep=4).not_runnable() == [
+        "expert parallel 4 with ddp over 8 ranks (ddp needs ep = dp; fsdp or hsdp average the ranks holding "
+        "the same experts)"]
+    assert Strategy("zero1", dp=8, ep=8).not_runnable() == ["expert parallel 8 with zero1"]
+    assert Strategy("fsdp", dp=4, cp=2, ep=2).not_runnable() == ["expert parallel 2 with context parallel 2"]
+    assert "expert parallel 3 over 4 data-parallel ranks (ep must divide them)" in Strategy("fsdp", dp=4, ep=3).not_runnable()
+    # the model's side: ep splits the experts of an MoE model
+    gpt2, moe = resolve_model("gpt2"), resolve_model("moe-tiny")
+    cluster, work = make_cluster("8xH100"), Workload(256, 64)
+    assert "expert parallel 2 without experts" in evaluate(gpt2, Strategy("fsdp", dp=8, ep=2), work, cluster).not_runnable
+    assert "expert parallel 8: 4 experts do not split evenly" in evaluate(
+        moe, Strategy("fsdp", dp=8, ep=8), work, cluster).not_runnable
+    assert evaluate(moe, Strategy("fsdp", dp=8, ep=4), work, cluster).not_runnable == []
+    # fp16 loss scaling cannot carry the balancing losses' gradients (config.load refuses it)
+    assert "fp16 loss scaling with the MoE balancing losses" in evaluate(
+        moe, Strategy("ddp", dp=8, ep=8, precision="fp16"), work, cluster).not_runnable
+
+
+def test_flagged_and_hybrid_expert_layouts_are_planned_across_nodes():
+    """cp x ep (flagged) and hsdp x ep plan on two nodes: every group's link lies inside the cluster."""
+    mixtral, cluster = resolve_model("mixtral-8x7b", seq_len=32768), make_cluster("8xH100", nodes=2)
+    c = evaluate(mixtral, Strategy("fsdp", dp=2, cp=8, ep=2, ac="full"), Workload(32768, 32), cluster)
+    assert c.not_runnable == ["expert parallel 2 with context parallel 8"] and c.time.breakdown["ep_comm"] > 0
+    h = evaluate(mixtral, Strategy("hsdp", dp=16, dp_shard=8, ep=4, ac="full"), Workload(4096, 64), cluster)
+    assert h.not_runnable == [] and h.time.breakdown["moe_counts"] > 0 and h.time.breakdown["ep_comm"] > 0
+
+
+def test_moe_layouts_divide_experts_and_data_parallel_degree():
+    found = layouts(resolve_model("moe-tiny"), make_cluster("8xH100", nodes=2), Workload(256, 64))
+    eps = {s.ep for s in found}
+    assert eps == {1, 2, 4}                                   # the 4 experts' divisors
+    assert all(s.dp % s.ep == 0 for s in found)
+    assert {s.ep for s in layouts(resolve_model("gpt2"), make_cluster("8xH100"), Workload(1024, 64))} == {1}
 
 
 # ---------------------------------------------------------------- strategy_overrides
+
+def test_overrides_write_the_expert_parallel_degree():
+    from slipstream.plan.space import strategy_from_config
+
+    assert strategy_overrides(Strategy("fsdp", dp=8, ep=4), 256)["parallel.ep"] == 4
+    assert strategy_overrides(Strategy("fsdp", dp=8), 256)["parallel.ep"] == 1   # a layout replaces a config's ep
+    cfg = load_config(None, ["--model.preset=moe-tiny", "--model.vocab_size=64", "--train.seq_len=128",
+                             "--parallel.dp_strategy=fsdp", "--parallel.ep=2"])
+    assert strategy_from_config(cfg, 4, "fsdp", 0).ep == 2
+
+
+def test_write_config_of_an_expert_parallel_plan(tmp_path):
+    """--write-config writes parallel.ep and the model's moe_* fields: the config trains the plan."""
+    from slipstream.plan.render import write_best_config
+    from slipstream.plan.search import PlanResult
+
+    model, cluster, work = resolve_model("mixtral-8x7b"), make_cluster("8xH100", nodes=4), Workload(4096, 128)
+    best = evaluate(model, Strategy("fsdp", dp=32, ep=8, micro_batch=1, grad_accum=4, ac="full"), work, cluster)
+    assert best.fits and not best.not_runnable
+    out = tmp_path / "mixtral.toml"
+    write_best_config(PlanResult(model, cluster, work, [best], [], 1), str(out))
+    cfg = load_config(str(out))
+    assert cfg.parallel.ep == 8 and cfg.parallel.dp_strategy == "fsdp"
+    assert (cfg.model.moe_experts, cfg.model.moe_top_k, cfg.model.n_layer) == (8, 2, 32)
+
 
 def test_overrides_fsdp_bf16():
     s = Strategy("fsdp", dp=8, micro_batch=2, grad_accum=4, ac="selective", fused_loss=True, loss_chunk=2048)

@@ -1,5 +1,6 @@
 """Tests for slipstream.plan.timing: ring collectives and the step-time model, against hand-computed values."""
 
+import dataclasses
 import math
 
 import pytest
@@ -9,10 +10,11 @@ from slipstream.models.flops import flops_per_token, param_count
 from slipstream.plan.hardware import LOCAL, Link, make_cluster
 from slipstream.plan.memory import block_activation_bytes
 from slipstream.plan.model import resolve_model
-from slipstream.plan.space import Strategy, Workload
+from slipstream.plan.space import PlanModel, Strategy, Workload
 from slipstream.plan.timing import (ADAM_BYTES_PER_PARAM, DDP_UNHIDDEN, DEFAULT_EFFICIENCY, KERNEL_LAUNCH_S,
-                                    KERNELS_PER_LAYER, POINTWISE_TRAFFIC, ZERO_BUBBLE_RESIDUAL, all_reduce,
-                                    estimate_time, gather_or_scatter, gemm_seconds, pipeline_bubble, ring_time)
+                                    KERNELS_PER_LAYER, POINTWISE_TRAFFIC, ZERO_BUBBLE_RESIDUAL, Collective,
+                                    all_reduce, all_to_all_time, estimate_time, gather_or_scatter, gemm_seconds,
+                                    pipeline_bubble, ring_time, step_collectives)
 
 LINK = Link("test", 100.0, 5.0, "100 GB/s, 5 us per step")
 NO_LATENCY = Link("fast", 100.0, 0.0, "100 GB/s, no latency")
@@ -351,11 +353,107 @@ def test_expert_parallel_adds_all_to_all():
     mixtral = resolve_model("mixtral-8x7b")
     cluster = make_cluster("8xH100")
     work = Workload(4096, 64)
-    dense = estimate_time(mixtral, Strategy("ddp", dp=8, micro_batch=1, grad_accum=8), work, cluster)
+    no_ep = estimate_time(mixtral, Strategy("ddp", dp=8, micro_batch=1, grad_accum=8), work, cluster)
     ep = estimate_time(mixtral, Strategy("ddp", dp=8, ep=8, micro_batch=1, grad_accum=8), work, cluster)
-    assert "ep_comm" not in dense.breakdown and ep.breakdown["ep_comm"] > 0
-    routed = 4096 * 4096 * 2 * 2      # tokens x width x bf16 x top-2
-    assert ep.breakdown["ep_comm"] == pytest.approx(4 * gather_or_scatter(routed, 8, cluster.intra) * 32 * 8, rel=1e-9)
+    assert "ep_comm" not in no_ep.breakdown and ep.breakdown["ep_comm"] > 0
+    # per MoE block (32) and micro-batch (8): the 4096 tokens x top-2 rows of d = 4096 dispatched
+    # (fp32: the residual stream under autocast) and combined (bf16), forward and backward, and an
+    # all-to-all of the 8 experts' int64 counts before each dispatch
+    rows = 4096 * 2 * 4096
+    link = cluster.intra
+    per_block = (2 * gather_or_scatter(rows * 4, 8, link) + 2 * gather_or_scatter(rows * 2, 8, link)
+                 + gather_or_scatter(8 * 8, 8, link))
+    assert ep.breakdown["ep_comm"] == pytest.approx(per_block * 32 * 8, rel=1e-9)
+    # the counts are all-reduced over the data-parallel ranks in every MoE block, with or without ep
+    # (a tree: 2 log2(8) latency steps per call)
+    counts = ring_time(8 * 8, 8, link, 2 * 7 / 8, 2 * 3)
+    assert no_ep.breakdown["moe_counts"] == pytest.approx(counts * 32 * 8, rel=1e-9)
+    assert ep.breakdown["moe_counts"] == no_ep.breakdown["moe_counts"]
+    assert "moe_counts" not in estimate_time(resolve_model("llama-8b"), Strategy("ddp", dp=8, grad_accum=8),
+                                             work, cluster).breakdown
+
+
+def test_all_to_all_across_nodes_goes_through_each_gpus_nic():
+    cluster = make_cluster("8xH100", nodes=2)
+    intra, inter = cluster.intra.bandwidth_gbs * 1e9, cluster.inter.bandwidth_gbs * 1e9
+    row = Collective("ep", "all_to_all", "blocks", 16, 1e9, 1)
+    # 7/16 of the buffer to this node's GPUs over NVLink, 8/16 through this GPU's NIC, at once
+    expected = max(7 / 16 * 1e9 / intra, 8 / 16 * 1e9 / inter) + 15 * cluster.inter.latency_us * 1e-6
+    assert all_to_all_time([row], cluster, 1) == pytest.approx(expected, rel=1e-12)
+    # tp 2 puts 4 members on a node
+    ep8 = dataclasses.replace(row, group=8)
+    expected = max(3 / 8 * 1e9 / intra, 4 / 8 * 1e9 / inter) + 7 * cluster.inter.latency_us * 1e-6
+    assert all_to_all_time([ep8], cluster, 2) == pytest.approx(expected, rel=1e-12)
+    # within a node: the ring time
+    assert all_to_all_time([ep8], cluster, 1) == pytest.approx(gather_or_scatter(1e9, 8, cluster.intra), rel=1e-12)
+
+
+def _ep_rows(model, s, work):
+    return [r for r in step_collectives(model, s, work) if r.dim == "ep" and r.part == "blocks"]
+
+
+def test_all_to_all_grows_with_ep_top_k_and_recompute():
+    mixtral = resolve_model("mixtral-8x7b")
+    cluster, work = make_cluster("8xH100", nodes=4), Workload(4096, 128)
+
+    def layout(**kw):
+        return Strategy("fsdp", dp=32, micro_batch=1, grad_accum=4, **kw)
+
+    def ep_comm(model, **kw):
+        return estimate_time(model, layout(**kw), work, cluster).breakdown["ep_comm"]
+
+    by_ep = [ep_comm(mixtral, ep=e) for e in (2, 4, 8)]
+    assert by_ep[0] < by_ep[1] < by_ep[2]          # more of the rows leave the rank: (ep - 1) / ep
+    # 16 ranks span two nodes: the all-to-all crosses the inter-node link
+    m16 = PlanModel("m16", dataclasses.replace(mixtral.cfg, moe_experts=16))
+    assert ep_comm(m16, ep=16) > 3 * ep_comm(m16, ep=8)
+    # the routed bytes are tokens x top_k x d: exactly proportional to top_k
+    routed = {k: sum(r.nbytes for r in _ep_rows(PlanModel("k", dataclasses.replace(mixtral.cfg, moe_top_k=k)),
+                                                layout(ep=8), work)) for k in (1, 2, 4)}
+    assert routed[2] == 2 * routed[1] and routed[4] == 4 * routed[1]
+    times = [ep_comm(PlanModel("k", dataclasses.replace(mixtral.cfg, moe_top_k=k)), ep=8) for k in (1, 2, 4)]
+    assert times[0] < times[1] < times[2]
+    # activation checkpointing (full or selective) re-runs the forward's dispatch and combine
+    none, full = (sum(r.calls for r in _ep_rows(mixtral, layout(ep=8, ac=ac), work)) for ac in ("none", "full"))
+    assert none == 2 * 2 * 32 * 4 and full == 1.5 * none
+    assert _ep_rows(mixtral, layout(ep=8, ac="selective"), work) == _ep_rows(mixtral, layout(ep=8, ac="full"), work)
+    assert ep_comm(mixtral, ep=8, ac="full") > ep_comm(mixtral, ep=8)
+
+
+def test_expert_compute_counts_the_active_experts_only():
+    """Twice the experts at the same top_k: the same FLOPs per token (the routed rows spread over
+    more experts); twice the top_k: twice the expert FLOPs. MFU counts the active parameters."""
+    mixtral = resolve_model("mixtral-8x7b")
+    cluster, work = make_cluster("8xH100", nodes=4), Workload(4096, 128)
+    s = Strategy("fsdp", dp=32, ep=8, micro_batch=2, grad_accum=2)
+
+    def compute(**changes):
+        return estimate_time(PlanModel("m", dataclasses.replace(mixtral.cfg, **changes)), s, work, cluster).breakdown["compute"]
+
+    assert compute(moe_experts=16) == pytest.approx(compute(), rel=0.01)
+    assert compute(moe_top_k=4) > 1.3 * compute()
+    t = estimate_time(mixtral, s, work, cluster)
+    active = param_count(mixtral.cfg).active_matmul
+    assert active < 0.3 * param_count(mixtral.cfg).total                     # 2 of 8 experts
+    assert t.mfu == pytest.approx(t.tokens_per_s * (6 * active + 12 * 32 * 4096 * 4096) / (cluster.peak_flops("bf16") * 32))
+
+
+def test_expert_parallel_moves_expert_gathers_to_the_ranks_holding_them():
+    """fsdp with ep: the routed experts gather and reduce over the dp / ep ranks that hold the
+    same experts (E / ep of them per rank), the dense parts over all dp ranks as before."""
+    mixtral = resolve_model("mixtral-8x7b")
+    work = Workload(4096, 128)
+    experts = param_count(mixtral.cfg).experts
+    for ep in (2, 8):
+        rows = step_collectives(mixtral, Strategy("fsdp", dp=32, ep=ep, micro_batch=1, grad_accum=4), work)
+        expert = [r for r in rows if r.part == "experts"]
+        assert {r.group for r in expert} == {32 // ep}
+        scatter = [r for r in expert if r.kind == "reduce_scatter"]
+        assert sum(r.nbytes for r in scatter) == pytest.approx(experts / ep * 4 * 4)   # fp32, every micro-batch
+    ddp = step_collectives(mixtral, Strategy("ddp", dp=8, ep=8, micro_batch=1, grad_accum=4), work)
+    assert not [r for r in ddp if r.part == "experts"]    # ep = dp: no two ranks hold the same experts
+    reduced = sum(r.nbytes for r in ddp if r.part == "gradients")
+    assert reduced == pytest.approx((param_count(mixtral.cfg).total - experts) * 4)
 
 
 def test_expert_parallel_shrinks_optimizer_and_dp_comm():

@@ -33,12 +33,16 @@ slipstream's transformer and checked against MemTracker (tests/unit/test_plan_me
 Mixture of experts (plan/experts.py): an MoE block's MLP is not split by tp and sees the n
 tokens of its micro-batch routed to top_k experts each (k n rows, spread evenly):
     router               2 n E 4        fp32 logits and scores
-    routing              k n 20         the picks, the sort order (int64) and the fp32 weights
+    routing              k n 32         the picks, the sort order and its token index (int64), the weights
     dispatched rows      k n d r        the token copies the experts take (sent to their ranks under ep)
     experts              4 k n h a (swiglu), 2 k n h a (gelu), h = moe_expert_hidden
-    combine              k n d a        the experts' outputs, weighed per token
+    combine              2 k n d a      the experts' outputs, and placed back per token to be weighed
     shared experts       as an MLP of moe_shared_experts x h
-  a backward also holds the dispatch buffers of the gradients (2 k n d r). Its parameters: the
+  selective keeps the router's logits, the shared experts' matmul outputs and, unless the
+  experts run as one grouped GEMM (model.moe_gemm = grouped: not a matmul the policy saves),
+  the experts' (k n h a x 2 | 1, k n d a); it re-runs the dispatch. A backward also holds the
+  dispatch buffers of the gradients (2 k n d r). Checked against autograd on moe-tiny
+  (tests/unit/test_plan_memory.py). Its parameters: the
   router and the shared experts whole on every tp rank, E / ep routed experts, sharded over the
   dp / ep ranks holding the same experts (Strategy.expert_shard_group).
 """
@@ -145,14 +149,14 @@ def _moe_saved(ex: Experts, cfg, n: int, s: Strategy, mode: str) -> int:
     routed = n * ex.top_k
     shared_inner = n * ex.shared_hidden * a
     if mode == "selective":
-        # the matmuls' outputs: router logits, the experts' up (and gate) and down, the shared experts'
-        return (n * ex.n * a + routed * ex.hidden * a * n_up + routed * d * a
-                + (shared_inner * n_up + n * d * a if ex.shared_hidden else 0))
+        # the matmuls' outputs: router logits, the shared experts' and (matmul per expert) the experts'
+        experts = 0 if cfg.moe_gemm == "grouped" else routed * ex.hidden * a * n_up + routed * d * a
+        return n * ex.n * a + experts + (shared_inner * n_up + n * d * a if ex.shared_hidden else 0)
     router = 2 * n * ex.n * 4
-    routing = routed * (8 + 8 + 4)
+    routing = routed * 32
     rows = routed * d * r
     inner = routed * ex.hidden * a * 2 * n_up
-    combine = routed * d * a
+    combine = 2 * routed * d * a
     return router + routing + rows + inner + combine + shared_inner * 2 * n_up
 
 

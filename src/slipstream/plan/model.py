@@ -1,5 +1,6 @@
-"""What `--model` names: a preset, a training config file, a planning-only MoE shape, or a
-user nn.Module factory (`package.module:function`, traced on fake tensors by plan/trace.py)."""
+"""What `--model` names: a preset (mixture-of-experts ones too: moe-tiny, deepseek-moe-small,
+mixtral-8x7b), a training config file, or a user nn.Module factory (`package.module:function`,
+traced on fake tensors by plan/trace.py)."""
 
 from __future__ import annotations
 
@@ -9,20 +10,14 @@ from pathlib import Path
 from slipstream.config.presets import PRESETS
 from slipstream.config.schema import ModelConfig
 from slipstream.errors import UserError
-from slipstream.plan.space import MoE, PlanModel
+from slipstream.plan.space import PlanModel
 
 # Vocabulary for presets whose vocabulary comes from the data (tiny, gpt-mini): GPT-2's BPE.
 DEFAULT_VOCAB = 50257
-# Shapes slipstream cannot train yet (mixture of experts), planned and flagged.
-# Mixtral 8x7B: Jiang et al. 2024, "Mixtral of Experts", Table 1.
-PLANNING_PRESETS: dict[str, tuple[dict, MoE]] = {
-    "mixtral-8x7b": (dict(PRESETS["llama-8b"], n_layer=32, n_head=32, n_kv_head=8, d_model=4096, d_ff=14336,
-                          vocab_size=32000, max_seq_len=32768, rope_theta=1e6), MoE(n_experts=8, top_k=2)),
-}
 
 
 def known_models() -> list[str]:
-    return [*PRESETS, *PLANNING_PRESETS]
+    return list(PRESETS)
 
 
 def _config(values: dict, vocab: int | None) -> ModelConfig:
@@ -41,9 +36,6 @@ def resolve_model(spec: str, vocab: int | None = None, seq_len: int | None = Non
         if seq_len and values["position"] != "learned":
             values["max_seq_len"] = max(values["max_seq_len"], seq_len)  # RoPE has no length table
         return PlanModel(spec, _config(values, vocab))
-    if spec in PLANNING_PRESETS:
-        values, moe = PLANNING_PRESETS[spec]
-        return PlanModel(spec, _config({**values, "preset": "llama-8b"}, vocab), moe=moe)
     if spec.endswith(".toml") or Path(spec).is_file():
         from slipstream.config import load_config
 

@@ -24,7 +24,7 @@ from slipstream.models.flops import flops_per_token
 from slipstream.plan.hardware import make_cluster
 from slipstream.plan.memory import GIB, estimate_memory, model_state_bytes
 from slipstream.plan.published import PUBLISHED_RUNS, PublishedRun
-from slipstream.plan.space import MoE, PlanModel, Strategy, Workload
+from slipstream.plan.space import PlanModel, Strategy, Workload
 from slipstream.plan.timing import DEFAULT_EFFICIENCY, estimate_time
 
 _STRATEGY_NAMES = {"zero3": "fsdp", None: "ddp"}
@@ -53,9 +53,10 @@ def _model(run: PublishedRun) -> PlanModel:
                       n_head=run.n_head, n_kv_head=run.n_kv_head or 0, d_ff=run.d_ff or 0,
                       vocab_size=run.vocab_size, max_seq_len=run.seq_len, mlp=run.mlp,
                       tie_embeddings=run.tie_embeddings, position="rope" if llama else "learned",
-                      norm="rmsnorm" if llama else "layernorm", bias=not llama)
-    moe = MoE(run.n_experts, run.experts_top_k) if run.n_experts else None
-    return PlanModel(run.name, cfg, moe=moe)
+                      norm="rmsnorm" if llama else "layernorm", bias=not llama,
+                      # a mixture of experts in every block, each expert as wide as d_ff
+                      moe_experts=run.n_experts, moe_top_k=run.experts_top_k or 2)
+    return PlanModel(run.name, cfg)
 
 
 def _strategy(run: PublishedRun) -> Strategy:

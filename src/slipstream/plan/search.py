@@ -6,7 +6,8 @@
 
 The space: tensor parallel within a node (divisors of the heads), pipeline degree (with
 its schedule: 1F1B and interleaved-1F1B by default, any schedule the trainer runs on request,
-e.g. gpipe or zbv), context parallel for long sequences, expert parallel for MoE, every
+e.g. gpipe or zbv), context parallel for long sequences, expert parallel for a mixture of
+experts (degrees that divide its experts and the data-parallel degree), every
 data-parallel strategy, every micro-batch that divides the global batch, activation
 checkpointing none/selective/full, the fused loss, and CPU offload for FSDP.
 """
@@ -84,15 +85,13 @@ def layouts(model: PlanModel, cluster: Cluster, work: Workload, *, dp_strategies
     pp_options = pp or tuple(p for p in (1, 2, 4, 8, 16, 32) if p <= cfg.n_layer and p <= world)
     cp_options = cp or tuple(c for c in (1, 2, 4, 8, 16) if c == 1 or work.seq_len >= 8192 * c // 2)
     ep_options = (1,) if not model.moe else tuple(e for e in (1, 2, 4, 8, 16, 32, 64)
-                                                  if model.moe.n_experts % e == 0)
+                                                  if cfg.moe_experts % e == 0)
     ac_options = ac or AC_MODES
     mb_options = micro_batches or MICRO_BATCHES
     schedules = tuple(dict.fromkeys(schedule_name(name) for name in pp_schedules))
     if model.traced is not None:
         tp_options = (1,)  # a user module has no tensor-parallel plan
         pp_options = (1,)  # and the trainer pipelines slipstream transformers only
-    if runnable_only or model.traced is not None:
-        ep_options = (1,)
     if model.traced is not None:
         cp_options = (1,)  # a user module's attention is unknown
     if model.traced is not None:
@@ -106,7 +105,7 @@ def layouts(model: PlanModel, cluster: Cluster, work: Workload, *, dp_strategies
         if c > 1 and work.seq_len % (2 * c * t):
             continue
         dp = world // (t * p * c)
-        if e > 1 and (dp * c) % e:
+        if dp % e:   # the ep ranks are data-parallel ranks
             continue
         # The cp ranks average their gradients like data-parallel ranks, so cp needs a
         # data-parallel strategy even when dp is 1 (the run's FSDP / DDP spans the cp ranks).
@@ -149,12 +148,24 @@ def evaluate(model: PlanModel, s: Strategy, work: Workload, cluster: Cluster, ef
     fits = memory.total_bytes <= cluster.memory_bytes
     why = "" if fits else (f"needs {memory.total_bytes / GIB:.1f} GiB > {cluster.memory_bytes / GIB:.1f} GiB "
                            f"per GPU ({_largest(memory)})")
-    reasons = s.not_runnable() + (["mixture of experts"] if model.moe else [])
+    reasons = s.not_runnable() + _model_reasons(model, s)
     stages = s.pp * s.pp_virtual
     if s.pp > 1 and (model.traced is not None or stages > model.cfg.n_layer):
         reasons.append(f"pipeline parallel {s.pp}: {stages} stages for "
                        + ("a user module" if model.traced is not None else f"{model.cfg.n_layer} blocks"))
     return Candidate(s, memory, time, fits, why, reasons)
+
+
+def _model_reasons(model: PlanModel, s: Strategy) -> list[str]:
+    """What the trainer refuses for this model in this layout (config.load's model rules)."""
+    cfg, reasons = model.cfg, []
+    if s.ep > 1 and not model.moe:
+        reasons.append(f"expert parallel {s.ep} without experts")
+    elif s.ep > 1 and cfg.moe_experts % s.ep:
+        reasons.append(f"expert parallel {s.ep}: {cfg.moe_experts} experts do not split evenly")
+    if model.moe and s.precision == "fp16" and (cfg.moe_aux_loss or cfg.moe_z_loss):
+        reasons.append("fp16 loss scaling with the MoE balancing losses")
+    return reasons
 
 
 def _largest(memory: MemoryEstimate) -> str:
@@ -171,6 +182,8 @@ def plan(model: PlanModel, cluster: Cluster, work: Workload, *, efficiency: floa
     device = "cpu" if cluster.short_name == "cpu" else "cuda"
     candidates = [evaluate(model, s, work, cluster, efficiency, device)
                   for s in layouts(model, cluster, work, runnable_only=runnable_only, **space)]
+    if runnable_only:  # the model's own refusals too (evaluate's), beyond the layout's
+        candidates = [c for c in candidates if not c.not_runnable]
     if not candidates:
         reason = _no_layout_reason(model, cluster, work)
         if space.get("precision") == "fp16":

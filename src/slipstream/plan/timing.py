@@ -14,7 +14,14 @@ comm         each strategy's exact collective volumes (step_collectives: what sl
              except the last bucket; FSDP all-gathers and reduce-scatters hide behind the
              block they prefetch for (only what is longer than the compute shows); TP
              collectives sit on the critical path; CP's ring exchange hides behind attention;
-             EP's all-to-all and PP's point-to-point sends are exposed.
+             EP's all-to-all, the MoE token-count all-reduce and PP's point-to-point sends
+             are exposed.
+experts      an MoE block (plan/experts.py) runs its router, shared experts and the routed
+             rows (tokens x top_k, spread evenly over the E / ep local experts: the FLOPs of
+             the active parameters only) whole on every tp rank; the dispatch and combine
+             all-to-alls over the ep group (consecutive data-parallel ranks) are not rings:
+             all_to_all_time sends each member's share over NVLink or, off the node, through
+             the GPU's own share of the network.
 bubble       pipeline_bubble: the idle fraction f of a pipeline rank's step, so the bubble adds
              compute x f / (1 - f): GPipe / 1F1B (p-1)/m of the compute, interleaved (p-1)/(v m),
              zero-bubble schedules 5% of that (Qi et al. 2023).
@@ -28,6 +35,7 @@ import math
 from dataclasses import dataclass, field
 
 from slipstream.models.flops import flops_per_token, param_count
+from slipstream.plan.experts import experts_of
 from slipstream.plan.hardware import Cluster, Link
 from slipstream.plan.memory import block_activation_bytes
 from slipstream.config.dims import PP_ONE_STAGE
@@ -136,8 +144,16 @@ def step_collectives(model: PlanModel, s: Strategy, work: Workload) -> list[Coll
     per micro-batch all-gathers every unit's parameters forward (in bf16 under its mixed
     precision), re-gathers the blocks' in backward (not zero2; the root unit stays gathered)
     and reduce-scatters the fp32 gradients; hsdp then all-reduces the shard over the replicas.
-    Under a pipeline, the stage gathers and reduces once per step. ep: the MoE dispatch and
-    combine all-to-alls, forward and backward. Pipeline sends are left to estimate_time.
+    Under a pipeline, the stage gathers and reduces once per step.
+    Mixture of experts, per MoE block and micro-batch: with tp, the layer's input is gathered
+    and its output sliced (sequence parallel: an all-gather forward and one backward, no
+    reduce-scatter; without SP nothing). ep: an all-to-all of the E token counts, then the
+    dispatch (tokens x top_k rows of d, in the residual stream's dtype) and the combine (the
+    experts' outputs, in the compute dtype) all-to-alls, each again in backward; activation
+    checkpointing (full or selective: neither saves a collective) re-runs the forward ones. The
+    E counts are all-reduced over the data-parallel ranks (x cp) in every forward (and
+    recompute). With ep > 1 the routed experts' FSDP collectives run over the dp / ep ranks
+    holding them (part "experts"); DDP leaves them alone. Pipeline sends are left to estimate_time.
     """
     cfg = model.cfg
     micro = s.grad_accum
@@ -145,6 +161,8 @@ def step_collectives(model: PlanModel, s: Strategy, work: Workload) -> list[Coll
     layers = cfg.n_layer / s.pp
     elem = 4 if s.precision == "fp32" else 2
     recompute = 1 if s.ac == "full" else 0
+    ex = experts_of(model)
+    moe_layers = ex.layers / s.pp if ex else 0.0
     rows: list[Collective] = []
 
     def add(dim: str, kind: str, part: str, group: int, buffer: float, calls: float) -> None:
@@ -157,7 +175,8 @@ def step_collectives(model: PlanModel, s: Strategy, work: Workload) -> list[Coll
         if s.sequence_parallel:
             per_kind = 2 * (2 + recompute) * layers * micro             # forward (+ recomputed) and backward
             add("tp", "all_gather", "blocks", s.tp, act, per_kind)
-            add("tp", "reduce_scatter", "blocks", s.tp, act, per_kind)
+            # an MoE block's MLP is not split: its output is sliced, not reduce-scattered
+            add("tp", "reduce_scatter", "blocks", s.tp, act, per_kind - (2 + recompute) * moe_layers * micro)
             add("tp", "reduce_scatter", "embedding", s.tp, act, micro)   # forward
             add("tp", "all_gather", "embedding", s.tp, act, micro)       # backward
             if cfg.position == "learned":
@@ -166,7 +185,8 @@ def step_collectives(model: PlanModel, s: Strategy, work: Workload) -> list[Coll
             add("tp", "all_gather", "head", s.tp, act, micro)            # forward
             add("tp", "reduce_scatter", "head", s.tp, act, micro)        # backward
         else:
-            add("tp", "all_reduce", "blocks", s.tp, act, (2 * (1 + recompute) + 2) * layers * micro)
+            add("tp", "all_reduce", "blocks", s.tp, act,
+                (2 * (1 + recompute) + 2) * layers * micro - (2 + recompute) * moe_layers * micro)
             add("tp", "all_reduce", "embedding", s.tp, act, micro)
             if cfg.position == "learned":
                 add("tp", "all_reduce", "embedding", s.tp, pos, micro)
@@ -186,12 +206,31 @@ def step_collectives(model: PlanModel, s: Strategy, work: Workload) -> list[Coll
         add("cp", "all_gather", "blocks", s.cp, one, 2 * (1 + recompute) * layers * micro)
         add("cp", "reduce_scatter", "blocks", s.cp, one, 2 * layers * micro)
 
-    if model.traced is None and s.ep > 1 and model.moe:
-        routed = tokens_micro * cfg.d_model * elem * model.moe.top_k / (s.tp if s.sequence_parallel else 1)
-        add("ep", "all_to_all", "blocks", s.ep, routed, 4 * layers * micro)
+    if ex:
+        again = 1 if s.ac != "none" else 0      # the recomputed forward's collectives
+        counts = ex.n * 8                        # int64 per expert
+        if s.ep > 1:
+            routed = tokens_micro * ex.top_k * cfg.d_model
+            dtypes = _moe_dtypes(s)
+            add("ep", "all_to_all", "blocks", s.ep, routed * dtypes[0], (2 + again) * moe_layers * micro)   # dispatch
+            add("ep", "all_to_all", "blocks", s.ep, routed * dtypes[1], (2 + again) * moe_layers * micro)   # combine
+            add("ep", "all_to_all", "router", s.ep, counts, (1 + again) * moe_layers * micro)
+        if s.dp_strategy == "hsdp":
+            add("dp", "all_reduce", "router", s.dp_shard * s.cp, counts, (1 + again) * moe_layers * micro)
+            add("dp_replicate", "all_reduce", "router", s.dp // s.dp_shard, counts, (1 + again) * moe_layers * micro)
+        else:
+            add("dp", "all_reduce", "router", s.dp * s.cp, counts, (1 + again) * moe_layers * micro)
 
     rows += _data_parallel_collectives(model, s)
     return rows
+
+
+def _moe_dtypes(s: Strategy) -> tuple[int, int]:
+    """Bytes per element of the rows an MoE layer dispatches (its input: the residual stream's
+    dtype, fp32 under autocast) and of the experts' outputs it combines (the compute dtype)."""
+    low = s.precision != "fp32"
+    fsdp_mp = low and s.dp_strategy in ("zero2", "fsdp", "hsdp") and s.fsdp_mixed
+    return (2 if fsdp_mp else 4), (2 if low else 4)
 
 
 def _data_parallel_collectives(model: PlanModel, s: Strategy) -> list[Collective]:
@@ -201,6 +240,9 @@ def _data_parallel_collectives(model: PlanModel, s: Strategy) -> list[Collective
         return []
     # tp splits the matmuls; the norms and the row-parallel biases stay whole on every tp rank
     params = _params_per_gpu(model, s) + _tp_replicated_params(model, s) * (1 - 1 / s.tp)
+    # ep > 1: the routed experts reduce over the dp / ep ranks that hold the same ones (below)
+    experts = _expert_params_per_gpu(model, s)
+    params -= experts
     grad_bytes = params * 4
     rows = []
     if s.dp_strategy in ("ddp", "zero1"):
@@ -208,6 +250,9 @@ def _data_parallel_collectives(model: PlanModel, s: Strategy) -> list[Collective
         rows.append(Collective("dp", "all_reduce", "gradients", group, grad_bytes, buckets))
         if s.dp_strategy == "zero1":
             rows.append(Collective("dp", "broadcast", "parameters", group, params * 4, group))  # one per shard
+        if experts and group // s.ep > 1:   # ddp with ep < dp (the trainer refuses it): planned as a reduction
+            rows.append(Collective("dp", "all_reduce", "experts", group // s.ep, experts * 4,
+                                   max(1, math.ceil(experts * 4 / DDP_BUCKET_BYTES))))
         return rows
     shard = (s.dp_shard if s.dp_strategy == "hsdp" else s.dp) * s.cp
     low = s.precision != "fp32" and s.fsdp_mixed   # FSDP gathers in bf16 only under its mixed precision
@@ -222,6 +267,15 @@ def _data_parallel_collectives(model: PlanModel, s: Strategy) -> list[Collective
             rows.append(Collective("dp", "all_gather", "parameters", shard, regather * gather_elem * syncs,
                                    (units - 1) * syncs))
         rows.append(Collective("dp", "reduce_scatter", "gradients", shard, grad_bytes * syncs, units * syncs))
+    holders = s.expert_shard_group
+    if experts and holders > 1:
+        # the experts of each MoE block: an FSDP unit of their own over the ranks that hold them
+        ex_units = experts_of(model).layers / s.pp
+        rows.append(Collective("dp", "all_gather", "experts", holders, experts * gather_elem * syncs, ex_units * syncs))
+        if s.dp_strategy != "zero2" and s.pp == 1:
+            rows.append(Collective("dp", "all_gather", "experts", holders, experts * gather_elem * syncs,
+                                   ex_units * syncs))
+        rows.append(Collective("dp", "reduce_scatter", "experts", holders, experts * 4 * syncs, ex_units * syncs))
     if s.dp_strategy == "hsdp" and s.dp // s.dp_shard > 1:
         # FSDP2 all-reduces each unit's gradient shard; counted as one call per sync (the time
         # model's latency: the units' calls follow one another behind backward)
@@ -239,6 +293,12 @@ def _tp_replicated_params(model: PlanModel, s: Strategy) -> float:
     per_norm = cfg.d_model * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
     layers = cfg.n_layer / s.pp
     return (2 * layers + 1) * per_norm + (2 * layers * cfg.d_model if cfg.bias else 0)
+
+
+def _expert_units(model: PlanModel, s: Strategy) -> float:
+    """FSDP units of the routed experts on one rank (ep > 1 under FSDP: one per MoE block)."""
+    ex = experts_of(model)
+    return ex.layers / s.pp if ex and s.ep > 1 and s.dp_strategy in ("zero2", "fsdp", "hsdp") else 0.0
 
 
 def _fsdp_units(model: PlanModel, s: Strategy) -> int:
@@ -285,6 +345,26 @@ def collective_time(rows: list[Collective], link: Link) -> float:
     return total
 
 
+def all_to_all_time(rows: list[Collective], cluster: Cluster, stride: int) -> float:
+    """Seconds of the all-to-all `rows` over groups of ranks `stride` apart. Every rank sends
+    1/n of its buffer to each other member: to the k - 1 on its node over `intra`, to the n - k
+    on other nodes through its own share of the network (`inter`, per GPU), both at once, so
+    the slower side bounds a call, plus a latency per peer. Within a node this is the ring time
+    (gather_or_scatter); across nodes it is not: the (n - k) / n of every rank's buffer bound
+    elsewhere all crosses its NIC, where a ring crosses each node's NICs once (link_for)."""
+    total = 0.0
+    for r in rows:
+        n = r.group
+        if n <= 1:
+            continue
+        k = n if n * stride <= cluster.gpus_per_node else min(n, max(1, cluster.gpus_per_node // stride))
+        intra_s = r.nbytes * (k - 1) / n / (cluster.intra.bandwidth_gbs * 1e9)
+        inter_s = r.nbytes * (n - k) / n / (cluster.inter.bandwidth_gbs * 1e9)
+        latency_us = (cluster.inter if n > k else cluster.intra).latency_us
+        total += max(intra_s, inter_s) + (n - 1) * r.calls * latency_us * 1e-6
+    return total
+
+
 def _rows(rows: list[Collective], dim: str, part: str | None = None) -> list[Collective]:
     return [r for r in rows if r.dim == dim and (part is None or r.part == part)]
 
@@ -314,7 +394,6 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
     `slipstream tune system` and the accuracy report fit it from measured runs).
     """
     cfg = model.cfg
-    experts = (model.moe.n_experts, model.moe.top_k) if model.moe else None
     dtype = "bf16" if s.precision == "bf16" else ("fp16" if s.precision == "fp16" else "tf32")
     rate = cluster.achievable_flops(dtype) * efficiency
     mem_bw = cluster.gpu.mem_bw_gbs * 1e9
@@ -333,6 +412,10 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
     matmul_s = (layers_per_gpu * block_fwd * (3 + recompute) + head_fwd * 3 / s.pp) * micro_batches
 
     act_bytes = block_activation_bytes(model, tokens_micro, s.replace(ac="none"))
+    ex = experts_of(model)
+    if ex:  # the mean block: dense and MoE blocks in the model's proportion
+        moe_bytes = block_activation_bytes(model, tokens_micro, s.replace(ac="none"), moe=True)
+        act_bytes = ((cfg.n_layer - ex.layers) * act_bytes + ex.layers * moe_bytes) / cfg.n_layer
     pointwise_factor = POINTWISE_TRAFFIC + (1.0 if s.ac != "none" else 0.0)
     pointwise_s = act_bytes * layers_per_gpu * micro_batches * pointwise_factor / mem_bw
     launch_s = KERNELS_PER_LAYER * KERNEL_LAUNCH_S * layers_per_gpu * micro_batches
@@ -364,9 +447,17 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
         attn_s = 12.0 * cfg.d_model * work.seq_len * tokens_micro / s.tp / rate   # attention FLOPs of the layer
         out["cp_comm"] = max(0.0, ring - attn_s * layers_per_gpu * micro_batches)
 
-    # ---- expert parallel: all-to-all dispatch and combine, forward and backward
-    if s.ep > 1 and model.moe:
-        out["ep_comm"] = collective_time(_rows(collectives, "ep"), cluster.link_for(s.ep, s.tp * s.cp))
+    # ---- expert parallel: all-to-all dispatch and combine, forward and backward (+ recompute),
+    # over ep consecutive data-parallel ranks (stride tp x cp); exposed
+    if s.ep > 1 and ex:
+        out["ep_comm"] = all_to_all_time(_rows(collectives, "ep"), cluster, s.tp * s.cp)
+    # ---- MoE token counts: E integers all-reduced over the data-parallel ranks per MoE block,
+    # exposed; latency-bound, so NCCL runs them as a tree: 2 log2(n) steps, not a ring's 2(n - 1)
+    counts = [r for r in collectives if r.part == "router" and r.kind == "all_reduce"]
+    if counts:   # the dp (x cp) ranks are tp apart; hsdp's replicas a shard group further
+        out["moe_counts"] = sum(
+            ring_time(r.nbytes, r.group, cluster.link_for(r.group, s.tp * (s.cp * s.dp_shard if r.dim == "dp_replicate" else 1)),
+                      bus_factor(r.kind, r.group), 2 * math.ceil(math.log2(r.group)) * r.calls) for r in counts)
 
     # ---- data parallel
     out.update(_data_parallel_time(model, s, cluster, forward_s, backward_s, collectives))
@@ -382,7 +473,7 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
     step = sum(out.values())
     tokens_per_s = tokens_step / step
     peak = cluster.peak_flops(dtype)
-    mfu = tokens_per_s * flops_per_token(cfg, work.seq_len, experts) / (peak * s.world)
+    mfu = tokens_per_s * flops_per_token(cfg, work.seq_len) / (peak * s.world)
     return TimeEstimate(step_s=step, tokens_per_s=tokens_per_s, mfu=mfu, breakdown=out)
 
 
@@ -408,26 +499,33 @@ def _traced_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluster
 
 def _params_per_gpu(model: PlanModel, s: Strategy) -> float:
     """Parameters one GPU holds before data-parallel sharding: TP and PP split the model,
-    EP splits the experts."""
+    EP splits the routed experts (an MoE layer is not split by tp)."""
     if model.traced is not None:
         return float(model.traced.n_params)
-    if not model.moe:
-        return param_count(model.cfg).total / (s.tp * s.pp)
-    pc = param_count(model.cfg, (model.moe.n_experts, model.moe.top_k))
-    experts = model.cfg.n_layer * pc.mlp
-    return (pc.total - experts + experts / s.ep) / (s.tp * s.pp)
+    pc = param_count(model.cfg)
+    ex = experts_of(model)
+    if not ex:
+        return pc.total / (s.tp * s.pp)
+    moe_mlps = ex.layers * (ex.routed_params + ex.other_params)
+    return ((pc.total - moe_mlps) / s.tp + ex.layers * (ex.other_params + ex.routed_params / s.ep)) / s.pp
+
+
+def _expert_params_per_gpu(model: PlanModel, s: Strategy) -> float:
+    """The routed-expert parameters of one GPU that data parallelism treats apart: ep > 1 only
+    (E / ep per MoE layer, per pipeline rank); with ep = 1 they are part of their blocks."""
+    ex = experts_of(model)
+    return ex.layers * ex.routed_params / s.ep / s.pp if ex and s.ep > 1 else 0.0
 
 
 def _optimizer_params_per_gpu(model: PlanModel, s: Strategy) -> float:
     """Parameters whose AdamW update runs on one GPU: its share after data-parallel sharding
-    (experts shard over the dp/ep ranks that hold the same experts)."""
+    (ep > 1: the routed experts over the dp / ep ranks that hold the same ones)."""
     group = s.shard_group if s.shards()[0] else 1
     total = _params_per_gpu(model, s)
-    if not (model.moe and s.ep > 1):
+    experts = _expert_params_per_gpu(model, s)
+    if not experts:
         return total / group
-    pc = param_count(model.cfg, (model.moe.n_experts, model.moe.top_k))
-    experts = model.cfg.n_layer * pc.mlp / s.ep / (s.tp * s.pp)
-    return (total - experts) / group + experts / max(1, group // s.ep)
+    return (total - experts) / group + experts / s.expert_shard_group
 
 
 def gemm_seconds(m: float, k: float, n: float, rate: float, mem_bw: float, elem_bytes: int) -> float:
@@ -454,13 +552,18 @@ def _matmul_seconds(model: PlanModel, s: Strategy, tokens: int, seq_len: int, ra
     attn = gemm(tokens, d, d / tp) * 2 + gemm(tokens, d, kv / tp) * 2          # q, o (as d x d) and k, v
     # QK^T and AV: 4 T d FLOPs per token (the causal half is counted, as in models.flops)
     attn += 4.0 * tokens * seq_len * d / tp / rate
-    if model.moe:
-        experts_here = model.moe.n_experts / s.ep
-        routed = max(1.0, tokens * model.moe.top_k / experts_here / s.ep * s.ep)   # tokens per local expert
-        mlp = experts_here * (gemm(routed, d, hidden / tp) * n_up + gemm(routed, hidden / tp, d))
-        mlp += gemm(tokens, d, model.moe.n_experts)                              # the router
-    else:
-        mlp = gemm(tokens, d, hidden / tp) * n_up + gemm(tokens, hidden / tp, d)
+    mlp = gemm(tokens, d, hidden / tp) * n_up + gemm(tokens, hidden / tp, d)
+    ex = experts_of(model)
+    if ex:
+        # An MoE block, whole on every tp rank: the router, the shared experts on every token, and
+        # the E / ep local experts on the k n rows they receive (spread evenly: k n ep / E each).
+        # The model's mean block: its dense and MoE blocks in proportion.
+        local = max(1, ex.n // s.ep)
+        rows = max(1.0, tokens * ex.top_k / local)
+        moe = local * (gemm(rows, d, ex.hidden) * n_up + gemm(rows, ex.hidden, d)) + gemm(tokens, d, ex.n)
+        if ex.shared_hidden:
+            moe += gemm(tokens, d, ex.shared_hidden) * n_up + gemm(tokens, ex.shared_hidden, d)
+        mlp = ((cfg.n_layer - ex.layers) * mlp + ex.layers * moe) / cfg.n_layer
     head = gemm(tokens, d, padded_vocab_size(cfg) / tp)
     return attn + mlp, head
 
@@ -475,11 +578,16 @@ def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward
     group = s.shard_group if s.dp_strategy in ("zero2", "fsdp", "hsdp") else s.dp
     if s.dp <= 1 or s.dp_strategy == "none":
         return {}
-    dp_rows = [dataclasses.replace(r, group=group) for r in _rows(collectives, "dp")]
+    dp_rows = [dataclasses.replace(r, group=group) for r in _rows(collectives, "dp")
+               if r.part in ("parameters", "gradients")]
     link = cluster.link_for(group, s.tp * s.cp)
+    # ep > 1: the routed experts' own collectives, over the dp / ep ranks holding the same ones
+    # (the run's dp_mod_ep mesh dim: stride ep x cp x tp)
+    expert_rows = _rows(collectives, "dp", "experts")
+    expert_link = cluster.link_for(max(1, s.dp // s.ep), s.ep * s.tp * s.cp) if expert_rows else link
     if s.dp_strategy in ("ddp", "zero1"):
         # once per step (no_sync between micro-batches), in buckets: one ring's latency each
-        comm = collective_time(_rows(dp_rows, "dp", "gradients"), link)
+        comm = collective_time(_rows(dp_rows, "dp", "gradients"), link) + collective_time(expert_rows, expert_link)
         exposed = max(0.0, comm - backward_s / s.grad_accum) + DDP_UNHIDDEN * comm
         out = {"dp_comm": exposed}
         if s.dp_strategy == "zero1":
@@ -495,19 +603,25 @@ def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward
     gather = collective_time(gathers[:1], link) / syncs                    # forward, one micro-batch
     regather = collective_time(gathers[1:], link) / syncs                  # backward (not zero2)
     scatter = collective_time([r for r in dp_rows if r.kind == "reduce_scatter"], link) / syncs
+    units = _fsdp_units(model, s)
+    first_layer = gather / units             # nothing to hide the first gather behind
+    if expert_rows:   # the experts' units gather and reduce next to their blocks', behind the same compute
+        expert_gathers = [r for r in expert_rows if r.kind == "all_gather"]
+        gather += collective_time(expert_gathers[:1], expert_link) / syncs
+        regather += collective_time(expert_gathers[1:], expert_link) / syncs
+        scatter += collective_time([r for r in expert_rows if r.kind == "reduce_scatter"], expert_link) / syncs
     micro = s.grad_accum
     fwd_s, bwd_s = forward_s / micro, backward_s / micro          # compute of one micro-batch
     if s.pp > 1:
         exposed = max(0.0, gather - fwd_s) + max(0.0, scatter - bwd_s)
     else:
         exposed = (max(0.0, gather - fwd_s) + max(0.0, regather + scatter - bwd_s)) * micro
-    units = _fsdp_units(model, s)
-    first_layer = gather / units             # nothing to hide the first gather behind
     # FSDP's host-side work per unit and collective (hooks, copy-in/out) sits on the critical path.
     collectives_per_unit = (1 if s.dp_strategy == "zero2" else 2) + 1
-    overhead = FSDP_UNIT_OVERHEAD_S * units * collectives_per_unit * (1 if s.pp > 1 else micro)
+    all_units = units + _expert_units(model, s)
+    overhead = FSDP_UNIT_OVERHEAD_S * all_units * collectives_per_unit * (1 if s.pp > 1 else micro)
     out = {"dp_comm": exposed + first_layer, "fsdp_overhead": overhead}
-    replicate = _rows(collectives, "dp_replicate")
+    replicate = _rows(collectives, "dp_replicate", "gradients")
     if replicate:
         out["dp_replicate_comm"] = collective_time(replicate, cluster.link_for(replicate[0].group,
                                                                                group * s.tp * s.cp))
