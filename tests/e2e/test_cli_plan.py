@@ -104,12 +104,13 @@ def test_plan_write_config_fsdp(capsys, tmp_path):
     assert 8 * cfg.train.micro_batch_size * cfg.train.grad_accum_steps == 64
 
 
-def test_write_config_refuses_moe(capsys, tmp_path):
+def test_write_config_of_an_moe_plan(capsys, tmp_path):
     target = tmp_path / "moe.toml"
     code, out, err = run(capsys, "plan", "--model", "mixtral-8x7b", "--gpus", "8xH100", "--seq", "4096",
                          "--global-batch", "64", "--write-config", target)
-    assert code == 2 and err.startswith("error: ")
-    assert not target.exists()
+    assert code == 0, err
+    cfg = load_config(str(target), [])
+    assert (cfg.model.moe_experts, cfg.model.moe_top_k) == (8, 2) and 8 % cfg.parallel.ep == 0
 
 
 def test_unknown_model_lists_known(capsys):
