@@ -9,14 +9,15 @@ slipstream setting that addresses it. `suggested_overrides` turns the findings i
 With several traces (one per rank) every rule runs on every rank and the worst rank is
 reported; two more rules look at all ranks together: imbalance compares them, and
 pipeline_bubble (pipelined runs) reports each rank's wait on the pipeline's transfers next
-to the bubble the run planned (its metrics.jsonl, when the traces sit in <run dir>/traces/).
+to the bubble the run planned (its metrics.jsonl, when the traces sit in <run dir>/traces/), and
+moe_dispatch (expert-parallel runs, perf/doctor_moe.py) a rank's wait on the MoE all-to-all next
+to the tokens each rank's experts received (the same metrics.jsonl).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import json
 import os
 import sys
@@ -42,7 +43,8 @@ PIPELINE_BUBBLE_MIN = 0.15  # a pipeline rank waiting on its stages' transfers
 
 @dataclass
 class Finding:
-    # stable id: data_wait, sync, launch_bound, imbalance, pipeline_bubble, comm_exposed, memcpy, idle, compute
+    # stable id: data_wait, sync, launch_bound, imbalance, pipeline_bubble, moe_dispatch, comm_exposed, memcpy,
+    # idle, compute
     rule: str
     title: str
     evidence: str
@@ -88,6 +90,9 @@ class Report:
                 lines.append(f"  pipeline: {_ms(a.pipeline_us)} per step in {PIPELINE_LABEL}, waiting on its "
                              f"transfers {_ms(a.pp_wait_us)} ({_pct(a.share(a.pp_wait_us))} of step, "
                              f"{_pct(a.pp_bubble)} of the pipeline; {a.pp_transfers_per_step:g} sends/receives)")
+            if a.a2a_wait_us is not None:
+                lines.append(f"  all-to-all (MoE dispatch): waiting {_ms(a.a2a_wait_us)} per step "
+                             f"({_pct(a.share(a.a2a_wait_us))} of step) with no compute running")
             for note in a.notes:
                 lines.append(f"  note: {note}")
         lines.append("")
@@ -96,7 +101,7 @@ class Report:
         for i, f in enumerate(self.findings, 1):
             where = ""
             # say which rank the numbers are from (these two name every rank themselves)
-            if len(self.analyses) > 1 and f.rule not in ("imbalance", "pipeline_bubble"):
+            if len(self.analyses) > 1 and f.rule not in ("imbalance", "pipeline_bubble", "moe_dispatch"):
                 where = f" (rank {f.rank})" if len(f.ranks) <= 1 else \
                     f" (worst: rank {f.rank}; on ranks {', '.join(map(str, f.ranks))})"
             lines.append(f"{i}. [{_pct(f.severity)} of step] {f.title}{where}")
@@ -131,7 +136,7 @@ def _summary(a: TraceAnalysis) -> dict[str, Any]:
     out = a.to_dict()
     out.pop("steps")
     out["shares"] = {k: a.share(getattr(a, k + "_us")) for k in
-                     ("compute", "comm_exposed", "memcpy", "idle", "data_wait", "pp_wait")}
+                     ("compute", "comm_exposed", "memcpy", "idle", "data_wait", "pp_wait", "a2a_wait")}
     out["pp_bubble"] = a.pp_bubble
     return out
 
@@ -157,20 +162,10 @@ def _run_dir(trace_files: list[str]) -> Path | None:
 
 def _last_planned_bubble(metrics: Path) -> float | None:
     """The last pp_bubble_planned in a metrics.jsonl (lines that don't parse are skipped)."""
-    from slipstream.safe_read import DOCUMENT, loads_bounded, read_line_capped
+    from slipstream.perf.doctor_moe import is_number, metrics_records
 
-    planned = None
-    with contextlib.suppress(OSError), open(metrics, "rb") as f:
-        for line_no in itertools.count(1):
-            line = read_line_capped(f, DOCUMENT, metrics, line_no)
-            if not line:
-                break
-            with contextlib.suppress(ValueError, UserError):
-                record = loads_bounded(line, metrics)
-                value = record.get("pp_bubble_planned") if isinstance(record, dict) else None
-                if isinstance(value, (int, float)) and not isinstance(value, bool):
-                    planned = float(value)
-    return planned
+    values = [r["pp_bubble_planned"] for r in metrics_records(metrics) if is_number(r.get("pp_bubble_planned"))]
+    return float(values[-1]) if values else None
 
 
 def read_run_context(trace_files: list[str], cfg=None) -> RunContext:
@@ -448,7 +443,7 @@ def _rule_pipeline_bubble(analyses: list[TraceAnalysis], run: RunContext) -> Fin
 
 def diagnose(analyses: list[TraceAnalysis], cfg=None, run: RunContext | None = None) -> Report:
     """Run every rule on every rank; keep the worst rank per rule; sort by severity.
-    run: what the run dir says (pipeline_bubble's planned bubble and config); default: cfg only."""
+    run: what the run dir says (its config, metrics for pipeline_bubble and moe_dispatch); default: cfg only."""
     if not analyses:
         raise UserError("no traces to diagnose")
     findings = []
@@ -463,7 +458,10 @@ def diagnose(analyses: list[TraceAnalysis], cfg=None, run: RunContext | None = N
             worst = max(fired, key=lambda f: f.severity)
             worst.ranks = sorted(f.rank for f in fired)
             findings.append(worst)
-    for finding in (_rule_imbalance(analyses), _rule_pipeline_bubble(analyses, run or RunContext(cfg=cfg))):
+    from slipstream.perf.doctor_moe import moe_dispatch
+
+    run = run or RunContext(cfg=cfg)
+    for finding in (_rule_imbalance(analyses), _rule_pipeline_bubble(analyses, run), moe_dispatch(analyses, run)):
         if finding is not None:
             findings.append(finding)
     findings.sort(key=lambda f: -f.severity)
@@ -563,7 +561,8 @@ def run_doctor(trace_files: list[str] | None, cfg=None, overrides: list[str] | N
         result = _profile(cfg, quiet=as_json)
         files = list(result["trace_files"])
     analyses = load_and_analyze(files, max_trace_bytes)
-    run = read_run_context(files, cfg) if any(a.pipeline_us is not None for a in analyses) else None
+    run_dir_rules = any(a.pipeline_us is not None or a.a2a_wait_us is not None for a in analyses)
+    run = read_run_context(files, cfg) if run_dir_rules else None
     report = diagnose(analyses, cfg, run)
     out = report.to_dict()
     out["trace_files"] = files

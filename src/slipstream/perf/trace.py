@@ -35,6 +35,9 @@ transfer (the union of those ops and ranges) while no compute runs (CPU: no top-
 but communication; CUDA: NCCL SendRecv kernels not overlapped by compute kernels, in the
 device copy of the range). A stage that finishes early and then waits in a collective
 (the tied embedding's all-reduce, the gradient norm) is not counted: a lower bound.
+
+Expert parallelism (MoE dispatch): the all-to-all wait is the time inside an all-to-all while no
+compute runs; perf/doctor_moe.py says what the traces show of them (gloo, NCCL).
 """
 
 from __future__ import annotations
@@ -63,6 +66,8 @@ PIPELINE_LABEL = "slipstream/pipeline"
 P2P_RANGES = frozenset({"gloo:send", "gloo:recv"})
 P2P_POST_OPS = frozenset({"c10d::send", "c10d::recv_", "c10d::recv_any_source_"})
 P2P_KERNEL_MARKER = "sendrecv"  # ncclDevKernel_SendRecv, ncclKernel_SendRecv_RING_...
+A2A_MARKERS = ("all_to_all", "alltoall")  # in the name (CPU) or a kernel's collective name (CUDA)
+WAIT_OPS = frozenset({"_c10d_functional::wait_tensor", "c10d_functional::wait_tensor"})
 
 # Host-device synchronization points: the host blocks until the device catches up.
 # On a CPU trace they cost nothing yet, but the same code stalls the GPU pipeline.
@@ -104,6 +109,7 @@ class Event:
     dur: float
     pid: Any
     tid: Any
+    collective: str | None = None  # NCCL kernels: the "Collective name" of their args
 
     @property
     def end(self) -> float:
@@ -158,6 +164,7 @@ class StepStats:
     pp_wait_us: float | None = None  # of it: inside a p2p transfer with no compute running (the bubble)
     pp_wait_comm_us: float | None = None  # the part of pp_wait_us counted in comm_exposed_us too
     pp_transfers: int = 0  # p2p transfers (sends and receives) in the pipeline range
+    a2a_wait_us: float | None = None  # traces with all-to-alls (else None): in one with no compute running
 
 
 @dataclass
@@ -194,6 +201,7 @@ class TraceAnalysis:
     pp_wait_us: float | None = None
     pp_wait_comm_us: float | None = None
     pp_transfers_per_step: float = 0.0
+    a2a_wait_us: float | None = None  # traces with all-to-alls (expert parallelism) only, see StepStats
 
     @property
     def pp_bubble(self) -> float | None:
@@ -246,8 +254,10 @@ def _event(e: Any) -> Event | None:
         ts, dur = float(e["ts"]), float(e.get("dur", 0.0))
     except (KeyError, TypeError, ValueError):
         return None  # a malformed event: skip it rather than reject the whole trace
+    coll = e["args"].get("Collective name") if isinstance(e.get("args"), dict) else None
     # Names repeat millions of times in a big trace: one shared string each saves memory.
-    return Event(sys.intern(str(name)), sys.intern(str(cat).lower()), ts, dur, pid, tid)
+    return Event(sys.intern(str(name)), sys.intern(str(cat).lower()), ts, dur, pid, tid,
+                 sys.intern(coll) if isinstance(coll, str) else None)
 
 
 def _read_events(p: Path, cap: safe_read.Cap) -> tuple[list[Event], dict[str, Any]]:
@@ -332,8 +342,14 @@ def _is_comm(name: str) -> bool:
 
 def _is_p2p(e: Event, cuda: bool) -> bool:
     if cuda:
-        return e.cat == "kernel" and P2P_KERNEL_MARKER in e.name.lower()
+        return e.cat == "kernel" and P2P_KERNEL_MARKER in e.name.lower() and not _is_a2a(e, cuda)
     return e.name in P2P_RANGES or e.name in P2P_POST_OPS
+
+
+def _is_a2a(e: Event, cuda: bool) -> bool:
+    """An all-to-all: on CUDA its kernel, on CPU its ops and gloo's range of it."""
+    what = (f"{e.name} {e.collective}" if e.collective else e.name).lower() if (e.cat == "kernel") == cuda else ""
+    return any(m in what for m in A2A_MARKERS)
 
 
 def _is_memcpy(e: Event) -> bool:
@@ -447,6 +463,8 @@ def analyze(trace: Trace, top_n: int = 10) -> TraceAnalysis:
         pipeline = [e for e in trace.events if e.name == PIPELINE_LABEL and e.cat == DEVICE_ANNOTATION_CAT] or pipeline
     pipeline_idx = _Index(pipeline)
     p2p_idx = _Index([e for e in trace.events if _is_p2p(e, cuda)])
+    a2a_idx = _Index([e for e in trace.events if _is_a2a(e, cuda)])
+    wait_idx = _Index([] if cuda else [e for e in trace.events if e.name in WAIT_OPS])
 
     steps: list[StepStats] = []
     for step_event in trace.steps:
@@ -474,6 +492,11 @@ def analyze(trace: Trace, top_n: int = 10) -> TraceAnalysis:
             "pp_transfers": sum(1 for x in p2p_idx.starting_in(s, e)
                                 if x.name not in P2P_POST_OPS and any(ws <= x.ts < we for ws, we in pipe_window))}
 
+        # CPU: where a rank blocks for a collective's result (wait_tensor, even inside an op) is no compute.
+        waits = union(_clip(wait_idx.overlapping(s, e), s, e))
+        a2a = {} if not a2a_idx.events else {
+            "a2a_wait_us": length(subtract(union(_clip(a2a_idx.overlapping(s, e), s, e)), subtract(compute, waits)))}
+
         data_ranges = union(_clip([x for x in step_labels if x.name == DATA_LABEL], s, e))
         long_idle = sum(ge - gs for gs, ge in subtract(idle, union(data_ranges + pp_wait)) if ge - gs >= MIN_GAP_US)
 
@@ -496,7 +519,7 @@ def analyze(trace: Trace, top_n: int = 10) -> TraceAnalysis:
             sync_points=len(syncs), sync_us=sum(x.dur for x in syncs),
             sync_ops=dict(Counter(name for x in syncs for name in sync_names[id(x)])),
             top_level_ops=len(ops_in_step), tiny_ops=sum(1 for x in ops_in_step if x.dur < TINY_OP_US),
-            tiny_stretch_us=_tiny_stretches(ops_in_step), gaps=gaps, **pp))
+            tiny_stretch_us=_tiny_stretches(ops_in_step), gaps=gaps, **pp, **a2a))
 
     n = len(steps)
 
@@ -556,7 +579,8 @@ def analyze(trace: Trace, top_n: int = 10) -> TraceAnalysis:
         pipeline_us=mean([st.pipeline_us for st in steps]) if pipeline else None,
         pp_wait_us=mean([st.pp_wait_us for st in steps]) if pipeline else None,
         pp_wait_comm_us=mean([st.pp_wait_comm_us for st in steps]) if pipeline else None,
-        pp_transfers_per_step=mean([st.pp_transfers for st in steps]))
+        pp_transfers_per_step=mean([st.pp_transfers for st in steps]),
+        a2a_wait_us=mean([st.a2a_wait_us for st in steps]) if a2a_idx.events else None)
 
 
 def load_and_analyze(paths: list[str | Path], max_bytes: int | None = None) -> list[TraceAnalysis]:
