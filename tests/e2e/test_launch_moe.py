@@ -121,7 +121,7 @@ def test_done_command_trains_like_one_process(ep2, single):
     assert sorted(_losses(run)) == list(range(1, 7)) and sorted(_losses(run, "val_loss")) == [3, 6]
 
     # The job ran on 2 data-parallel ranks ...
-    assert "parallel: ddp on 2 process(es) [dp_replicate 2]" in proc.stdout, proc.stdout[-2000:]
+    assert "parallel: ddp on 2 process(es) [dp_replicate 2; experts: ep 2 x dp_mod_ep 1]" in proc.stdout, proc.stdout[-2000:]
     summary = json.loads((run / "summary.json").read_text())
     assert summary["world_size"] == 2 and summary["mesh"] == [["dp_replicate", 2]]
     assert summary["tokens"] == 6 * 4 * 32  # the job's tokens, each counted once

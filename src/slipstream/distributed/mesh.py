@@ -323,5 +323,7 @@ def shutdown() -> None:
 def describe(par: Parallel) -> str:
     d = par.dims
     mesh = " x ".join(f"{n} {s}" for n, s in d.mesh_dims)
+    if d.ep > 1:  # experts split over groups of ep consecutive data-parallel ranks
+        mesh += f"; experts: ep {d.ep} x dp_mod_ep {d.dp // d.ep}"
     return (f"parallel: {d.strategy} on {par.world_size} process(es) [{mesh}], rank {par.rank}, "
             f"device {par.device}, backend {dist.get_backend() if par.distributed else 'none'}")
