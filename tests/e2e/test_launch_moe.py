@@ -170,7 +170,7 @@ def test_resume_across_ep_degrees_continues_the_straight_run(layout, ep2, data_d
     elif layout == "ep2xfsdp2":
         run, proc = request.getfixturevalue("resumed_ep2_fsdp2")
         assert f"resumed from {source} at step 3" in proc.stdout, proc.stdout[-2000:]
-        assert "parallel: fsdp on 4 process(es) [dp_shard 4]" in proc.stdout, proc.stdout[-2000:]
+        assert "parallel: fsdp on 4 process(es) [dp_shard 4; experts: ep 2 x dp_mod_ep 2]" in proc.stdout, proc.stdout[-2000:]
         # Its checkpoint: each expert tensor sharded over ep (2 experts) and then fsdp (1 of them).
         _, chunks = _chunks(run / "checkpoints/step_00000006", "model.blocks.0.mlp.experts.w_up")
         assert [(o[0], s[0]) for o, s in chunks] == [(0, 1), (1, 1), (2, 1), (3, 1)], chunks
