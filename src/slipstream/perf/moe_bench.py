@@ -131,7 +131,7 @@ def _run_balance(name: str, overrides: list[str], run_dir: str, steps: int) -> d
     from slipstream.perf.sharding import run_strategy
 
     cfg = [*overrides, "--logging.log_interval=10", f"--train.eval_interval={steps}"]
-    summary = run_strategy("none", 1, cfg, run_dir, steps=steps, memory_breakdown=False)
+    summary = run_strategy("none", 1, cfg, run_dir, steps=steps, memory_breakdown=False, evaluate=True)
     records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     curve = [{"step": r["step"], "imbalance_max": r["moe/imbalance_max"], "loss": r["loss"],
               "aux_loss": r["moe/aux_loss"]} for r in records if "moe/imbalance_max" in r]

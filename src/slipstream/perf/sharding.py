@@ -41,12 +41,12 @@ SIZES = {"default": MODEL,
 
 
 def run_strategy(strategy: str, nproc: int, overrides: list[str], run_dir: str, steps: int = 3,
-                 timeout_s: float = 600.0, memory_breakdown: bool = True) -> dict[str, Any]:
+                 timeout_s: float = 600.0, memory_breakdown: bool = True, evaluate: bool = False) -> dict[str, Any]:
     """One torchrun training run; returns its summary.json (with per-rank memory unless
-    memory_breakdown is off)."""
+    memory_breakdown is off). evaluate: keep the run's evaluation (off by default: it is not step time)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
            "-m", "slipstream", "train", *overrides, f"--parallel.dp_strategy={strategy}", f"--run.dir={run_dir}",
-           f"--train.max_steps={steps}", "--train.eval_steps=0", "--checkpoint.save_final=false",
+           f"--train.max_steps={steps}", *([] if evaluate else ["--train.eval_steps=0"]), "--checkpoint.save_final=false",
            "--logging.progress=false", "--logging.tensorboard=false", "--logging.log_interval=1",
            f"--metrics.memory_breakdown={str(memory_breakdown).lower()}", "--optim.warmup_steps=1"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
