@@ -62,6 +62,12 @@ SCENARIOS: dict[int, list[dict[str, Any]]] = {
         scenario("ep2_sigmoid_shared_bias", SIGMOID, 2, "fsdp"),
         scenario("ep2_skewed", MOE, 2, "ddp", skew=True),
         scenario("ep2_ac_compile", MOE, 2, "ddp", ("--activations.checkpointing=full", "--compile.scope=blocks")),
+        # Compiled MoE blocks without checkpointing (which would run them eagerly): fp32 loops over
+        # the experts outside the graph (Inductor's grouped GEMM takes bf16 only).
+        scenario("ep2_compile", MOE, 2, "ddp", ("--compile.scope=blocks",)),
+        # Tensor parallel at one data-parallel rank: the MoE layers' plain weights next to DTensors.
+        scenario("tp2_moe", (*MOE, "--parallel.sequence_parallel=true", "--parallel.loss_parallel=true"), 1, "none",
+                 tp=2),
         scenario("pp2_1f1b_aux", (*TOP1_Z, "--parallel.pp_schedule=1f1b"), 1, "none", pp=2, reference=PP_AUX),
         scenario("pp2_zbv_aux", (*MOE, "--model.n_layer=4", "--parallel.pp_schedule=zbv"), 1, "none", pp=2,
                  reference=PP_AUX),
@@ -142,6 +148,9 @@ def layout(trainer) -> dict[str, Any]:
                          "mesh": list(p.device_mesh.mesh_dim_names or ()) if hasattr(p, "device_mesh") else []}
     out["_received_rows"] = {name: getattr(layer.experts.compute, "received_rows", None)
                              for name, layer in moe_layers(model)}
+    from torch._dynamo.utils import counters
+
+    out["_compiled_graphs"] = counters["stats"]["unique_graphs"]  # compile.scope really compiled
     return out
 
 

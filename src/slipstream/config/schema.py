@@ -72,7 +72,7 @@ class ModelConfig:
     moe_z_loss: float = option(0.0, "MoE: coefficient of the router z-loss (ST-MoE: mean squared logsumexp of the router logits; 1e-3 is usual); 0 = off.", min=0.0)
     moe_bias_rate: float = option(0.0, "MoE: auxiliary-loss-free balancing (DeepSeek-V3): after each step every expert's routing bias moves by this toward balance (-rate if over-loaded, +rate if under); the bias only picks experts, never weighs them. 0 = off; 1e-3 is DeepSeek's.", min=0.0)
     moe_dropless: bool = option(True, "MoE: every routed token is computed (dropless). false: an expert takes at most moe_capacity_factor x its fair share of a batch's tokens and drops the rest (they pass on through the residual).")
-    moe_capacity_factor: float = option(1.25, "MoE with moe_dropless = false: expert capacity = factor x tokens x top_k / experts (per process and micro-batch).", min=0.0, min_exclusive=True)
+    moe_capacity_factor: float = option(1.25, "MoE with moe_dropless = false: expert capacity = factor x tokens x top_k / experts (per process and micro-batch; training only: evaluation and generation are dropless).", min=0.0, min_exclusive=True)
     moe_gemm: str = option("auto", "MoE expert computation: grouped (one torch._grouped_mm over all experts), loop (one matmul per expert) or auto (grouped where torch supports it for the device and dtype). Same results either way.",
                            choices=("auto", "grouped", "loop"))
 

@@ -147,3 +147,10 @@ def check_expert_parallel(cfg: Config, dims) -> None:
                         "--parallel.dp_strategy=fsdp (or hsdp)")
     if dims.strategy == "zero1":
         raise UserError("parallel.ep > 1 with dp_strategy = zero1 is not supported; use ddp or fsdp")
+    if cfg.optim.offload:
+        raise UserError("parallel.ep > 1 with optim.offload is not supported (the offloaded optimizer keeps plain "
+                        "copies of whole parameters); use --parallel.dp_strategy=fsdp --parallel.offload=true")
+    if cfg.parallel.local_sgd_period:
+        raise UserError("parallel.ep > 1 with parallel.local_sgd_period: local SGD averages every parameter over the "
+                        "data-parallel ranks, and expert-parallel ranks hold different experts; set "
+                        "--parallel.local_sgd_period=0")

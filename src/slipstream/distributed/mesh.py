@@ -220,6 +220,8 @@ def init_parallel(cfg: Config) -> Parallel:
         _first_barrier(cfg.parallel, env, mesh)
         side_group = _new_gloo_group()
     _CURRENT = Parallel(env, dims, device, mesh, side_group, grad_mesh)
+    if needs_group and dims.ep > 1:
+        _CURRENT.ep_mesh  # new groups, a collective: every rank builds it here (a pipeline stage may hold no MoE layer)
     return _CURRENT
 
 

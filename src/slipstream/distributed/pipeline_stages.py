@@ -216,9 +216,11 @@ class TransformerStage(nn.Module):
         return logits
 
     @torch.no_grad()
-    def init_stage_buffers(self) -> None:
-        for module in self.modules():  # derived state (MoE balancing bias and statistics) starts fresh
-            if module is not self and hasattr(module, "reset_state"):
+    def init_stage_buffers(self, fresh: bool = True) -> None:
+        """fresh: a stage allocated from the meta device (its MoE balancing bias and statistics start
+        fresh); a stage of a model with real weights keeps its bias."""
+        for module in self.modules():
+            if fresh and module is not self and hasattr(module, "reset_state"):
                 module.reset_state()
         if self.rope_cos is not None:
             cos, sin = rope_tables(self.cfg.d_model // self.cfg.n_head, self.cfg.max_seq_len, self.cfg.rope_theta,
@@ -283,7 +285,7 @@ def _split_real(model: Transformer, stages: list[int], splits: list[range],
         if module.is_last and model.cfg.tie_embeddings:
             module.lm_head.weight = nn.Parameter(model.tok_emb.weight.detach().clone())
         module.to(device)
-        module.init_stage_buffers()
+        module.init_stage_buffers(fresh=False)
     return modules
 
 

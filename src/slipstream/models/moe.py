@@ -54,6 +54,7 @@ def expert_hidden(cfg: ModelConfig) -> int:
 _GROUPED_OK: dict[tuple[str, torch.dtype], bool] = {}
 
 
+@torch.compiler.disable  # an eager probe, never traced
 def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether torch._grouped_mm runs for this device and dtype (probed once with a tiny exact case:
     torch 2.13 runs it on CPU in fp32 and bf16; CUDA needs bf16 on Hopper or newer)."""
@@ -72,6 +73,9 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return _GROUPED_OK[key]
 
 
+# Eager under torch.compile: the split sizes change with the routing, and a compiled graph would be
+# recompiled for every new set of them.
+@torch.compiler.disable
 def _matmul_per_expert(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x (N, in) sorted by expert, counts (E,), w (E, out, in) -> (N, out): one matmul per expert."""
     pieces = torch.split(x, counts.tolist())  # host sync: the split sizes
@@ -102,7 +106,11 @@ def expert_ffn(x: torch.Tensor, counts: torch.Tensor, w_up: torch.Tensor, w_gate
     """The experts' MLPs on tokens sorted by expert: x (N, d), counts (E,) tokens per expert in
     order, weights (E, out, in) as nn.Linear stores them. SwiGLU when w_gate is given, else GELU.
     gemm: grouped (one torch._grouped_mm per matrix), loop (a matmul per expert) or auto."""
-    if x.dtype != w_up.dtype:  # autocast does not cover torch._grouped_mm: compute in the activations' dtype
+    # Autocast does not cover torch._grouped_mm (nor the loop's inputs, which arrive in fp32 from
+    # the norm): the experts run in the autocast dtype, like the dense MLP's matmuls.
+    if torch.is_autocast_enabled(x.device.type):
+        x = x.to(torch.get_autocast_dtype(x.device.type))
+    if x.dtype != w_up.dtype:
         w_up, w_down = w_up.to(x.dtype), w_down.to(x.dtype)
         w_gate = w_gate.to(x.dtype) if w_gate is not None else None
     # torch._grouped_mm needs rows aligned to 16 bytes: the model width and the expert width.
@@ -110,7 +118,10 @@ def expert_ffn(x: torch.Tensor, counts: torch.Tensor, w_up: torch.Tensor, w_gate
     if gemm == "grouped" and not aligned:
         raise ValueError(f"model.moe_gemm = grouped needs d_model ({x.shape[-1]}) and the expert width "
                          f"({w_up.shape[1]}) to be multiples of {16 // x.element_size()} in {x.dtype}; use auto or loop")
-    grouped = gemm == "grouped" or (gemm == "auto" and aligned and grouped_mm_supported(x.device, x.dtype))
+    # Inductor's grouped GEMM takes bf16 only (torch 2.13): a compiled fp32 model loops over the experts.
+    compilable = not torch.compiler.is_compiling() or x.dtype == torch.bfloat16
+    grouped = gemm == "grouped" or (gemm == "auto" and aligned and compilable
+                                    and grouped_mm_supported(x.device, x.dtype))
     mm = _grouped if grouped else _matmul_per_expert
     if w_gate is not None:
         h = F.silu(mm(x, counts, w_gate)) * mm(x, counts, w_up)
@@ -224,7 +235,7 @@ class MoE(nn.Module):
 
         order = torch.argsort(assigned, stable=True)  # expert-major; tokens keep their order inside an expert
         kept_counts = counts
-        if self.capacity_factor is not None:
+        if self.capacity_factor is not None and self.training:  # evaluation and generation are dropless
             order, kept_counts = self._drop_over_capacity(assigned, counts, N)
         y = self.experts(tokens[order // k], kept_counts)  # (kept, d), sorted by expert
         # Back to (token, slot) order; dropped assignments contribute nothing (their token keeps

@@ -72,6 +72,22 @@ def build_scheduler(optimizer, cfg: OptimConfig, max_steps: int):
     return MultiplierSchedule(optimizer, _Multiplier(cfg, max_steps))
 
 
+def load_scheduler_state(scheduler, state: dict) -> None:
+    """scheduler.load_state_dict, also from a run whose optimizer had another number of param groups
+    (the groups follow the layout's device meshes: train.setup.param_groups). Every group has the
+    same peak lr, so the saved per-group lists are stretched to this optimizer's groups."""
+    groups = len(scheduler.optimizer.param_groups)
+    state = dict(state)
+    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
+        values = state.get(key)
+        if isinstance(values, list) and values and len(values) != groups:
+            if key != "lr_lambdas" and any(v != values[0] for v in values):
+                raise ValueError(f"the checkpoint's scheduler has different learning rates per group ({values}); "
+                                 f"cannot map them onto {groups} groups")
+            state[key] = [values[0]] * groups
+    scheduler.load_state_dict(state)
+
+
 def scheduler_state(scheduler) -> dict:
     """JSON-safe scheduler state (LambdaLR would otherwise include the callable's __dict__)."""
     state = scheduler.state_dict()

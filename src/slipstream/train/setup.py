@@ -13,20 +13,21 @@ from slipstream.errors import UserError
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Matrices (dim >= 2: linear and embedding weights) decay; biases and norm gains don't. The
-    routed experts of an MoE model get a group of their own at every layout: under expert
-    parallelism they are DTensors next to plain parameters, which one fused or foreach AdamW call
-    cannot mix, and the same groups at every ep degree let a checkpoint resume at another."""
-    decay, experts, no_decay = [], [], []
-    for name, param in model.named_parameters():  # named_parameters() yields tied weights once
+    """Matrices (dim >= 2: linear and embedding weights) decay; biases and norm gains don't.
+    Parameters on different device meshes get groups of their own (expert parallelism's DTensors
+    next to plain or data-parallel ones; an MoE layer's plain weights next to tensor-parallel
+    DTensors): one fused or foreach AdamW call cannot mix plain tensors and DTensors. The number
+    of groups thus depends on the layout; the scheduler state resumes across it
+    (train.schedule.load_scheduler_state)."""
+    decay: dict[int, list] = {}
+    no_decay: dict[int, list] = {}
+    for param in model.parameters():  # parameters() yields tied weights once
         if param.requires_grad:
-            (no_decay if param.dim() < 2 else experts if ".experts." in name else decay).append(param)
-    groups = [{"params": decay, "weight_decay": weight_decay}]
-    if experts:
-        groups.append({"params": experts, "weight_decay": weight_decay})
-    if no_decay:
-        groups.append({"params": no_decay, "weight_decay": 0.0})
-    return groups
+            mesh = id(getattr(param, "device_mesh", None))
+            (decay if param.dim() >= 2 else no_decay).setdefault(mesh, []).append(param)
+    groups = [{"params": params, "weight_decay": weight_decay} for params in decay.values()] or \
+        [{"params": [], "weight_decay": weight_decay}]
+    return groups + [{"params": params, "weight_decay": 0.0} for params in no_decay.values()]
 
 
 def build_optimizer(model: nn.Module, cfg: Config, parallel=None):

@@ -55,7 +55,7 @@ from slipstream.train.memory_probe import MemoryProbe
 from slipstream.train.meter import IntervalMeter
 from slipstream.train.resume import config_changes, load_checkpoint_state, resume_target
 from slipstream.train.rundir import make_run_dir, on_rank0, prepare_run_dir, release_run_dir
-from slipstream.train.schedule import build_scheduler, scheduler_state
+from slipstream.train.schedule import build_scheduler, load_scheduler_state, scheduler_state
 from slipstream.train.moe_monitor import MoEMonitor
 from slipstream.train.setup import as_loader, batch_size_of, build_optimizer
 
@@ -203,7 +203,7 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any], keep_data_position: bool = False) -> None:
         """keep_data_position: a rollback, which goes back in weights and steps but keeps reading
         after the batches that caused it (and keeps the live guard: its event count must grow)."""
-        self.scheduler.load_state_dict(state["scheduler"])
+        load_scheduler_state(self.scheduler, state["scheduler"])
         if keep_data_position:
             self.meter.reset()
         else:
@@ -296,8 +296,6 @@ class Trainer:
                 run_step = self._measured_train_step if self.memory.measures(self.step + 1) else self.train_step
                 with self.comm.counting(self.step + 1):
                     loss, grad_norm, wait, items = run_step(it)
-                if self.moe is not None:  # balancing biases move after every step, applied or skipped
-                    self.moe.end_step()
                 verdict = self._verdict
                 self.step += 1
                 self.tokens_seen += items
@@ -443,6 +441,8 @@ class Trainer:
         loss, data_wait, items = self.accumulate_gradients(it)
         with self._label("optimizer"):
             grad_norm = self.optimizer_step(loss)
+        if self.moe is not None:  # balancing biases move after every step, applied or skipped
+            self.moe.end_step()
         return loss, grad_norm, data_wait, items
 
     def _measured_train_step(self, it: Iterator) -> tuple[torch.Tensor, torch.Tensor, float, int]:
@@ -455,6 +455,8 @@ class Trainer:
         def optimizer_step() -> None:
             with self._label("optimizer"):
                 out["grad_norm"] = self.optimizer_step(out["loss"])
+            if self.moe is not None:  # as train_step
+                self.moe.end_step()
 
         self.memory.measure(self.model, torch_optimizers(self.optimizer), forward_backward, optimizer_step)
         return out["loss"], out["grad_norm"], out["wait"], out["items"]
