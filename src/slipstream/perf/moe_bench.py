@@ -11,8 +11,7 @@ Two parts, each made of real training runs of the LM job under torchrun (`run_st
   CUDA), divided by those steps' wall time.
 - balancing: one process training a small MoE on the default corpus for `balance_steps` steps with
   no balancing, the auxiliary loss, the auxiliary-loss-free bias, and both; the worst layer's
-  expert-load imbalance (max / mean tokens per expert) at every log interval, and the final
-  losses. The curves are plotted next to the JSON.
+  expert-load imbalance (max / mean tokens per expert) at every step, and the final losses. The curves are plotted next to the JSON.
 """
 
 from __future__ import annotations
@@ -80,7 +79,7 @@ def run_moe_bench(steps: int = 8, balance_steps: int = 200, size: str = "default
               "measured": "tokens/s: mean over the steps >= 3 outside the profiled ones; memory: training step 2 on "
                           "every rank (MemTracker), the step's peak; dispatch share: all-to-all time (gloo "
                           "all_to_all events / NCCL all-to-all kernels) over the profiled steps' wall time, per rank; "
-                          "balance: the worst layer's max/mean expert load per log interval (10 steps)",
+                          "balance: the worst layer's max/mean expert load at every step (max 4: top-2 of 8 experts)",
               "load_average": {"before": list(load_before), "after": list(os.getloadavg())},
               "rungs": rows, "balance": balance, "balance_model": BALANCE_MODEL, "env": collect_env()}
     if balance:
@@ -130,7 +129,7 @@ def _dispatch_share(trace: Path) -> float | None:
 def _run_balance(name: str, overrides: list[str], run_dir: str, steps: int) -> dict[str, Any]:
     from slipstream.perf.sharding import run_strategy
 
-    cfg = [*overrides, "--logging.log_interval=10", f"--train.eval_interval={steps}"]
+    cfg = [*overrides, f"--train.eval_interval={steps}"]  # (run_strategy logs every step)
     summary = run_strategy("none", 1, cfg, run_dir, steps=steps, memory_breakdown=False, evaluate=True)
     records = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
     curve = [{"step": r["step"], "imbalance_max": r["moe/imbalance_max"], "loss": r["loss"],
