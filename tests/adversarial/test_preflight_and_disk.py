@@ -101,6 +101,9 @@ def test_the_estimate_is_constant_time_for_absurd_shapes():
     from slipstream.config.load import load_config
     from slipstream.plan.preflight import plan_training_memory
 
+    # (One call first: the planner's modules load lazily, which is not the estimate's time.)
+    plan_training_memory(load_config(None, ["--model.preset=tiny", "--model.vocab_size=257", "--train.seq_len=32"]),
+                         1, "none", 0, "cpu")
     for overrides in [*ABSURD.values(), ["--model.n_layer=1000000000"]]:
         cfg = load_config(None, ["--model.preset=tiny", "--model.vocab_size=257", "--train.seq_len=32", *overrides])
         t0 = time.perf_counter()

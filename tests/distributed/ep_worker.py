@@ -5,12 +5,14 @@
 Per scenario of SCENARIOS[N]: one optimizer step by hand (loss, every gradient and every
 parameter after AdamW, as full tensors) into OUT_DIR/<name>/step_rank<R>.pt, then a fresh
 Trainer's fit() (rank 0's metrics.jsonl, the final full parameters and balancing biases into
-final_rank<R>.pt: a pipeline rank holds its stages' only), and every rank's layout of the experts
+final_rank<R>.pt: a pipeline rank holds its stages' only; and the same after a DCP checkpoint of
+the fit was resumed by another fresh Trainer at the same layout), and every rank's layout of the experts
 (placements, local shapes, rows the dispatch moved) into layout.json. The pytest side runs the single-process references with the same builders.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -132,6 +134,16 @@ def run(cfg, skew: bool = False) -> dict[str, Any]:
     trainer.fit()
     model = unwrap(trainer.model)
     final = {"params": full_state(dict(model.named_parameters())), "biases": biases(model)}
+    # A DCP round trip at this layout: a fresh Trainer resumed from the fit's last step holds exactly
+    # its parameters and balancing biases (sharded experts included).
+    trainer.save_checkpoint()
+    trainer.writer.wait()
+    longer = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, max_steps=cfg.train.max_steps + 1))
+    again = Trainer(build(cfg, skew), make_dataset(), lm_batch_loss, config=longer)  # (resumable: below max_steps)
+    again.resume(trainer.run_dir / "checkpoints" / f"step_{trainer.step:08d}")
+    restored = unwrap(again.model)
+    final["restored_params"] = full_state(dict(restored.named_parameters()))
+    final["restored_biases"] = biases(restored)
     return {"step": step, "final": final, "trainer": trainer}
 
 

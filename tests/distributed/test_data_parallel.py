@@ -419,7 +419,7 @@ def test_impossible_layout_fails_before_any_work(extra, message, tmp_path, data_
     (dict(dp_strategy="hsdp", dp_shard=3), 4, 4, "hsdp needs parallel.dp_replicate x dp_shard = 4"),
     (dict(dp_strategy="none"), 2, 2, "dp_strategy = none, but 2 processes were launched"),
     (dict(dp_strategy="ddp", tp=3), 4, 4, "does not divide the world size 4"),
-    (dict(dp_strategy="ddp", ep=2), 4, 4, "expert parallelism is planned but not implemented"),
+    (dict(dp_strategy="ddp", ep=3), 4, 4, "parallel.ep = 3 must divide the data-parallel degree 4"),
 ])
 def test_resolve_parallel_dims_refuses(fields, world, local_world, message):
     with pytest.raises(UserError) as info:

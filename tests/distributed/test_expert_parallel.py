@@ -102,6 +102,12 @@ def test_expert_parallel_equals_one_process(launches, world, name, tmp_path):
     assert final["biases"].keys() == ref["final"]["biases"].keys()
     for n, want in ref["final"]["biases"].items():
         assert torch.equal(final["biases"][n], want), n  # sign updates from equal counts: bitwise
+    # DCP at this layout: the checkpoint of the fit's last step resumes bitwise (experts, biases, all).
+    assert final["restored_params"].keys() == final["params"].keys()
+    for n, want in final["params"].items():
+        assert torch.equal(final["restored_params"][n], want), n
+    for n, want in final["biases"].items():
+        assert torch.equal(final["restored_biases"][n], want), n
     if "--model.moe_bias_rate=0.01" in sc["model"]:
         assert any(b.abs().sum() > 0 for b in ref["final"]["biases"].values())  # the bias really moved
 
@@ -122,7 +128,7 @@ def _merged(got_dir: Path, kind: str, world: int) -> dict:
     files: weights_only, no code)."""
     parts = [torch.load(got_dir / f"{kind}_rank{r}.pt", weights_only=True) for r in range(world)]
     out = dict(parts[0])
-    for key in ("grads", "params", "biases"):
+    for key in ("grads", "params", "biases", "restored_params", "restored_biases"):
         if key in out:
             out[key] = {n: t for part in reversed(parts) for n, t in part[key].items()}
     return out

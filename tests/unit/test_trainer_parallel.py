@@ -45,7 +45,7 @@ def test_a_meta_model_is_initialized_by_init_model(tmp_path):
 
 def test_a_loader_built_for_another_world_size_is_refused():
     from slipstream.data.loader import DatasetLoader
-    from slipstream.train.trainer import _as_loader
+    from slipstream.train.setup import as_loader as _as_loader
 
     cfg = load_config(None, TINY)
     parallel = SimpleNamespace(dims=SimpleNamespace(dp=2), dp_rank=1)

@@ -40,7 +40,10 @@ def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
 
 
 def moe_layer_count(cfg: ModelConfig) -> int:
-    return sum(is_moe_layer(cfg, i) for i in range(cfg.n_layer))
+    """Blocks with experts (closed form: the planner counts absurd depths in constant time)."""
+    if cfg.moe_experts == 0 or cfg.n_layer <= cfg.moe_first_dense:
+        return 0
+    return -(-(cfg.n_layer - cfg.moe_first_dense) // cfg.moe_every)
 
 
 def expert_hidden(cfg: ModelConfig) -> int:

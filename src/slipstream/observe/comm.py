@@ -247,9 +247,11 @@ class StepComm:
             if is_main:
                 print(f"note: metrics.comm_volume is {self.skipped}")
             self.measure_at = None
-        # (expert parallelism's own view of the ranks, made when its experts were split: ep, dp_mod_ep)
-        ep_mesh = parallel.ep_mesh if parallel.dims.ep > 1 else None
-        self.groups = mesh_groups(parallel.mesh, parallel.grad_mesh, ep_mesh) if self.measure_at is not None else {}
+        self.groups = {}
+        if self.measure_at is not None:
+            # (expert parallelism's own view of the ranks, made at start-up: ep, dp_mod_ep)
+            ep_mesh = parallel.ep_mesh if parallel.dims.ep > 1 else None
+            self.groups = mesh_groups(parallel.mesh, parallel.grad_mesh, ep_mesh)
         self.predicted = planned_step_comm(cfg, parallel.dims, model) if self.measure_at is not None else None
         self.counter: CommCounter | None = None
 
