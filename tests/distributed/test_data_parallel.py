@@ -82,6 +82,19 @@ def _run(cmd: list[str], timeout: float, env: dict[str, str] | None = None) -> s
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def launch_scenarios(worker: Path, world: int, out: Path, timeout: float) -> None:
+    """torchrun of a scenario worker (tests/distributed/*_worker.py: every scenario writes under
+    out/<name>/, and error_rank<R>.txt when it fails); fails the test with the first errors."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+           str(worker), str(out)]
+    env = {**_env(), "PYTHONPATH": f"{_env()['PYTHONPATH']}:{Path(__file__).resolve().parents[2]}"}
+    result = _run(cmd, timeout, env)
+    errors = sorted(out.glob("*/error_rank*.txt"))
+    detail = "\n".join(e.read_text()[-2000:] for e in errors[:2])
+    assert result.returncode == 0 and not errors, \
+        f"{worker.name} failed (rc {result.returncode}):\n{detail}\n{result.stderr[-3000:]}"
+
+
 def torchrun(worker: Path, world: int, out: Path, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
     """`torchrun --standalone` of a worker script writing into `out`: (the process, its seconds)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),

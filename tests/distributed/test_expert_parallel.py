@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from slipstream.config import load_config
 from slipstream.config.dims import resolve_parallel_dims
 from slipstream.errors import UserError
 from tests.distributed import ep_worker as w
-from tests.distributed.test_data_parallel import _env, _run
+from tests.distributed.test_data_parallel import launch_scenarios
 
 WORKER = Path(__file__).resolve().parent / "ep_worker.py"
 LAUNCH_TIMEOUT_S = 300
@@ -38,13 +37,7 @@ FINAL_PARAM_ATOL = 2e-4
 
 
 def _launch(world: int, out: Path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           str(WORKER), str(out)]
-    env = {**_env(), "PYTHONPATH": f"{_env()['PYTHONPATH']}:{Path(__file__).resolve().parents[2]}"}
-    result = _run(cmd, LAUNCH_TIMEOUT_S, env)
-    errors = sorted(out.glob("*/error_rank*.txt"))
-    detail = "\n".join(e.read_text()[-2000:] for e in errors[:2])
-    assert result.returncode == 0 and not errors, f"ep_worker failed (rc {result.returncode}):\n{detail}\n{result.stderr[-3000:]}"
+    launch_scenarios(WORKER, world, out, LAUNCH_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

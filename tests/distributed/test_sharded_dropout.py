@@ -17,7 +17,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,7 +26,7 @@ import torch.nn.functional as F
 from slipstream.config import load_config
 from slipstream.errors import UserError
 from tests.distributed import dropout_worker as w
-from tests.distributed.test_data_parallel import _env, _run
+from tests.distributed.test_data_parallel import launch_scenarios
 
 WORKER = Path(__file__).resolve().parent / "dropout_worker.py"
 LAUNCH_TIMEOUT_S = 240
@@ -38,14 +37,7 @@ KEEP_ATOL = 0.12
 
 
 def _launch(world: int, out: Path) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-           str(WORKER), str(out)]
-    env = {**_env(), "PYTHONPATH": f"{_env()['PYTHONPATH']}:{Path(__file__).resolve().parents[2]}"}
-    result = _run(cmd, LAUNCH_TIMEOUT_S, env)
-    errors = sorted(out.glob("*/error_rank*.txt"))
-    detail = "\n".join(e.read_text()[-2000:] for e in errors[:2])
-    assert result.returncode == 0 and not errors, \
-        f"dropout_worker failed (rc {result.returncode}):\n{detail}\n{result.stderr[-3000:]}"
+    launch_scenarios(WORKER, world, out, LAUNCH_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
