@@ -253,8 +253,9 @@ def _rule_launch_bound(a: TraceAnalysis, cfg) -> Finding | None:
 
 
 def _rule_comm_exposed(a: TraceAnalysis, cfg) -> Finding | None:
-    # A pipeline's blocking send/recv is its bubble (pipeline_bubble), not a collective to overlap.
-    share = a.share(a.comm_exposed_us - (a.pp_wait_comm_us or 0.0))
+    # A pipeline's blocking send/recv is its bubble (pipeline_bubble), and an expert-parallel wait in
+    # the all-to-all is moe_dispatch's (an overloaded peer), not a collective to overlap.
+    share = a.share(max(0.0, a.comm_exposed_us - (a.pp_wait_comm_us or 0.0) - (a.a2a_wait_us or 0.0)))
     if share < COMM_EXPOSED_MIN:
         return None
     return Finding(
