@@ -95,6 +95,16 @@ def _parse_override_value(text: str, typ: Any, key: str) -> Any:
             return float(text)
         except ValueError:
             raise UserError(f"--{key}={text}: expected a number") from None
+    if typing.get_origin(typ) is dict:
+        # {a = 0.7, b = 0.3} (a TOML inline table) or a=0.7,b=0.3; one entry: --section.key.name=value.
+        text = text.strip()
+        inline = text if text.startswith("{") else "{" + ", ".join(
+            f'"{k.strip()}" = {_toml_scalar(v.strip(), typing.get_args(typ)[1])}'
+            for k, v in (part.split("=", 1) if "=" in part else (part, "") for part in text.split(",") if part)) + "}"
+        try:
+            return tomllib.loads(f"v = {inline}")["v"]
+        except tomllib.TOMLDecodeError:
+            raise UserError(f"--{key}={text}: expected a table such as {{web = 0.7, code = 0.3}} or web=0.7,code=0.3") from None
     if typing.get_origin(typ) is list:
         text = text.strip()
         if text.startswith("["):
@@ -104,6 +114,11 @@ def _parse_override_value(text: str, typ: Any, key: str) -> Any:
                 raise UserError(f"--{key}={text}: expected a list such as [\"a\", \"b\"] or a,b") from None
         return [part for part in text.split(",") if part]
     return text
+
+
+def _toml_scalar(text: str, typ: Any) -> str:
+    """One value of a `name=value,...` table override as TOML: a number stays bare, a string is quoted."""
+    return json.dumps(text) if typ is str else (text or '""')
 
 
 def split_overrides(extra: list[str]) -> list[str]:
@@ -144,8 +159,16 @@ def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
         if section not in known:
             raise UserError(f"unknown config section '{section}' in '{raw}'." + _closest(section, list(known)))
         types = _field_types(known[section])
+        key, _, entry = key.partition(".")  # --data.mixture.web=0.5 sets one entry of a table
         if key not in types:
             raise UserError(f"unknown config key '{section}.{key}'." + _closest(key, list(types)))
+        if entry:
+            if typing.get_origin(types[key]) is not dict:
+                raise UserError(f"override '{raw}': {section}.{key} is not a table; write --{section}.{key}=VALUE")
+            value_type = typing.get_args(types[key])[1]
+            parsed = _parse_override_value(value, value_type, dotted)
+            out.setdefault(section, {}).setdefault(key, {})[entry] = parsed
+            continue
         out.setdefault(section, {})[key] = _parse_override_value(value, types[key], dotted)
     return out
 
@@ -167,6 +190,11 @@ def _check_type(value: Any, typ: Any, where: str) -> Any:
         if not math.isfinite(value):
             raise UserError(f"{where} = {value!r}: expected a finite number")
         return float(value)
+    if typing.get_origin(typ) is dict:
+        if not isinstance(value, dict):
+            raise UserError(f"{where} = {value!r}: expected a table such as {{name = value}}")
+        value_type = typing.get_args(typ)[1]
+        return {str(k): _check_type(v, value_type, f"{where}.{k}") for k, v in value.items()}
     if typing.get_origin(typ) is list:
         if isinstance(value, str):
             value = [value]
@@ -243,6 +271,23 @@ def check_training_rules(cfg: Config) -> None:
                         "but optim.in_backward updates during backward; use policy stop or none")
 
 
+def check_data_rules(cfg: Config) -> None:
+    """data.mixture names data.sources with finite, non-negative weights that do not all vanish."""
+    d = cfg.data
+    if d.sources and not d.mixture:
+        raise UserError("data.sources is set but data.mixture is empty; give each source a weight, e.g. "
+                        f"--data.mixture={{{', '.join(f'{name} = 1.0' for name in d.sources)}}}")
+    if not d.mixture:
+        return
+    unknown = sorted(set(d.mixture) - set(d.sources))
+    if unknown:
+        raise UserError(f"data.mixture names {', '.join(unknown)}, which data.sources does not define; add e.g. "
+                        f"--data.sources.{unknown[0]}=PATH_OR_URL (a folder from `slipstream data prepare`)")
+    bad = {name: w for name, w in d.mixture.items() if not w >= 0}
+    if bad or not sum(d.mixture.values()) > 0:
+        raise UserError(f"data.mixture = {d.mixture}: weights must be >= 0 and at least one > 0")
+
+
 def check_consistency(cfg: Config) -> None:
     """Rules that involve several fields and need nothing but the config: checked when the
     config is loaded, before any data is prepared or model built. Rules that need the world
@@ -282,6 +327,7 @@ def check_consistency(cfg: Config) -> None:
     if o.min_lr > o.lr:
         raise UserError(f"optim.min_lr = {o.min_lr} is larger than optim.lr = {o.lr}")
     check_training_rules(cfg)
+    check_data_rules(cfg)
     check_pipeline_config(cfg)
     if cfg.checkpoint.resume not in ("none", "auto") and not cfg.checkpoint.resume:
         raise UserError("checkpoint.resume must be none, auto or a checkpoint path")

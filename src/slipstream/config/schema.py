@@ -18,8 +18,8 @@ def option(default: Any, doc: str, *, min: float | None = None, max: float | Non
            choices: tuple | None = None, min_exclusive: bool = False) -> Any:
     """A config field with its doc string and validation rules."""
     meta = {"doc": doc, "min": min, "max": max, "choices": choices, "min_exclusive": min_exclusive}
-    if isinstance(default, list):
-        return field(default_factory=lambda: list(default), metadata=meta)
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
     return field(default=default, metadata=meta)
 
 
@@ -96,6 +96,17 @@ class DataConfig:
                           choices=("none", "swap_tokens"))
     augment_prob: float = option(0.1, "swap_tokens: probability of swapping each token with its neighbour.", min=0.0, max=1.0)
     augment_cost_ms: float = option(0.0, "swap_tokens: extra CPU time per sequence (ms), emulating an expensive preprocessing pipeline to reproduce a data-bound run.", min=0.0, max=10000.0)
+    streaming: bool = option(False, "Read the prepared shards of data.dir (a local path or an fsspec URL: s3://, gs://, hf://, http://) while training, chunk by chunk, without copying the whole set first: each rank downloads only its own chunks into a read-ahead cache on local disk (data.cache_dir, at most data.cache_bytes), checks each chunk's sha256 and resumes at the exact shard and offset.")
+    cache_dir: str = option("", "streaming: local folder of the read-ahead cache (chunks, the manifest, the tokenizer). Empty: ~/.cache/slipstream/stream/<hash of the URL>.")
+    cache_bytes: int = option(1 << 30, "streaming: most bytes of chunks kept in the local cache per rank; consumed chunks are deleted first (at least readahead + 1 chunks must fit).", min=1)
+    readahead: int = option(4, "streaming: chunks downloaded ahead of the one being read.", min=0, max=1024)
+    stream_threads: int = option(2, "streaming: threads downloading chunks in the background.", min=1, max=64)
+    retries: int = option(5, "streaming: attempts per remote read before giving up with an error; waits double from 0.5 s between attempts (transient errors only).", min=1, max=100)
+    sources: dict[str, str] = option({}, "Named prepared-data locations for data.mixture (folders or URLs; each from `slipstream data prepare` with the same tokenizer), e.g. {web = \"data/web\", code = \"s3://bucket/code\"}.")
+    mixture: dict[str, float] = option({}, "Weights of the data.sources to sample from, e.g. {web = 0.7, code = 0.2, math = 0.1} (normalized to sum 1). Each sequence of a batch draws its source from the seed; tokens per source are logged. Empty: one source (data.dir / data.inputs). Weights may change on resume (logged).")
+    packing: str = option("eos", "How documents fill a training sequence: eos (concatenated with EOS separators; attention crosses documents) or document (concatenated, but attention never crosses a document boundary and positions restart at each document: FlexAttention block mask on CUDA, an exact masked SDPA elsewhere).",
+                          choices=("eos", "document"))
+    dedup: bool = option(False, "data prepare: drop exact duplicate documents (hash of the text; the first occurrence is kept).")
     verify: str = option("auto", "Check the prepared shards at train start: full (sha256 of every shard, ~1 s per GB), size (sizes and recorded max ids only), auto (full up to 1 GiB of shards, else size). Every batch is checked for ids outside the vocabulary either way.",
                          choices=("auto", "full", "size"))
 

@@ -51,9 +51,8 @@ def describe_model(cfg: Config) -> str:
 
 def build_lm_trainer(cfg: Config):
     """Everything `slipstream train` needs, assembled in the one documented order."""
-    from slipstream.data import TokenLoader, get_tokenizer, tokenizer_spec_for
-    from slipstream.data.ensure import ensure_data
-    from slipstream.data.eval_windows import EvalWindows
+    from slipstream.data import get_tokenizer
+    from slipstream.data.train_data import make_train_loader, make_val_windows, open_train_data
     from slipstream.distributed.data_parallel import materialize_sharded
     from slipstream.distributed.mesh import init_parallel
     from slipstream.distributed.tensor_parallel import check_model_splits
@@ -78,10 +77,10 @@ def build_lm_trainer(cfg: Config):
                                    par, device)
     if par.env.local_rank != 0:
         par.barrier()  # one process per node prepares (or finds) the cached data; the others wait
-    data_dir, manifest = ensure_data(cfg, check=par.env.local_rank == 0)
+    data = open_train_data(cfg, check=par.env.local_rank == 0)
     if par.env.local_rank == 0:
         par.barrier()
-    tokenizer = tokenizer_spec_for(str(data_dir), manifest)
+    data_dir, manifest, tokenizer = data.location, data.manifest, data.tokenizer
     # A missing tokenizer file fails now, not when the first checkpoint is saved.
     check_tokenizer_vocab(get_tokenizer(tokenizer), manifest, data_dir)
     train_cfg = cfg.train
@@ -104,16 +103,10 @@ def build_lm_trainer(cfg: Config):
                                    seed=cfg.train.seed)
 
     t = cfg.train
-    d = cfg.data
-    train_loader = TokenLoader(str(data_dir), "train", t.micro_batch_size, t.seq_len, seed=t.seed,
-                               mode=d.sampling, device=device, prefetch=d.prefetch, num_workers=d.num_workers,
-                               rank=par.dp_rank, world_size=par.dims.dp,
-                               pin_memory=d.pin_memory, augment=d.augment, augment_prob=d.augment_prob,
-                               augment_cost_ms=d.augment_cost_ms)
+    train_loader = make_train_loader(cfg, data, rank=par.dp_rank, world_size=par.dims.dp, device=device)
     val_windows = None
     if t.eval_steps and t.eval_tokens:
-        val_windows = EvalWindows(str(data_dir), "val", t.micro_batch_size, t.seq_len, t.eval_tokens,
-                                  rank=par.dp_rank, world_size=par.dims.dp, device=device)
+        val_windows = make_val_windows(cfg, data, rank=par.dp_rank, world_size=par.dims.dp, device=device)
     meta, files = {"tokenizer": tokenizer}, {}
     if tokenizer.startswith("bpe:"):  # ship the tokenizer with the checkpoint so generate works anywhere
         files["tokenizer.json"] = tokenizer[4:]
@@ -133,8 +126,8 @@ def known_vocab(cfg: Config) -> int:
     manifest of data.dir (0: known only once the data is prepared; a bad folder is reported there)."""
     from slipstream.data import load_manifest
 
-    if cfg.model.vocab_size or not cfg.data.dir:
-        return cfg.model.vocab_size
+    if cfg.model.vocab_size or not cfg.data.dir or cfg.data.streaming or cfg.data.mixture:
+        return cfg.model.vocab_size  # remote data: its manifest is read once, with the data
     try:
         return int(load_manifest(cfg.data.dir)["vocab_size"])
     except (UserError, KeyError, TypeError, ValueError):
