@@ -116,3 +116,32 @@ def test_readme_config_reference_is_current():
     match = re.search(r"<!-- config-reference:start -->\n(.*?)<!-- config-reference:end -->", readme, re.S)
     assert match, "README.md lacks the config-reference markers"
     assert match.group(1).strip() == reference_markdown().strip()
+
+
+def test_table_fields_from_toml_and_every_override_form(tmp_path):
+    path = tmp_path / "mix.toml"
+    path.write_text('[data]\nsources = {web = "data/web", code = "s3://bucket/code"}\n'
+                    '[data.mixture]\nweb = 0.7\ncode = 0.3\n')
+    cfg = load_config(path)
+    assert cfg.data.sources == {"web": "data/web", "code": "s3://bucket/code"}
+    assert cfg.data.mixture == {"web": 0.7, "code": 0.3}
+    # One entry changes, the others stay (TOML tables merge).
+    assert load_config(path, ["--data.mixture.web=0.5"]).data.mixture == {"web": 0.5, "code": 0.3}
+    inline = load_config(None, ["--data.sources={a = \"x\", b = \"y\"}", "--data.mixture=a=1,b=3"])
+    assert inline.data.sources == {"a": "x", "b": "y"} and inline.data.mixture == {"a": 1.0, "b": 3.0}
+    assert config_from_toml_text(config_to_toml(cfg)) == cfg  # the run's config.toml round-trips
+    assert load_config().data.mixture == {} and load_config().data.sources == {}
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["--data.mixture.web=0.5"], "does not define"),
+    (["--data.sources.web=d"], "data.mixture is empty"),
+    (["--data.sources.web=d", "--data.mixture.web=-1"], "must be >= 0"),
+    (["--data.sources.web=d", "--data.mixture.web=0"], "at least one > 0"),
+    (["--data.sources.web=d", "--data.mixture.web=lots"], "expected a number"),
+    (["--data.tokenizer.web=x"], "is not a table"),
+    (["--data.mixture={web = 0.5"], "expected a table"),
+])
+def test_table_field_errors_name_the_fix(overrides, message):
+    with pytest.raises(UserError, match=message):
+        load_config(None, overrides)
