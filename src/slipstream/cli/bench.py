@@ -83,6 +83,15 @@ def cmd_bench_moe(args: argparse.Namespace, extra: list[str]) -> int:
     return 0
 
 
+def cmd_bench_data(args: argparse.Namespace, extra: list[str]) -> int:
+    from slipstream.perf.data_bench import run_data_bench
+
+    no_extra(extra)
+    refuse_existing(args.out, args.force)
+    run_data_bench(out=args.out, size=args.size, data_dir=args.data_dir)
+    return 0
+
+
 def cmd_bench_checkpoint(args: argparse.Namespace, extra: list[str]) -> int:
     from slipstream.config.load import split_overrides
     from slipstream.perf.checkpoint_bench import run_checkpoint_bench
@@ -248,6 +257,13 @@ def add_commands(sub) -> None:
                         "runs (a seconds-long smoke run for tests; needs --out)")
     _add_data_dir_and_out(p, "benchmarks/moe-cpu.json")
     p.set_defaults(func=cmd_bench_moe)
+    p = bench.add_parser("data", help="tokens/s of every data reader (local shards, Parquet, streaming over HTTP and "
+                                      "S3) vs what the step consumes; data wait at 2 workers")
+    p.add_argument("--size", default="default", choices=["default", "ci"],
+                   help="default = 60 GPT-2 batches per reader, a 64 MB prepare, 30 training steps; ci = a "
+                        "seconds-long smoke run for tests (needs --out)")
+    _add_data_dir_and_out(p, "benchmarks/data-cpu.json")
+    p.set_defaults(func=cmd_bench_data)
     p = bench.add_parser("checkpoint", help="checkpoint save: training stall of synchronous vs asynchronous saves")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--out", default="", help="JSON file (default benchmarks/checkpoint-cpu.json)")

@@ -368,7 +368,7 @@ def reference_markdown() -> str:
             doc = f.metadata["doc"]
             if f.metadata.get("choices"):
                 doc += " One of: " + ", ".join(f"`{c}`" for c in f.metadata["choices"]) + "."
-            shown = json.dumps(default) if isinstance(default, (list, str)) else tomli_w.dumps({"v": default})[4:].strip()
+            shown = json.dumps(default) if isinstance(default, (list, str, dict)) else tomli_w.dumps({"v": default})[4:].strip()
             lines.append(f"| `{section}.{f.name}` | `{shown}` | {doc} |")
         lines.append("")
     return "\n".join(lines)
