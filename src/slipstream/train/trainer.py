@@ -367,6 +367,9 @@ class Trainer:
         record.update(self.memory.take_record())
         if self.moe is not None:  # expert load per layer (a gather under torchrun)
             record.update(self.moe.interval_record())
+        loader_metrics = getattr(self.train_loader, "metrics", None)
+        if callable(loader_metrics):  # the loader's own numbers, e.g. a data mixture's tokens per source
+            record.update(loader_metrics())
         if self.scaler is not None:
             record["loss_scale"] = self.scaler.get_scale()
             record["skipped_steps"] = int(self.skipped_steps.item())  # host sync, at the log only
