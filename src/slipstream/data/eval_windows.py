@@ -10,6 +10,9 @@ its standard error is the per-window loss std / sqrt(K) (stratification only low
 
 Ranks take windows r, r + world, ...; each rank runs the same number of batches (a rank
 with fewer windows repeats a window with weight 0), because FSDP's forward is a collective.
+
+A split with a loss mask (see loader.py) gives y = -100 where the target's mask byte is 0, as
+training does; a window whose targets are all masked has weight 0 (it has no loss).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from slipstream.data.loader import TokenLoader
+from slipstream.data.loader import IGNORE_INDEX, TokenLoader
 from slipstream.errors import UserError
 
 EVAL_SEED = 20240611  # fixed on purpose: the windows must not depend on train.seed
@@ -70,8 +73,13 @@ class EvalWindows:
         for b in range(self.n_batches):
             starts = self._starts[b * B:(b + 1) * B]
             buf = np.empty((len(starts), T + 1), dtype=np.int64)
-            for row, start in zip(buf, starts):
-                self._source.read(int(start), row)
-            tokens = torch.from_numpy(buf)
-            weight = torch.from_numpy(self._weights[b * B:(b + 1) * B].copy())
-            yield (tokens[:, :-1].to(self.device), tokens[:, 1:].to(self.device)), weight.to(self.device)
+            masks = np.ones((len(starts), T + 1), dtype=np.uint8)
+            for row, mask, start in zip(buf, masks, starts):
+                self._source.read(int(start), row, mask)
+            weights = self._weights[b * B:(b + 1) * B].copy()
+            x, y = buf[:, :-1], buf[:, 1:].copy()
+            if self._source.loss_mask:
+                y[masks[:, 1:] == 0] = IGNORE_INDEX
+                weights[(masks[:, 1:] != 0).sum(axis=1) == 0] = 0.0
+            x, y, weight = torch.from_numpy(np.ascontiguousarray(x)), torch.from_numpy(y), torch.from_numpy(weights)
+            yield (x.to(self.device), y.to(self.device)), weight.to(self.device)

@@ -10,6 +10,11 @@ just storage), so windows may cross shard boundaries; a window never reads past 
 end of the split. Every window holds seq_len + 1 tokens: x is the first seq_len, y the
 last seq_len (x shifted by one).
 
+Loss masks: a split prepared with one (manifest "loss_mask": true; each shard's "mask_file",
+one uint8 per token, 1 = the token is a training target) is memory-mapped next to its tokens
+and read over the same window: y = -100 (IGNORE_INDEX, skipped by every LM loss) wherever the
+target token's mask byte is 0, e.g. the prompt of a supervised fine-tuning record.
+
   mode="random":     each batch draws window starts uniformly with a numpy Generator
                      seeded by (seed, rank, batch index). The stream is cut into
                      world_size contiguous regions; rank r samples only inside region r,
@@ -47,6 +52,7 @@ from slipstream.errors import UserError
 MODES = ("random", "sequential")
 AUGMENTATIONS = ("none", "swap_tokens")
 PREFETCH_DEPTH = 2
+IGNORE_INDEX = -100  # a target no loss counts (train/lm_loss.py; F.cross_entropy's default)
 
 
 class TokenLoader:
@@ -96,6 +102,8 @@ class TokenLoader:
         dtype = np.dtype(manifest["dtype"]).newbyteorder("<")
         self._shards = []
         self._shard_files = []
+        self.loss_mask = bool(manifest.get("loss_mask"))
+        self._masks: list[np.memmap] | None = [] if self.loss_mask else None
         for shard in manifest["splits"][split]["shards"]:
             path = os.path.join(data_dir, shard["file"])
             problem = shard_problem(data_dir, manifest, shard, checksums=False)  # size and max_id: no reading
@@ -104,6 +112,8 @@ class TokenLoader:
             if shard["tokens"] > 0:
                 self._shards.append(np.memmap(path, dtype=dtype, mode="r", shape=(shard["tokens"],)))
                 self._shard_files.append(path)
+                if self._masks is not None:
+                    self._masks.append(_open_mask(data_dir, split, shard))
         self._shard_ends = np.cumsum([len(m) for m in self._shards], dtype=np.int64)
         self.total_tokens = int(self._shard_ends[-1]) if self._shards else 0
 
@@ -165,14 +175,18 @@ class TokenLoader:
         windows = np.array([self._epoch_windows(int(e))[o] for e, o in zip(epochs, offsets)], dtype=np.int64)
         return windows * self.seq_len
 
-    def read(self, start: int, out: np.ndarray) -> None:
-        """Copy tokens [start, start + len(out)) of the split into out, across shard boundaries."""
+    def read(self, start: int, out: np.ndarray, mask_out: np.ndarray | None = None) -> None:
+        """Copy tokens [start, start + len(out)) of the split into out, across shard boundaries
+        (and their loss-mask bytes into mask_out, when given and the split has a loss mask)."""
         pos, k = 0, int(np.searchsorted(self._shard_ends, start, side="right"))
+        masks = self._masks if mask_out is not None else None
         while pos < len(out):
             shard = self._shards[k]
             offset = start + pos - (int(self._shard_ends[k]) - len(shard))
             take = min(len(out) - pos, len(shard) - offset)
             out[pos : pos + take] = shard[offset : offset + take]
+            if masks is not None:
+                mask_out[pos : pos + take] = masks[k][offset : offset + take]
             pos += take
             k += 1
         # The manifest's vocab_size and max_id may lie (data from elsewhere, a shard edited
@@ -184,10 +198,13 @@ class TokenLoader:
     def _fill(self, index: int, out: np.ndarray) -> None:
         """Write batch `index` into out of shape (2, batch_size, seq_len): out[0] = x, out[1] = y."""
         window = np.empty(self.seq_len + 1, dtype=np.int64)
+        mask = np.empty(self.seq_len + 1, dtype=np.uint8) if self._masks is not None else None
         for b, start in enumerate(self._batch_starts(index).tolist()):
-            self.read(start, window)
+            self.read(start, window, mask)
             out[0, b] = window[:-1]
             out[1, b] = window[1:]
+            if mask is not None:
+                out[1, b][mask[1:] == 0] = IGNORE_INDEX
 
     def _bad_token(self, start: int, window: np.ndarray) -> UserError:
         pos = start + int(np.argmax(window >= self.vocab_size))
@@ -210,17 +227,19 @@ class TokenLoader:
 
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
-        for key in ("_shards", "_thread", "_stop", "_queue", "_workers_it"):
+        for key in ("_shards", "_masks", "_thread", "_stop", "_queue", "_workers_it"):
             state[key] = None
-        state["_paths"] = [os.path.join(self.data_dir, sh["file"]) for sh in self.manifest["splits"][self.split]["shards"]
-                           if sh["tokens"] > 0]
+        shards = [sh for sh in self.manifest["splits"][self.split]["shards"] if sh["tokens"] > 0]
+        state["_paths"] = [os.path.join(self.data_dir, sh["file"]) for sh in shards]
+        state["_mask_paths"] = [os.path.join(self.data_dir, sh["mask_file"]) for sh in shards] if self.loss_mask else None
         return state
 
     def __setstate__(self, state: dict) -> None:
-        paths = state.pop("_paths")
+        paths, mask_paths = state.pop("_paths"), state.pop("_mask_paths")
         self.__dict__.update(state)
         dtype = np.dtype(self.manifest["dtype"]).newbyteorder("<")
         self._shards = [np.memmap(p, dtype=dtype, mode="r") for p in paths]
+        self._masks = [np.memmap(p, dtype=np.uint8, mode="r") for p in mask_paths] if mask_paths is not None else None
 
     # -- iteration
 
@@ -345,6 +364,23 @@ class TokenLoader:
         # This layout may read fewer windows per epoch than were consumed: then start the next epoch.
         my_position = epoch * self._per_rank + min(batches_in_epoch * self.batch_size, self._per_rank)
         return -(-my_position // self.batch_size)
+
+
+def _open_mask(data_dir: str, split: str, shard: dict) -> np.memmap:
+    """The loss mask of a shard: one uint8 per token (1 = a training target)."""
+    if not shard.get("mask_file"):
+        raise UserError(f"the manifest of {data_dir!r} declares a loss mask, but {split} shard {shard['file']} has no "
+                        "mask_file; run `slipstream data prepare` again")
+    path = os.path.join(data_dir, shard["mask_file"])
+    try:
+        size = os.path.getsize(path)
+    except OSError as e:
+        raise UserError(f"loss mask {path} of {split} shard {shard['file']} cannot be read ({e.strerror}); run "
+                        "`slipstream data prepare` again") from None
+    if size != shard["tokens"]:
+        raise UserError(f"loss mask {path} holds {size:,} bytes for the {shard['tokens']:,} tokens of {split} shard "
+                        f"{shard['file']} (one byte per token); run `slipstream data prepare` again")
+    return np.memmap(path, dtype=np.uint8, mode="r", shape=(shard["tokens"],))
 
 
 class _CountFrom(torch.utils.data.Sampler):

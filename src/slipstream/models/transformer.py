@@ -19,6 +19,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from slipstream.config.schema import ModelConfig
+from slipstream.errors import UserError
+from slipstream.models.doc_mask import DocumentMask
 
 
 def padded_vocab_size(cfg: ModelConfig) -> int:
@@ -89,7 +91,8 @@ class Attention(nn.Module):
         # (context parallelism attends over the keys of every sequence shard).
         self.attend = F.scaled_dot_product_attention
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+                mask: DocumentMask | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # Heads from the projections' widths (-1), not the config: a tensor-parallel rank holds
         # n_head / tp of them (their ratio, hence GQA, is unchanged).
@@ -98,11 +101,17 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:  # the (T, head_dim) tables of this sequence's positions
+        if rope is not None:  # (T, head_dim) tables, or (B, 1, T, head_dim) of per-document positions
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        y = self.attend(
-            q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0,
-            enable_gqa=self.n_kv_head != self.n_head)
+        dropout_p, gqa = self.dropout if self.training else 0.0, self.n_kv_head != self.n_head
+        if mask is not None:
+            if self.attend is not F.scaled_dot_product_attention:
+                # A replaced kernel (context parallelism) knows only the causal mask.
+                raise UserError("a document mask cannot go through a replaced attention kernel (context "
+                                "parallelism); use data.packing = eos with parallel.cp > 1")
+            y = mask.attend(q, k, v, dropout_p=dropout_p, enable_gqa=gqa)
+        else:
+            y = self.attend(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -132,8 +141,8 @@ class Block(nn.Module):
         self.mlp = MoE(cfg) if is_moe_layer(cfg, index) else MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor, rope) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.attn_norm(x), rope=rope))
+    def forward(self, x: torch.Tensor, rope, mask: DocumentMask | None = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.attn_norm(x), rope=rope, mask=mask))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
 
@@ -162,14 +171,26 @@ class Transformer(nn.Module):
         # True when the head masks its padded vocabulary columns itself (a vocabulary-sharded head).
         self.logits_masked_by_head = False
 
-    def forward(self, idx: torch.Tensor, return_hidden: bool = False,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, return_hidden: bool = False, positions: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | DocumentMask | None = None) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, padded vocab; padded columns -inf); with return_hidden, the final
         normalized hidden states (B, T, d_model) instead, for a loss that applies the output
         head itself (the fused linear + cross-entropy never materializes all logits).
         positions: the (T,) positions of the tokens in their sequence (default 0..T-1), e.g. for a
-        piece of a longer sequence."""
+        piece of a longer sequence.
+        doc_ids: the (B, T) document ids of packed rows (or a DocumentMask built from them):
+        attention stays inside each document and positions restart at each (models/doc_mask.py)."""
         T = idx.shape[1]
+        mask = None
+        if doc_ids is not None:
+            if positions is not None:
+                raise UserError("doc_ids and positions are exclusive: a document mask sets the positions itself "
+                                "(context parallelism does not carry document masks; use data.packing = eos)")
+            if T > self.cfg.max_seq_len:
+                raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
+            mask = doc_ids if isinstance(doc_ids, DocumentMask) else DocumentMask(
+                doc_ids, dropout=self.cfg.dropout if self.training else 0.0)
+            positions = mask.positions
         given = positions
         if positions is None:
             if T > self.cfg.max_seq_len:
@@ -183,8 +204,11 @@ class Transformer(nn.Module):
         if self.rope_cos is not None:  # the default positions are a slice (a view); given ones a gather
             where = slice(0, T) if given is None else given
             rope = (self.rope_cos[where], self.rope_sin[where])
+            if rope[0].dim() == 3:  # per-row positions (B, T): one table per row, broadcast over heads
+                rope = (rope[0][:, None], rope[1][:, None])
         for block in self.blocks:
-            x = block(x, rope)
+            # Without a mask the call is the one it always was (compiled blocks' guards, wrappers).
+            x = block(x, rope) if mask is None else block(x, rope, mask)
         x = self.final_norm(x)
         if return_hidden:
             return x

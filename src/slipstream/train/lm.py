@@ -63,6 +63,7 @@ def build_lm_trainer(cfg: Config):
     from slipstream.train.trainer import JobInfo, Trainer
 
     check_model_splits(cfg.model, cfg.parallel.tp)  # heads, MLP, vocabulary: before any rank waits for the others
+    check_document_packing(cfg)
     par = init_parallel(cfg)  # under torchrun: join the job first; errors in the layout stop every rank
     device = par.device
     # Rank 0 names the run directory (a default name holds a timestamp) and every rank uses it.
@@ -111,14 +112,40 @@ def build_lm_trainer(cfg: Config):
     if tokenizer.startswith("bpe:"):  # ship the tokenizer with the checkpoint so generate works anywhere
         files["tokenizer.json"] = tokenizer[4:]
         meta["tokenizer"] = "bpe:tokenizer.json"
-    loss_fn = functools.partial(fused_lm_loss_fn, chunk_size=t.fused_loss_chunk) if t.fused_loss else lm_loss_fn
-    sequence_loss_fn = functools.partial(lm_sequence_losses, fused_chunk=t.fused_loss_chunk if t.fused_loss else None)
+    # data.packing = document: the loss fns give the model the document ids of each row, a new
+    # document after each end-of-text token of this data's tokenizer.
+    eot_id = manifest["eot_id"] if cfg.data.packing == "document" else None
+    loss_fn = (functools.partial(fused_lm_loss_fn, chunk_size=t.fused_loss_chunk, eot_id=eot_id) if t.fused_loss
+               else functools.partial(lm_loss_fn, eot_id=eot_id))
+    sequence_loss_fn = functools.partial(lm_sequence_losses, fused_chunk=t.fused_loss_chunk if t.fused_loss else None,
+                                         eot_id=eot_id)
     job = JobInfo(checkpoint_meta=meta, checkpoint_files=files, model_summary=describe_model(cfg),
                   planned_peak_bytes=planned)
     return Trainer(model, train_loader, loss_fn, config=cfg, val_data=val_windows, sequence_loss_fn=sequence_loss_fn,
                    tokens_per_batch=t.micro_batch_size * t.seq_len,
                    flops_per_token=flops_per_token(cfg.model, t.seq_len), device=device, parallel=par,
                    init_model=init_model, job=job)
+
+
+def check_document_packing(cfg: Config) -> None:
+    """data.packing = document needs every attention call to take the document mask: refuse the
+    layouts whose attention or stage path does not carry it."""
+    if cfg.data.packing != "document":
+        return
+    p = cfg.parallel
+    if p.cp > 1:
+        raise UserError(f"data.packing = document with parallel.cp = {p.cp} is not supported yet (context "
+                        "parallelism's attention knows only the causal mask); use --parallel.cp=1 or "
+                        "--data.packing=eos")
+    if p.pp > 1:
+        raise UserError(f"data.packing = document with parallel.pp = {p.pp} is not supported yet (pipeline stages "
+                        "do not pass the document mask between stages); use --parallel.pp=1 or --data.packing=eos")
+    if p.tp > 1 and p.sequence_parallel and cfg.model.position == "learned":
+        # The tensor-parallel plan splits the position table's (T, d) output along dim 0, the
+        # sequence; per-document positions are (B, T): that split would cut the batch instead.
+        raise UserError("data.packing = document with parallel.tp > 1, parallel.sequence_parallel and learned "
+                        "positions (model.position = learned) is not supported yet; use "
+                        "--parallel.sequence_parallel=false, a RoPE model, or --data.packing=eos")
 
 
 def known_vocab(cfg: Config) -> int:
