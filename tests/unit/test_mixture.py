@@ -257,3 +257,12 @@ def test_validation_windows_share_eval_tokens_by_weight_and_stay_fixed(sources):
     assert len(per_rank[0]) == len(per_rank[1])
     weights = sum(float(w.sum()) for p in per_rank for _, w in p)
     assert weights == 20
+
+
+def test_a_zero_weight_source_is_never_drawn_until_its_weight_grows(sources):
+    loader = _loader(sources, {"a": 1.0, "b": 0.0})
+    assert all(_source_of(row) == "a" for x, _ in _take(loader, 30) for row in x)
+    assert loader.metrics()["data/tokens/b"] == 0
+    grown = _loader(sources, {"a": 0.5, "b": 0.5})
+    grown.load_state_dict(loader.state_dict())
+    assert {_source_of(row) for x, _ in _take(grown, 10) for row in x} == {"a", "b"}
