@@ -266,3 +266,14 @@ def test_a_zero_weight_source_is_never_drawn_until_its_weight_grows(sources):
     grown = _loader(sources, {"a": 0.5, "b": 0.5})
     grown.load_state_dict(loader.state_dict())
     assert {_source_of(row) for x, _ in _take(grown, 10) for row in x} == {"a", "b"}
+
+
+def test_a_damaged_saved_state_is_a_clear_error(sources):
+    loader = _loader(sources, {"a": 0.5, "b": 0.5})
+    _take(loader, 2)
+    state = loader.state_dict()
+    state["sources"]["a"]["taken"] = []
+    with pytest.raises(UserError, match="data mixture state is malformed"):
+        _loader(sources, {"a": 0.5, "b": 0.5}).load_state_dict(state)
+    with pytest.raises(UserError, match="TokenLoader"):
+        _loader(sources, {"a": 0.5, "b": 0.5}).load_state_dict({"kind": "TokenLoader", "batch_index": 3})

@@ -230,9 +230,9 @@ class MixtureLoader:
 
     def load_state_dict(self, state: dict) -> None:
         check_state("MixtureLoader", state, {"seed": self.seed, "seq_len": self.seq_len})
-        saved_world = int(state["world_size"])
-        self._batch_index = int(state["batch_index"])
-        saved = state["sources"]
+        saved = _saved_sources(state)
+        saved_world = state["world_size"]
+        self._batch_index = state["batch_index"]
         self._taken[:] = 0
         self._windows[:] = 0
         for k, name in enumerate(self.names):
@@ -266,6 +266,26 @@ class MixtureLoader:
             notes.append(f"data.mixture weights changed on resume: {before} -> {after}")
         if notes and self.rank == 0 and os.environ.get("RANK", "0") == "0":  # once per job
             print("\n".join(notes))
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _saved_sources(state: dict) -> dict:
+    """The per-source part of a saved state, checked: a damaged checkpoint fails here, with
+    what to do, instead of as an IndexError inside the loader."""
+    sources, world = state.get("sources"), state.get("world_size")
+    ok = (isinstance(sources, dict) and isinstance(state.get("weights"), dict) and _count(world) and world >= 1
+          and _count(state.get("batch_index")))
+    for entry in sources.values() if ok else ():
+        taken = entry.get("taken") if isinstance(entry, dict) else None
+        ok = ok and (isinstance(taken, list) and len(taken) == world and all(map(_count, taken))
+                     and _count(entry.get("tokens")) and isinstance(entry.get("state"), dict))
+    if not ok:
+        raise UserError("the checkpoint's data mixture state is malformed (the checkpoint is damaged); resume from "
+                        "another checkpoint or start a fresh run")
+    return sources
 
 
 def open_source_loader(cfg: Config, name: str, location: str, split: str, rank: int, world_size: int):
