@@ -1,0 +1,175 @@
+"""IterableLoader: any torch IterableDataset split over ranks and workers by fixed rules, equal
+batch counts per rank, set_epoch, exact resume (with and without the Stateful protocol), and the
+Trainer taking an IterableDataset as train_data and val_data."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from slipstream.data.iterable_loader import IterableLoader
+from slipstream.errors import UserError
+
+
+class Stream(torch.utils.data.IterableDataset):
+    """n items per epoch whose values depend on the epoch (so epochs are told apart)."""
+
+    def __init__(self, n: int = 23) -> None:
+        self.n, self.epoch = n, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self):
+        for i in range(self.n):
+            yield torch.tensor([self.epoch * 1000 + i])
+
+
+class StatefulStream(Stream):
+    """torchdata's Stateful protocol: the position within the epoch; counts items read."""
+
+    def __init__(self, n: int = 23) -> None:
+        super().__init__(n)
+        self.pos = 0
+        self.resumed_at = None
+        self.reads = 0
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.pos = self.resumed_at = state["pos"]
+
+    def __iter__(self):
+        start, self.pos = self.pos, self.pos if self.resumed_at is not None else 0
+        self.resumed_at = None
+        for i in range(start if self.pos else 0, self.n):
+            self.pos = i + 1
+            self.reads += 1
+            yield torch.tensor([self.epoch * 1000 + i])
+
+
+def values(batch) -> list[int]:
+    return batch.flatten().tolist()
+
+
+def take(loader, n):
+    return [values(next(loader)) for _ in range(n)]
+
+
+def test_ranks_disjoint_covering_and_in_lockstep():
+    loaders = [IterableLoader(Stream(23), batch_size=2, rank=r, world_size=2) for r in range(2)]
+    per_rank = [take(ld, 5) for ld in loaders]  # 23 items -> 11 per rank -> 5 batches, then epoch 1
+    assert per_rank[0][:2] == [[0, 2], [4, 6]] and per_rank[1][:2] == [[1, 3], [5, 7]]
+    epoch0 = [v for rank in per_rank for b in rank for v in b]
+    assert sorted(epoch0) == list(range(20))  # disjoint, covering all but the incomplete tail
+    assert [values(next(ld)) for ld in loaders] == [[1000, 1002], [1001, 1003]]  # next epoch, via set_epoch
+
+
+def test_workers_give_the_same_batches_as_in_process():
+    ref = take(IterableLoader(Stream(23), batch_size=3, rank=1, world_size=2), 9)
+    multi = IterableLoader(Stream(23), batch_size=3, rank=1, world_size=2, num_workers=2, prefetch=1)
+    assert take(multi, 9) == ref
+    multi.close()
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("stateful", [False, True])
+def test_exact_resume_mid_epoch_and_across_epochs(workers, stateful):
+    make = (lambda: StatefulStream(17)) if stateful else (lambda: Stream(17))
+    ref = take(IterableLoader(make(), batch_size=2, world_size=2, rank=0), 14)  # 4 batches per epoch
+    for cut in (3, 6):
+        first = IterableLoader(make(), batch_size=2, world_size=2, rank=0, num_workers=workers)
+        assert take(first, cut) == ref[:cut]
+        state = json.loads(json.dumps(first.state_dict()))  # what a checkpoint holds
+        first.close()
+        assert ("dataset_state" in state) == stateful
+        again = IterableLoader(make(), batch_size=2, world_size=2, rank=0, num_workers=workers)
+        again.load_state_dict(state)
+        assert take(again, 14 - cut) == ref[cut:]
+        again.close()
+
+
+def test_stateful_resume_reads_from_the_saved_position():
+    loader = IterableLoader(StatefulStream(40), batch_size=2, world_size=2, rank=0)
+    take(loader, 3)
+    state = loader.state_dict()
+    assert state["dataset_state"] == {"pos": 12}  # 3 batches x 2 items x 2 ranks
+    ds = StatefulStream(40)
+    again = IterableLoader(ds, batch_size=2, world_size=2, rank=0)
+    again.load_state_dict(state)
+    assert values(next(again)) == [12, 14]
+    assert ds.reads == 4  # read on from the saved position: nothing before it re-read
+
+
+def test_validation_keeps_the_partial_batch_equal_on_every_rank():
+    counts = []
+    for r in range(2):
+        ld = IterableLoader(Stream(9), batch_size=3, rank=r, world_size=2, drop_last=False)
+        counts.append(take(ld, 2))
+    assert counts == [[[0, 2, 4], [6]], [[1, 3, 5], [7]]]  # 4 per rank: item 8 would make rank 0 longer
+
+
+class SelfSplit(Stream):
+    def set_rank(self, rank, world_size):
+        self.rank, self.world = rank, world_size
+
+    def __iter__(self):
+        for i in range(self.rank, self.n, self.world):
+            yield torch.tensor([i])
+
+
+def test_a_dataset_that_splits_itself_over_ranks():
+    loaders = [IterableLoader(SelfSplit(8), batch_size=2, rank=r, world_size=2) for r in range(2)]
+    assert [take(ld, 2) for ld in loaders] == [[[0, 2], [4, 6]], [[1, 3], [5, 7]]]
+
+
+def test_empty_and_bad_inputs():
+    with pytest.raises(UserError, match="too few items"):
+        next(IterableLoader(Stream(0), batch_size=2))
+    with pytest.raises(UserError, match="too few items"):
+        next(IterableLoader(Stream(3), batch_size=2, world_size=2))
+    with pytest.raises(UserError, match="batch_size"):
+        IterableLoader(Stream(3), batch_size=0)
+    other = IterableLoader(Stream(8), batch_size=2).state_dict()
+    with pytest.raises(UserError, match="batch_size"):
+        IterableLoader(Stream(8), batch_size=3).load_state_dict(other)
+    # Same global batch at another world size is allowed: batch j holds the same items.
+    IterableLoader(Stream(8), batch_size=1, world_size=2).load_state_dict(other)
+
+
+def test_trainer_takes_an_iterable_dataset(tmp_path):
+    from slipstream.config.load import load_config
+    from slipstream.train.trainer import Trainer
+
+    class Pairs(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            g = torch.Generator().manual_seed(0)
+            for _ in range(64):
+                x = torch.randn(4, generator=g)
+                yield x, x.sum(0, keepdim=True)
+
+    def run(steps, resume):
+        cfg = load_config(None, [f"--run.dir={tmp_path}", f"--train.max_steps={steps}", "--train.micro_batch_size=8",
+                                 "--checkpoint.interval=3", "--checkpoint.async_save=false", "--train.eval_steps=2",
+                                 "--train.eval_interval=3", "--logging.progress=false", "--data.num_workers=1",
+                                 f"--checkpoint.resume={'auto' if resume else 'none'}"])
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 1)
+        trainer = Trainer(model, train_data=Pairs(), val_data=Pairs(), config=cfg,
+                          loss_fn=lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]))
+        summary = trainer.fit()
+        return summary, [p.detach().clone() for p in model.parameters()]
+
+    full, ref = run(10, resume=False)
+    assert full["steps"] == 10 and full["val_loss"] is not None
+    import shutil
+
+    shutil.rmtree(tmp_path)
+    run(6, resume=False)
+    resumed, params = run(10, resume=True)
+    assert resumed["steps_this_run"] == 4
+    for a, b in zip(ref, params):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
