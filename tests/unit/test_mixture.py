@@ -18,7 +18,7 @@ from slipstream.config.load import load_config
 from slipstream.data import prepare_dataset
 from slipstream.data.eval_windows import EvalWindows
 from slipstream.data.loader import TokenLoader
-from slipstream.data.mixture import (MixtureLoader, eval_shares, mixture_val_windows, open_mixture,
+from slipstream.data.mixture import (BLOCK, MixtureLoader, eval_shares, mixture_val_windows, open_mixture,
                                      source_seed)
 from slipstream.errors import UserError
 
@@ -63,6 +63,18 @@ def _source_of(row: torch.Tensor) -> str:
     owners = [name for name, alphabet in ALPHABETS.items() if ids <= set(alphabet.encode())]
     assert len(owners) == 1, f"window mixes sources: {bytes(sorted(ids))!r}"
     return owners[0]
+
+
+def _own_windows(path: str, name: str, start: int = 0, **kw):
+    """A source's windows in the order the mixture reads them: rows of its own TokenLoader of
+    BLOCK sequences, seeded by (train.seed, name), from window `start` on."""
+    loader = TokenLoader(path, "train", BLOCK, SEQ, seed=source_seed(7, name), prefetch=0, **kw)
+    loader.load_state_dict({**loader.state_dict(), "batch_index": start // BLOCK})
+    skip = start % BLOCK
+    while True:
+        x, _ = next(loader)
+        yield from x[skip:]
+        skip = 0
 
 
 def _take(loader, n):
@@ -117,14 +129,13 @@ def test_sources_read_in_their_own_order_and_two_ranks_log_the_jobs_tokens(sourc
     each rank's metrics count every rank's sequences."""
     mix = {"a": 0.5, "c": 0.5}
     loaders = [_loader(sources, mix, r, 2, "--data.sampling=sequential") for r in range(2)]
-    inner = TokenLoader(sources["c"], "train", 1, SEQ, seed=source_seed(7, "c"), mode="sequential", rank=1,
-                        world_size=2, prefetch=0)
+    inner = _own_windows(sources["c"], "c", mode="sequential", rank=1, world_size=2)
     from_c = []
     for _ in range(10):
         x, _ = next(loaders[1])
         next(loaders[0])
         from_c += [row for row in x if _source_of(row) == "c"]
-    assert from_c and all(torch.equal(row, next(inner)[0][0]) for row in from_c)
+    assert len(from_c) > BLOCK and all(torch.equal(row, next(inner)) for row in from_c)
     m0, m1 = loaders[0].metrics(), loaders[1].metrics()
     assert m0 == m1 and m0["data/tokens/a"] + m0["data/tokens/c"] == 10 * 2 * B * SEQ
 
@@ -154,17 +165,15 @@ def test_changed_weights_on_resume_keep_positions_and_apply_from_the_next_batch(
     out = capsys.readouterr().out
     assert "data.mixture weights changed on resume: {'a': 0.5, 'b': 0.5} -> {'a': 0.9, 'b': 0.1}" in out
     # Each source continues where it was: its next windows are its own stream's next ones.
-    streams = {name: TokenLoader(sources[name], "train", 1, SEQ, seed=source_seed(7, name), prefetch=0)
-               for name in ("a", "b")}
-    for name, stream in streams.items():
-        stream.load_state_dict({**stream.state_dict(), "batch_index": taken[name]})
+    assert any(n % BLOCK for n in taken.values())  # resumes inside a block
+    streams = {name: _own_windows(sources[name], name, taken[name]) for name in ("a", "b")}
     counts = {"a": 0, "b": 0}
     for _ in range(150):
         x, _ = next(new)
         for row in x:
             name = _source_of(row)
             counts[name] += 1
-            assert torch.equal(row, next(streams[name])[0][0])
+            assert torch.equal(row, next(streams[name]))
     n = sum(counts.values())
     assert abs(counts["a"] / n - 0.9) < 4 * math.sqrt(0.9 * 0.1 / n), counts
     metrics = new.metrics()
