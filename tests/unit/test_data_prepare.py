@@ -131,18 +131,19 @@ def test_crash_mid_write_leaves_no_complete_looking_folder(tmp_path, monkeypatch
     make_corpus(tmp_path / "corpus")
     out = tmp_path / "data"
 
-    def crash(path):
+    def crash(folder, manifest):
         raise KeyboardInterrupt("simulated crash")
 
-    monkeypatch.setattr(prep, "_sha256_file", crash)
+    monkeypatch.setattr(prep, "_write_manifest", crash)
     with pytest.raises(KeyboardInterrupt):
         prepare_dataset([str(tmp_path / "corpus")], "byte", str(out), progress=False)
     assert not out.exists()
-    assert sorted(os.listdir(tmp_path)) == ["corpus"]
+    # Only the hidden work folder stays, so that running again resumes (test_prepare_scale.py).
+    assert [p for p in os.listdir(tmp_path) if not p.startswith(".data.prepare-")] == ["corpus"]
     monkeypatch.undo()
     good = prepare_dataset([str(tmp_path / "corpus")], "byte", str(out), progress=False)
     # A crash while rebuilding keeps the previous complete data untouched.
-    monkeypatch.setattr(prep, "_sha256_file", crash)
+    monkeypatch.setattr(prep, "_write_manifest", crash)
     with pytest.raises(KeyboardInterrupt):
         prepare_dataset([str(tmp_path / "corpus")], "byte", str(out), val_fraction=0.3, progress=False)
     monkeypatch.undo()

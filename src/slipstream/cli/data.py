@@ -1,6 +1,6 @@
 """`slipstream data prepare|verify|train-tokenizer`: token shards and tokenizers.
 
-    slipstream data prepare --input PATH... --tokenizer T --out DIR
+    slipstream data prepare --input PATH... --tokenizer T --out DIR [--text-field F] [--dedup] [--chunk-tokens N] [--workers N]
     slipstream data verify --dir DIR
     slipstream data train-tokenizer --input PATH... --vocab-size N --out FILE [--force]
 """
@@ -20,7 +20,7 @@ def cmd_data_prepare(args: argparse.Namespace, extra: list[str]) -> int:
     no_extra(extra)
     manifest = prepare_dataset(args.input, args.tokenizer, args.out, text_field=args.text_field,
                                val_fraction=args.val_fraction, num_workers=args.workers or None,
-                               progress=not args.quiet)
+                               progress=not args.quiet, dedup=args.dedup, chunk_tokens=args.chunk_tokens)
     splits = manifest.get("splits", {})
     counts = ", ".join(f"{name}: {info.get('tokens', 0):,} tokens" for name, info in splits.items())
     print(f"prepared {args.out} ({manifest['tokenizer']}, vocab {manifest['vocab_size']}): {counts}")
@@ -58,12 +58,18 @@ def add_commands(sub) -> None:
     """Register `data prepare|verify|train-tokenizer` on the top-level subparsers."""
     data = sub.add_parser("data", help="prepare token shards, train tokenizers").add_subparsers(dest="data_cmd", required=True)
     p = data.add_parser("prepare", help="tokenize inputs into token shards + manifest")
-    p.add_argument("--input", nargs="+", required=True, help="files, folders, .jsonl files or `stdlib`")
+    p.add_argument("--input", nargs="+", required=True,
+                   help="text files, folders, .jsonl/.jsonl.gz/.jsonl.zst, .parquet, .arrow, Hugging Face `datasets` "
+                        "folders (save_to_disk), fsspec URLs (s3://, gs://, hf://, file://) or `stdlib`")
     p.add_argument("--tokenizer", default="byte", help="byte | bpe:FILE | tiktoken:NAME")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--text-field", default="text", help="JSONL field holding the text")
+    p.add_argument("--text-field", default="text",
+                   help="JSONL field / Parquet or Arrow column holding the text (records with `prompt` and "
+                        "`completion` instead are fine-tuning pairs: loss on the completion only)")
     p.add_argument("--val-fraction", type=float, default=0.01)
     p.add_argument("--workers", type=int, default=0, help="tokenizer processes; 0 = all cores")
+    p.add_argument("--dedup", action="store_true", help="drop exact duplicate documents (the first occurrence is kept)")
+    p.add_argument("--chunk-tokens", type=int, default=2**20, help="tokens per chunk checksum, for streaming readers")
     p.add_argument("--quiet", action="store_true")
     p.set_defaults(func=cmd_data_prepare)
     p = data.add_parser("verify", help="check every shard of a prepared folder (sizes, sha256, token ids); exit 1 on damage")

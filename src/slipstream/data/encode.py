@@ -15,7 +15,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from slipstream.data.tokenizers import Tokenizer, get_tokenizer
+from slipstream.data.tokenizers import ByteTokenizer, Tokenizer, get_tokenizer
+from slipstream.errors import UserError
 
 CHUNK_CHARS = 1 << 20  # text per worker task: big enough to amortise IPC, small enough to balance
 
@@ -29,15 +30,69 @@ def cpu_count() -> int:
 
 def encode_chunk(tok: Tokenizer, dtype: np.dtype, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """Encode documents into one flat array with eot after each; also return per-document lengths."""
-    encoded = tok.encode_batch(texts)
-    lengths = np.fromiter((len(ids) + 1 for ids in encoded), dtype=np.int64, count=len(encoded))
-    out = np.empty(int(lengths.sum()), dtype=dtype)
-    pos = 0
-    for ids, n in zip(encoded, lengths.tolist()):
-        out[pos : pos + n - 1] = ids
-        out[pos + n - 1] = tok.eot_id
-        pos += n
-    return out, lengths
+    tokens, lengths, _mask = encode_records(tok, dtype, texts)
+    return tokens, lengths
+
+
+def _encode_texts(tok: Tokenizer, texts: list[str]) -> list:
+    if isinstance(tok, ByteTokenizer):
+        # Same ids as ByteTokenizer.encode, without a Python int per byte.
+        return [np.frombuffer(t.encode("utf-8"), dtype=np.uint8) for t in texts]
+    return tok.encode_batch(texts)
+
+
+def _check_ids(tok: Tokenizer, dtype: np.dtype, ids: np.ndarray) -> None:
+    """Refuse ids a tokenizer should not emit, so none is ever wrapped into the token dtype."""
+    if not len(ids):
+        return
+    low, high = int(ids.min()), int(ids.max())
+    limit = min(tok.vocab_size, np.iinfo(dtype).max + 1)
+    if low < 0 or high >= limit:
+        bad = low if low < 0 else high
+        raise UserError(f"tokenizer {tok.spec} emitted token id {bad}, outside its vocabulary of {tok.vocab_size} "
+                        f"(ids 0..{limit - 1} fit the {dtype.name} token files); the tokenizer is inconsistent: "
+                        f"fix or re-export it so its vocab_size exceeds every id it produces")
+
+
+def encode_records(tok: Tokenizer, dtype: np.dtype, records: list) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """Encode records into one flat token array, eot after each; return it, the per-record
+    lengths and the loss mask (None when every record is plain text: mask 1 everywhere).
+
+    A record is a text, or a fine-tuning pair (prompt, completion): tokens(prompt) +
+    tokens(completion) + eot, with mask 0 on the prompt and 1 on the completion and eot."""
+    texts, prompt_of = [], []
+    for r in records:
+        if isinstance(r, str):
+            texts.append(r)
+            prompt_of.append(-1)
+        else:
+            prompt_of.append(len(texts))
+            texts.extend(r)
+    encoded = _encode_texts(tok, texts)
+    pieces, lengths, prompt_lens = [], [], []
+    eot = np.array([tok.eot_id], dtype=np.int64)
+    i = 0
+    for p in prompt_of:
+        if p < 0:
+            pieces += [encoded[i], eot]
+            lengths.append(len(encoded[i]) + 1)
+            prompt_lens.append(0)
+            i += 1
+        else:
+            pieces += [encoded[i], encoded[i + 1], eot]
+            lengths.append(len(encoded[i]) + len(encoded[i + 1]) + 1)
+            prompt_lens.append(len(encoded[i]))
+            i += 2
+    flat = np.concatenate([np.asarray(p, dtype=np.int64) for p in pieces]) if pieces else np.zeros(0, np.int64)
+    _check_ids(tok, dtype, flat)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    mask = None
+    if any(prompt_lens):
+        mask = np.ones(len(flat), dtype=np.uint8)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
+        for start, n in zip(starts.tolist(), prompt_lens):
+            mask[start : start + n] = 0
+    return flat.astype(dtype), lengths, mask
 
 
 # Each pool worker builds its own tokenizer from the spec: tokenizers hold Rust/C objects
@@ -56,6 +111,11 @@ def _init_worker(spec: str, dtype_str: str) -> None:
 
 def encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
     return encode_chunk(_worker_tok, _worker_dtype, texts)
+
+
+def worker_tokenizer() -> tuple[Tokenizer, np.dtype]:
+    """The tokenizer and dtype this pool worker was started with."""
+    return _worker_tok, _worker_dtype
 
 
 def chunk_documents(docs: Iterable[str], chunk_chars: int) -> Iterator[list[str]]:

@@ -42,7 +42,7 @@ def ensure_data(cfg: Config, check: bool = True) -> tuple[Path, dict[str, Any]]:
     else:
         data_dir = default_data_dir(cfg)
         manifest = prepare_dataset(d.inputs, d.tokenizer, str(data_dir), text_field=d.text_field,
-                                   val_fraction=d.val_fraction, num_workers=d.prepare_workers or None,
+                                   val_fraction=d.val_fraction, num_workers=d.prepare_workers or None, dedup=d.dedup,
                                    progress=cfg.logging.progress, verify=d.verify if check else "size")
         checksums = check and wants_checksums(d.verify, manifest)
     if check and d.verify == "auto" and not checksums:

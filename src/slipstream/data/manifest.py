@@ -4,7 +4,10 @@ prepare.py writes the folder (its layout is in that module's doc); this is the s
 reads it: training, `data prepare`'s cache check and `slipstream data verify` all go
 through load_manifest and shard_problem.
 
-Each shard records its sha256 and its largest token id (max_id). Opening data checks sizes
+Each shard records its sha256 and its largest token id (max_id); with fine-tuning records
+also its loss-mask file (mask_file, uint8 per token) and that file's mask_sha256, and since
+chunked checksums exist, chunk_sha256 (per chunk_tokens tokens; fields are additive, so
+manifests without them still load). Opening data checks sizes
 and max_id < vocab_size (free); the sha256s, which prove both for shards slipstream wrote,
 cost one read of the data (~1.1 GB/s measured on a 2-core dev VM with SHA extensions):
 `data prepare`'s cache check and `slipstream data verify` always hash, training hashes by
@@ -94,6 +97,10 @@ def _check_fields(manifest: dict, path: str) -> None:
             # Shard files live in the folder itself: a name with a path in it would read elsewhere.
             if not ok or os.path.basename(shard["file"]) != shard["file"] or shard["file"] in ("", ".", ".."):
                 raise bad(f"split {split!r} has a malformed shard entry {str(shard)[:120]}")
+            mask = shard.get("mask_file")
+            if mask is not None and (not isinstance(mask, str) or os.path.basename(mask) != mask
+                                     or mask in ("", ".", "..", shard["file"]) or not isinstance(shard.get("mask_sha256"), str)):
+                raise bad(f"split {split!r} has a malformed mask entry {str(shard)[:120]}")
 
 
 def shard_problem(data_dir: str, manifest: dict, shard: dict, checksums: bool) -> str | None:
@@ -110,8 +117,16 @@ def shard_problem(data_dir: str, manifest: dict, shard: dict, checksums: bool) -
     recorded = shard.get("max_id")
     if recorded is not None and recorded >= vocab:
         return f"holds token id {recorded} (its max_id), outside the vocabulary of {vocab}"
+    mask_path = os.path.join(data_dir, shard["mask_file"]) if shard.get("mask_file") else None
+    if mask_path is not None:
+        if not os.path.isfile(mask_path):
+            return f"has no loss-mask file {shard['mask_file']}"
+        if os.path.getsize(mask_path) != shard["tokens"]:
+            return f"has a loss-mask file {shard['mask_file']} of {os.path.getsize(mask_path)} bytes, expected {shard['tokens']}"
     if not checksums:
         return None
+    if mask_path is not None and scan_file(mask_path)[0] != shard["mask_sha256"]:
+        return f"has a loss-mask file {shard['mask_file']} that fails its sha256 checksum"
     digest, top = scan_file(path, dtype)
     if digest != shard["sha256"]:
         return "fails its sha256 checksum (its bytes changed since `slipstream data prepare` wrote it)"

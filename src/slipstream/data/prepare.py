@@ -5,7 +5,13 @@ Output folder layout (all token arrays are raw little-endian uint16/uint32, no h
     out_dir/
       train_000000.bin  train_000001.bin ...
       val_000000.bin ...
+      train_000000.mask ...  only with fine-tuning records: uint8 per token, 1 = a training target
       manifest.json      format, tokenizer, dtype, shards with token counts + sha256, stats
+
+Manifest fields beyond the shard list: "dtype" (uint16 when the vocabulary fits, else
+uint32), "chunk_tokens" and per shard "chunk_sha256" (sha256 of tokens [i*C, (i+1)*C), for
+streaming readers), "loss_mask" and per shard "mask_file" / "mask_sha256", "dedup" and
+"dropped_duplicates".
 
 Every document is followed by the tokenizer's eot token, so a split is one long token
 stream. The validation split is the tail of the corpus: the last `val_fraction` of the
@@ -14,8 +20,11 @@ half the corpus). A corpus of a single document (one big text file) is split by 
 instead, so e.g. a lone novel still gets a validation set.
 
 Safety:
-  - atomic: everything is written into a hidden temp folder next to out_dir and moved into
+  - atomic: everything is written into a hidden work folder next to out_dir and moved into
     place only once complete, the manifest last; a crash leaves out_dir as it was.
+  - resumable: the work folder is named by a hash of (out_dir, inputs, tokenizer, settings)
+    and keeps the part files of every finished unit (prepare_units.py): a run interrupted
+    by Ctrl-C or kill -9 and started again redoes only the unfinished units.
   - only its own files: re-preparing a folder replaces exactly the files its old manifest
     lists (shards, tokenizer copy, manifest); any other file in it stays untouched, and an
     input inside the output folder is refused.
@@ -26,37 +35,42 @@ Safety:
     says what is checked when, and what that costs.
   - a non-empty folder without a slipstream manifest is never deleted.
 
-Reading and checking a prepared folder is in manifest.py; tokenizing in worker processes
-and writing the part files in encode.py. This module decides the split, names the shards,
-writes the manifest and moves the result into place.
+Reading and checking a prepared folder is in manifest.py; the readers of each input format
+in formats.py; units, the journal and assembling shards in prepare_units.py; tokenizing
+in encode.py. This module plans the work, decides the split, writes the manifest and moves
+the result into place.
 """
 
 from __future__ import annotations
 
-import itertools
+import hashlib
 import json
 import math
 import os
 import shutil
-import tempfile
 import time
 from datetime import datetime, timezone
 
 import numpy as np
 
-from slipstream.data.encode import (CHUNK_CHARS, ShardWriter, chunk_documents, cpu_count, encode_chunk,
-                                   encode_in_worker, fsync_close, make_pool)
+from slipstream.data import prepare_units as units_mod
+from slipstream.data.encode import CHUNK_CHARS, cpu_count, fsync_close, make_pool  # noqa: F401 (CHUNK_CHARS: tests tune it)
 from slipstream.data.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, TOKENIZER_FILE, load_manifest, scan_file,
                                       shard_problem, token_dtype, wants_checksums)
 # Also imported from here by callers (slipstream.data, data/ensure.py, `data verify`), which
 # predate manifest.py: re-exported so `slipstream.data.prepare` keeps its public names.
 from slipstream.data.manifest import AUTO_FULL_BYTES, data_bytes, tokenizer_spec_for, verify_data, verify_manifest  # noqa: F401
-from slipstream.data.sources import STDLIB, SourceStats, fingerprint_inputs, iter_documents
+from slipstream.data import locations as loc
+from slipstream.data.sources import STDLIB, SourceStats, empty_corpus, fingerprint_inputs, plan
 from slipstream.data.tokenizers import Tokenizer, get_tokenizer
 from slipstream.diskspace import disk_full_error, is_disk_full
 from slipstream.errors import UserError
 
 MIN_VAL_TOKENS = 4096  # enough for a few validation windows on small corpora
+# Units of about input_bytes / TARGET_UNITS, within these bounds: a small corpus still
+# spreads over the workers, a big one is never held up by one huge unit.
+TARGET_UNITS = 64
+MIN_UNIT_BYTES = 1024
 
 
 # ----------------------------------------------------------------------------- splitting
@@ -81,47 +95,6 @@ def _choose_split(doc_lengths: np.ndarray, val_fraction: float) -> tuple[int, in
         n_val += 1
         val_tokens += next_len
     return total - val_tokens, n_val, "documents"
-
-
-def _cut_parts(parts: list[list], split_at: int, itemsize: int) -> tuple[list, list]:
-    """Assign part files to train/val; the one part straddling split_at is cut in two."""
-    train, val, offset = [], [], 0
-    for path, n in parts:
-        if offset + n <= split_at:
-            train.append((path, n))
-        elif offset >= split_at:
-            val.append((path, n))
-        else:
-            keep = split_at - offset
-            tail = path + ".tail"
-            with open(path, "rb") as src, open(tail, "wb") as dst:
-                src.seek(keep * itemsize)
-                shutil.copyfileobj(src, dst, 1 << 20)
-                dst.flush()
-                os.fsync(dst.fileno())
-            os.truncate(path, keep * itemsize)
-            train.append((path, keep))
-            val.append((tail, n - keep))
-        offset += n
-    return train, val
-
-
-def _sha256_file(path: str) -> str:
-    return scan_file(path)[0]
-
-
-def _max_token(path: str, dtype: np.dtype, tokens: int) -> int | None:
-    return int(np.memmap(path, dtype=dtype, mode="r", shape=(tokens,)).max()) if tokens else None
-
-
-def _finalize_split(folder: str, split: str, parts: list, dtype: np.dtype) -> list[dict]:
-    shards = []
-    for i, (path, n) in enumerate(parts):
-        name = f"{split}_{i:06d}.bin"
-        final = os.path.join(folder, name)
-        os.rename(path, final)
-        shards.append({"file": name, "tokens": n, "sha256": _sha256_file(final), "max_id": _max_token(final, dtype, n)})
-    return shards
 
 
 # ----------------------------------------------------------------------------- output folder
@@ -151,7 +124,8 @@ def _existing_manifest(out_dir: str) -> dict | None:
 def _manifest_files(manifest: dict, out_dir: str) -> list[str]:
     """The files an (old) manifest says slipstream wrote into out_dir: its shards and its
     tokenizer copy. A name that is not a plain file name would reach outside the folder."""
-    names = [shard.get("file") for info in manifest.get("splits", {}).values() for shard in info.get("shards", [])]
+    shards = [shard for info in manifest.get("splits", {}).values() for shard in info.get("shards", [])]
+    names = [shard.get("file") for shard in shards] + [shard["mask_file"] for shard in shards if shard.get("mask_file")]
     if manifest.get("tokenizer_file"):
         names.append(manifest["tokenizer_file"])
     for name in names:
@@ -204,7 +178,7 @@ def _refuse_inputs_inside(inputs: list[str], out_dir: str) -> None:
     tokens (or deleted with the old data)."""
     out = os.path.realpath(out_dir)
     for path in inputs:
-        if path == STDLIB:
+        if path == STDLIB or loc.is_url(path):
             continue
         real = os.path.realpath(path)
         if real == out or os.path.commonpath([real, out]) == out:
@@ -224,16 +198,22 @@ def prepare_dataset(
     num_workers: int | None = None,
     progress: bool = True,
     verify: str = "full",
+    dedup: bool = False,
+    chunk_tokens: int = 2**20,
 ) -> dict:
     """Tokenize inputs into out_dir (see module doc) and return the manifest.
 
     progress=False also silences the "cached" / summary messages. verify: how the cache
-    check reads existing shards (VERIFY_LEVELS; `data prepare` hashes them all).
+    check reads existing shards (VERIFY_LEVELS; `data prepare` hashes them all). dedup:
+    drop exact duplicate documents (the first occurrence wins). chunk_tokens: tokens per
+    chunk checksum (chunk_sha256) for streaming readers.
     """
     if not 0 <= val_fraction < 1:
         raise UserError(f"val_fraction={val_fraction} must be in [0, 1), e.g. 0.01 for 1% validation data")
     if not isinstance(shard_tokens, int) or shard_tokens < 1:
         raise UserError(f"shard_tokens={shard_tokens} must be a positive integer (default 2**24)")
+    if not isinstance(chunk_tokens, int) or isinstance(chunk_tokens, bool) or chunk_tokens < 1:
+        raise UserError(f"chunk_tokens={chunk_tokens} must be a positive integer (default 2**20)")
     if num_workers is not None and num_workers < 1:
         raise UserError(f"num_workers={num_workers} must be >= 1 (or None for one per CPU core)")
     num_workers = num_workers or cpu_count()
@@ -244,7 +224,8 @@ def prepare_dataset(
     tok = get_tokenizer(tokenizer)
     dtype = token_dtype(tok.vocab_size)
     fingerprint = fingerprint_inputs(inputs)
-    settings = {"text_field": text_field, "val_fraction": val_fraction, "shard_tokens": shard_tokens}
+    settings = {"text_field": text_field, "val_fraction": val_fraction, "shard_tokens": shard_tokens,
+                "dedup": bool(dedup), "chunk_tokens": chunk_tokens}
 
     _refuse_inputs_inside(inputs, out_dir)
     existing = _existing_manifest(out_dir)
@@ -259,17 +240,19 @@ def prepare_dataset(
         )
         return existing
 
-    parent, name = os.path.split(os.path.abspath(out_dir))
+    unit_bytes = min(units_mod.UNIT_BYTES, max(MIN_UNIT_BYTES, fingerprint["bytes"] // TARGET_UNITS))
+    work = _work_dir(out_dir, fingerprint, tok, dtype, settings, unit_bytes)
+    lock = _lock(work, out_dir)
     try:
-        os.makedirs(parent, exist_ok=True)
-        tmp_dir = tempfile.mkdtemp(dir=parent, prefix=f".{name}.tmp-")
-    except OSError as e:
-        raise UserError(f"cannot write the output folder {out_dir!r} ({e.strerror}); choose a writable --out") from None
-    try:
-        manifest = _build(inputs, tok, dtype, tmp_dir, text_field, val_fraction, shard_tokens, num_workers, fingerprint, settings, progress)
-        _swap_into_place(tmp_dir, out_dir, existing)
+        manifest = _build(inputs, tok, dtype, work, out_dir, settings, unit_bytes, num_workers, fingerprint, progress, console)
+        _swap_into_place(os.path.join(work, "out"), out_dir, existing)
+    except KeyboardInterrupt:
+        # Finished units stay in the work folder: the next run with the same inputs resumes.
+        console.print(f"[data] interrupted: finished units kept in {work}; run the same command again to resume",
+                      markup=False, highlight=False, soft_wrap=True)
+        raise
     except BaseException as e:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        shutil.rmtree(work, ignore_errors=True)
         # At most one token per input byte (byte-level; subword tokenizers need fewer).
         needed = fingerprint["bytes"] * dtype.itemsize
         # numpy's tofile drops the errno ("N requested and M written"): then the free space tells.
@@ -278,16 +261,48 @@ def prepare_dataset(
                     if existing is not None else "the partial output was removed")
             raise disk_full_error("the token shards", out_dir, needed, kept) from None
         raise
+    finally:
+        lock.close()
+    shutil.rmtree(work, ignore_errors=True)
     s = manifest["splits"]
+    dropped = f", {manifest['dropped_duplicates']:,} duplicates dropped" if dedup else ""
     console.print(
         f"[data] wrote {out_dir}: {s['train']['tokens']:,} train + {s['val']['tokens']:,} val tokens "
-        f"({manifest['dtype']}, {manifest['documents']:,} documents, {manifest['replaced_chars']:,} replaced chars) "
+        f"({manifest['dtype']}, {manifest['documents']:,} documents{dropped}, {manifest['replaced_chars']:,} replaced chars) "
         f"in {manifest['seconds']:.1f}s",
         markup=False,
         highlight=False,
         soft_wrap=True,
     )
     return manifest
+
+
+def _work_dir(out_dir: str, fingerprint: dict, tok: Tokenizer, dtype: np.dtype, settings: dict, unit_bytes: int) -> str:
+    """The work folder next to out_dir, named by what decides the units' contents, so a rerun
+    of the same prepare finds the units an interrupted one finished."""
+    key = json.dumps([os.path.abspath(out_dir), fingerprint["sha256"], tok.spec, tok.fingerprint, dtype.name,
+                      settings["text_field"], settings["dedup"], unit_bytes, FORMAT_VERSION])
+    parent, name = os.path.split(os.path.abspath(out_dir))
+    work = os.path.join(parent, f".{name}.prepare-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
+    try:
+        os.makedirs(work, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"cannot write the output folder {out_dir!r} ({e.strerror}); choose a writable --out") from None
+    return work
+
+
+def _lock(work: str, out_dir: str):
+    """An exclusive lock on the work folder: two prepares of the same data must not share it."""
+    import fcntl
+
+    f = open(os.path.join(work, ".lock"), "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise UserError(f"another `slipstream data prepare` is writing {out_dir!r} right now (it holds {work}); "
+                        f"wait for it to finish or stop it") from None
+    return f
 
 
 def _copy_tokenizer_file(tok: Tokenizer, folder: str) -> str | None:
@@ -321,44 +336,44 @@ def _same_build(manifest: dict, fingerprint: dict, tok: Tokenizer, settings: dic
     return True
 
 
-def _build(inputs, tok, dtype, folder, text_field, val_fraction, shard_tokens, num_workers, fingerprint, settings, progress) -> dict:
-    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-
+def _build(inputs, tok, dtype, work, out_dir, settings, unit_bytes, num_workers, fingerprint, progress, console) -> dict:
     t0 = time.time()
+    text_field, dedup = settings["text_field"], settings["dedup"]
+    units = units_mod.plan_units(plan(inputs, text_field, unit_bytes), unit_bytes)
+    done = units_mod.read_journal(work, len(units), dtype.itemsize, dedup)
+    for name in os.listdir(work):  # part files of units that never finished are redone from scratch
+        if name.startswith("unit_") and (name.endswith(".partial") or int(name[5:11]) not in done):
+            os.remove(os.path.join(work, name))
+    if done:
+        console.print(f"[data] resuming {out_dir}: kept {len(done)} of {len(units)} units finished by an interrupted "
+                      f"run, redoing {len(units) - len(done)}", markup=False, highlight=False, soft_wrap=True)
+    _tokenize_units(units, done, tok, dtype, work, text_field, dedup, num_workers, progress)
+
+    entries = [done[i] for i in range(len(units))]
     stats = SourceStats()
-    chunks = chunk_documents(iter_documents(inputs, text_field=text_field, stats=stats), CHUNK_CHARS)
-    # A corpus that fits in one chunk is faster to encode here than to ship to workers.
-    head = list(itertools.islice(chunks, 2))
-    chunks = itertools.chain(head, chunks)
-    pool = make_pool(num_workers, tok.spec, dtype) if num_workers > 1 and len(head) > 1 else None
+    for entry in entries:
+        stats.add(entry["stats"])
+    if stats.documents == 0:
+        raise empty_corpus(inputs, text_field)
+    lengths, keeps, dropped = units_mod.keep_masks(work, entries, dedup)
+    kept = np.concatenate([n[k] for n, k in zip(lengths, keeps)])
+    train_tokens, val_docs, split_by = _choose_split(kept, settings["val_fraction"])
 
-    writer = ShardWriter(folder, shard_tokens)
-    doc_lengths = []
-    columns = [TextColumn("[data] tokenizing", markup=False), BarColumn(), DownloadColumn(), TimeElapsedColumn(), TimeRemainingColumn(), TextColumn("{task.fields[tokens]:,} tokens")]
+    folder = os.path.join(work, "out")
+    shutil.rmtree(folder, ignore_errors=True)  # what an interrupted assembly left
+    os.mkdir(folder)
+    with_mask = any(e["mask"] for e in entries)
+    asm = units_mod.ShardAssembler(folder, dtype, settings["shard_tokens"], settings["chunk_tokens"], train_tokens, with_mask)
     try:
-        with Progress(*columns, disable=not progress) as bar:
-            task = bar.add_task("tokenize", total=fingerprint["bytes"] or None, tokens=0)
-            results = pool.imap(encode_in_worker, chunks) if pool else (encode_chunk(tok, dtype, c) for c in chunks)
-            n_tokens = 0
-            for tokens, lengths in results:
-                writer.write(tokens)
-                doc_lengths.append(lengths)
-                n_tokens += len(tokens)
-                bar.update(task, completed=stats.bytes, tokens=n_tokens)
+        for entry, n, k in zip(entries, lengths, keeps):
+            units_mod.assemble_unit(asm, work, entry, n, k, dtype.itemsize, dtype)
     finally:
-        writer.close()
-        if pool is not None:
-            pool.terminate()
-            pool.join()
-
-    doc_lengths = np.concatenate(doc_lengths)
-    train_tokens, val_docs, split_by = _choose_split(doc_lengths, val_fraction)
-    train_parts, val_parts = _cut_parts(writer.parts, train_tokens, dtype.itemsize)
+        asm.close()
     splits = {}
-    for split, parts in (("train", train_parts), ("val", val_parts)):
-        shards = _finalize_split(folder, split, parts, dtype)
+    for split in ("train", "val"):
+        shards = asm.shards[split]
         splits[split] = {"tokens": sum(s["tokens"] for s in shards), "shards": shards}
-    n_docs = len(doc_lengths)
+    n_docs = len(kept)
     splits["train"]["documents"] = n_docs - val_docs
     splits["val"]["documents"] = val_docs
 
@@ -377,14 +392,54 @@ def _build(inputs, tok, dtype, folder, text_field, val_fraction, shard_tokens, n
         "skipped_files": stats.skipped_files,
         "input_bytes": stats.bytes,
         "replaced_chars": stats.replaced_chars,
+        "dedup": dedup,
+        "dropped_duplicates": dropped,
+        "chunk_tokens": settings["chunk_tokens"],
+        "loss_mask": with_mask,
+        "units": len(units),
         "inputs": fingerprint,
         "settings": settings,
         "tokenizer_file": _copy_tokenizer_file(tok, folder),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "seconds": round(time.time() - t0, 3),
     }
+    _write_manifest(folder, manifest)
+    return manifest
+
+
+def _write_manifest(folder: str, manifest: dict) -> None:
     with open(os.path.join(folder, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=2)
         f.write("\n")
         fsync_close(f)
-    return manifest
+
+
+def _tokenize_units(units, done, tok, dtype, work, text_field, dedup, num_workers, progress) -> None:
+    """Run the units not yet done (in parallel when there are workers and several units),
+    journaling each as it finishes; progress in input bytes, MB/s, ETA and tokens."""
+    from rich.progress import (BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn,
+                               TransferSpeedColumn)
+
+    todo = [i for i in range(len(units)) if i not in done]
+    pool = make_pool(num_workers, tok.spec, dtype) if num_workers > 1 and len(todo) > 1 else None
+    columns = [TextColumn("[data] tokenizing", markup=False), BarColumn(), DownloadColumn(), TransferSpeedColumn(),
+               TimeRemainingColumn(), TextColumn("{task.fields[tokens]:,} tokens")]
+    try:
+        with Progress(*columns, disable=not progress) as bar:
+            total = sum(p[4] for u in units for p in u)
+            task = bar.add_task("tokenize", total=total or None, tokens=sum(e["tokens"] for e in done.values()))
+            # Kept units count as read: the speed and ETA are those of the work left.
+            bar.update(task, completed=sum(e["bytes"] for e in done.values()))
+            args = [(work, i, units[i], text_field, dedup) for i in todo]
+            if pool is not None:
+                results = pool.imap_unordered(units_mod.run_unit_in_worker, args)
+            else:
+                results = (units_mod.run_unit(tok, dtype, *a) for a in args)
+            for entry in results:
+                units_mod.append_journal(work, entry)
+                done[entry["unit"]] = entry
+                bar.update(task, advance=entry["bytes"], tokens=bar.tasks[0].fields["tokens"] + entry["tokens"])
+    finally:
+        if pool is not None:
+            pool.terminate()
+            pool.join()

@@ -1,0 +1,162 @@
+"""Where inputs live: local paths, or any fsspec URL (file://, memory://, s3://, gs://, hf://).
+
+Everything that touches an input's bytes opens it through here, so one place decides how a
+URL is reached and turns the errors of remote stores (missing object, no network, no
+credentials, access denied) into UserErrors that name the input and the fix. Credentials
+come from the environment exactly as fsspec and its backends (s3fs, gcsfs, huggingface_hub)
+read them: nothing here takes or stores a secret.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import BinaryIO, Iterator
+
+from slipstream.errors import UserError
+
+# Shown when a store says it has no credentials: the variables its library reads.
+CREDENTIAL_HINTS = {
+    "s3": "set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or AWS_PROFILE; AWS_ENDPOINT_URL for an S3-compatible server)",
+    "gs": "set GOOGLE_APPLICATION_CREDENTIALS to a service-account JSON file (or run `gcloud auth application-default login`)",
+    "gcs": "set GOOGLE_APPLICATION_CREDENTIALS to a service-account JSON file (or run `gcloud auth application-default login`)",
+    "hf": "set HF_TOKEN (or run `huggingface-cli login`)",
+}
+_CREDENTIAL_ERRORS = {"NoCredentialsError", "PartialCredentialsError", "CredentialRetrievalError",
+                      "DefaultCredentialsError", "RefreshError", "GatedRepoError"}
+
+
+def is_url(path: str) -> bool:
+    return isinstance(path, str) and "://" in path
+
+
+def protocol(url: str) -> str:
+    return url.split("://", 1)[0].lower()
+
+
+def translate(e: BaseException, path: str) -> UserError | None:
+    """The UserError for an exception raised while reaching `path`, or None when it is not
+    about reaching it (a bug, Ctrl-C: those go up unchanged)."""
+    if isinstance(e, UserError) or not isinstance(e, Exception):
+        return None
+    name = type(e).__name__
+    chain = [e, e.__cause__, e.__context__]
+    if any(c is not None and type(c).__name__ in _CREDENTIAL_ERRORS for c in chain):
+        hint = CREDENTIAL_HINTS.get(protocol(path) if is_url(path) else "", "configure the credentials its fsspec backend reads")
+        return UserError(f"{path}: no credentials to read it ({type(e).__name__}); {hint}, then run again")
+    if isinstance(e, FileNotFoundError):
+        return UserError(f"input path does not exist: {path!r}; check the spelling (and, for a URL, the bucket and prefix)")
+    if isinstance(e, PermissionError) or name in ("AccessDenied", "Forbidden"):
+        return UserError(f"{path}: access denied ({e}); check that your credentials may read it")
+    if isinstance(e, ImportError):
+        return UserError(f"{path}: reading {protocol(path)}:// URLs needs a package that is not installed ({e}); "
+                         f"pip install it (e.g. s3fs for s3://, gcsfs for gs://, huggingface_hub for hf://)")
+    if isinstance(e, (OSError, ConnectionError, TimeoutError)) or "Connect" in name or "Endpoint" in name or "Timeout" in name:
+        return UserError(f"{path}: cannot be reached ({type(e).__name__}: {e}); check the URL, the network and the "
+                         f"endpoint (AWS_ENDPOINT_URL for S3-compatible servers)")
+    if is_url(path) and name in ("ValueError", "ClientError", "HTTPError", "ClientResponseError"):
+        return UserError(f"{path}: the store refused the request ({type(e).__name__}: {e}); check the URL and your access")
+    return None
+
+
+@contextlib.contextmanager
+def reaching(path: str) -> Iterator[None]:
+    """Run a block that opens or lists `path`, translating storage errors (see translate)."""
+    try:
+        yield
+    except Exception as e:
+        err = translate(e, path)
+        if err is None:
+            raise
+        raise err from None
+
+
+def _fs(url: str):
+    import fsspec
+
+    with reaching(url):
+        return fsspec.core.url_to_fs(url)
+
+
+def exists(path: str) -> bool:
+    if not is_url(path):
+        return os.path.exists(path)
+    fs, p = _fs(path)
+    with reaching(path):
+        return fs.exists(p)
+
+
+def isdir(path: str) -> bool:
+    if not is_url(path):
+        return os.path.isdir(path)
+    fs, p = _fs(path)
+    with reaching(path):
+        return fs.isdir(p)
+
+
+def size(path: str) -> int:
+    if not is_url(path):
+        return os.path.getsize(path)
+    fs, p = _fs(path)
+    with reaching(path):
+        return int(fs.size(p))
+
+
+def join(folder: str, name: str) -> str:
+    return f"{folder.rstrip('/')}/{name}" if is_url(folder) else os.path.join(folder, name)
+
+
+def open_binary(path: str) -> BinaryIO:
+    """A seekable binary file object for a local path or a URL."""
+    if not is_url(path):
+        return open(path, "rb")
+    fs, p = _fs(path)
+    with reaching(path):
+        return fs.open(p, "rb")
+
+
+def walk_files(root: str, skip_dirs: frozenset[str] | set[str] = frozenset(), suffix: str | None = None) -> list[str]:
+    """Every regular file below root (local folder or URL prefix), skipping hidden files and
+    folders, sorted by relative path so the order never depends on the filesystem."""
+    if is_url(root):
+        return [f for f, _info in walk_url(root, suffix)]
+    found = []
+    # followlinks=False: a symlink loop must not hang the walk; symlinked files still count.
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in skip_dirs]
+        for name in filenames:
+            if name.startswith(".") or (suffix and not name.endswith(suffix)):
+                continue
+            path = os.path.join(dirpath, name)
+            if os.path.isfile(path):
+                found.append(path)
+    found.sort(key=lambda p: os.path.relpath(p, root).replace(os.sep, "/"))
+    return found
+
+
+def walk_url(root: str, suffix: str | None = None) -> list[tuple[str, dict]]:
+    """(url, info) of every file below a URL prefix, sorted by relative path; a URL naming a
+    file gives just that file."""
+    fs, base = _fs(root)
+    with reaching(root):
+        if not fs.isdir(base):
+            return [(root, fs.info(base))]
+        listing = fs.find(base, detail=True)
+    out = []
+    for p, info in listing.items():
+        rel = p[len(base):].lstrip("/") if p.startswith(base) else p
+        if info.get("type", "file") != "file" or any(part.startswith(".") for part in rel.split("/")):
+            continue
+        if suffix and not rel.endswith(suffix):
+            continue
+        out.append((rel, info))
+    out.sort(key=lambda item: item[0])
+    return [(join(root, rel), info) for rel, info in out]
+
+
+def url_identity(info: dict) -> str:
+    """What tells a remote file's version: its ETag / checksum / mtime, whichever the store gives."""
+    for key in ("ETag", "etag", "md5", "sha256", "blob_id", "mtime", "LastModified", "last_modified", "updated", "created"):
+        if info.get(key) is not None:
+            return f"{key}={info[key]}"
+    return ""
