@@ -286,3 +286,26 @@ def test_a_damaged_saved_state_is_a_clear_error(sources):
         _loader(sources, {"a": 0.5, "b": 0.5}).load_state_dict(state)
     with pytest.raises(UserError, match="TokenLoader"):
         _loader(sources, {"a": 0.5, "b": 0.5}).load_state_dict({"kind": "TokenLoader", "batch_index": 3})
+
+
+@pytest.mark.parametrize("resume_at", [3, 5])
+def test_streamed_sources_mix_and_resume_exactly(sources, tmp_path, resume_at):
+    """data.streaming = true reads every source through the streaming loader (here from local
+    folders, which it reads like URLs); a source resumes at its own window count."""
+    pytest.importorskip("slipstream.data.streaming")
+    mix = {"a": 0.6, "b": 0.4}
+    extra = ("--data.streaming=true", f"--data.cache_dir={tmp_path / 'cache'}")
+    data = open_mixture(_cfg(sources, mix, *extra))
+    assert data.location == sources["a"] and data.local_dir is None
+    straight = _loader(sources, mix, 0, 1, *extra)
+    batches = _take(straight, 8)
+    assert {_source_of(row) for x, _ in batches for row in x} == {"a", "b"}
+    first = _loader(sources, mix, 0, 1, *extra)
+    _take(first, resume_at)
+    resumed = _loader(sources, mix, 0, 1, *extra)
+    resumed.load_state_dict(json.loads(json.dumps(first.state_dict())))
+    assert _same(_take(resumed, 8 - resume_at), batches[resume_at:])
+    windows = mixture_val_windows(_cfg(sources, mix, *extra, f"--train.eval_tokens={10 * SEQ}"))
+    assert windows.n_windows == 10 and sum(1 for _ in windows) == len(windows)
+    for loader in (straight, first, resumed):
+        loader.close()

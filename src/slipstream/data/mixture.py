@@ -145,10 +145,23 @@ class _Windows:
         """Continue at window `position` of a loader state saved by this layout; resharded: the
         state was saved by another number of ranks and `position` is the furthest any had read
         (the loader reshards it, rounding up to a block so no window of the furthest is read twice)."""
-        state = {**saved_state, "batch_index": -(-position // BLOCK) if resharded else position // BLOCK}
+        block = -(-position // BLOCK) if resharded else position // BLOCK
+        state = {**saved_state, "batch_index": block}
+        if state.get("kind") == "StreamingTokenLoader":
+            state.update(_stream_position(self.loader, block * BLOCK))
         self.loader.load_state_dict(state)
         self._block = None
         self.position = self.loader.state_dict()["batch_index"] * BLOCK if resharded else position
+
+
+def _stream_position(loader, windows: int) -> dict[str, int]:
+    """The epoch and position of a StreamingTokenLoader that has handed out `windows` windows:
+    its epochs hold the same number of windows on every rank (see streaming.py)."""
+    epoch = 0
+    while windows >= (per_epoch := loader._plan(epoch)[2]):
+        windows -= per_epoch
+        epoch += 1
+    return {"epoch": epoch, "position": windows}
 
 
 class MixtureLoader:
@@ -320,9 +333,9 @@ def open_source_loader(cfg: Config, name: str, location: str, split: str, rank: 
         if _streams(cfg, location):
             from slipstream.data.streaming import StreamingTokenLoader
 
-            cache = os.path.join(d.cache_dir, name) if d.cache_dir else ""
+            # Each URL gets its own folder under data.cache_dir (streaming.cache_root).
             return StreamingTokenLoader(location, split, BLOCK, t.seq_len, seed=seed, rank=rank, world_size=world_size,
-                                        device="cpu", cache_dir=cache, cache_bytes=d.cache_bytes,
+                                        device="cpu", cache_dir=d.cache_dir, cache_bytes=d.cache_bytes,
                                         readahead=d.readahead, threads=d.stream_threads, retries=d.retries)
         return TokenLoader(location, split, BLOCK, t.seq_len, seed=seed, mode=d.sampling, rank=rank,
                            world_size=world_size, device="cpu", prefetch=0, num_workers=0, augment=d.augment,
