@@ -169,3 +169,14 @@ def test_train_cli_document_packing(many_docs_dir, tmp_path):
         finals[packing] = summary["final_loss"]
     assert all(v == v for v in finals.values())  # finite, not nan
     assert finals["eos"] != finals["document"]  # the switch took effect
+
+
+def test_bench_packing_smoke(tmp_path):
+    from slipstream.cli import main
+
+    out = tmp_path / "packing.json"
+    assert main(["bench", "packing", "--size", "ci", "--rounds", "1", "--steps", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert set(result["training"]) == {"eos", "dense"} and result["training"]["eos"]["vs_eos"] == 1.0
+    assert "flex" in result["not_run"] and "flex-eager" in result["evaluation"]
+    assert result["documents_per_row"] > 2 and result["env"]["torch_version"] == torch.__version__

@@ -10,6 +10,7 @@
     slipstream bench ladder [memory|speed|both] [--device D --size S --repeats N --steps N --batch B]
     slipstream bench planner [--device cpu|cuda] [--cases grid|stratified] [--out FILE]
     slipstream bench gpu [--dry-run] [--only ITEM ...] [--out-dir DIR]
+    slipstream bench packing [--size default|ci --rounds N --steps N --device D --out FILE]
 """
 
 from __future__ import annotations
@@ -190,6 +191,15 @@ def cmd_bench_gpu(args: argparse.Namespace, extra: list[str]) -> int:
     return 1 if summary["failed"] else 0
 
 
+def cmd_bench_packing(args: argparse.Namespace, extra: list[str]) -> int:
+    from slipstream.perf.packing_bench import run_packing_bench
+
+    no_extra(extra)
+    refuse_existing(args.out, args.force)  # an explicit --out; the default benchmarks/ file is refreshed
+    run_packing_bench(size=args.size, rounds=args.rounds, steps=args.steps, device=args.device, out=args.out)
+    return 0
+
+
 def _add_data_dir_and_out(p: argparse.ArgumentParser, default_out: str) -> None:
     """--data-dir, --out and --force of a bench that trains on the prepared corpus."""
     p.add_argument("--data-dir", default="", help="prepared data folder (default: the stdlib corpus, prepared once)")
@@ -294,3 +304,14 @@ def add_commands(sub) -> None:
     p = bench.add_parser("gpu", help="every CUDA-only check and benchmark on one GPU, under 8 minutes")
     add_gpu_arguments(p)
     p.set_defaults(func=cmd_bench_gpu)
+    p = bench.add_parser("packing", help="training tokens/s with data.packing = eos vs document (dense SDPA mask, "
+                                         "FlexAttention where it trains)")
+    p.add_argument("--size", default="default", choices=["default", "ci"],
+                   help="default = 4 blocks of width 256 at seq_len 512, documents of 128 tokens on average; "
+                        "ci = a seconds-long smoke run for tests (needs --out)")
+    p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of every variant")
+    p.add_argument("--steps", type=int, default=3, help="training steps per variant and round")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--out", default="", help="JSON file (default benchmarks/packing-<device>.json)")
+    add_force(p)
+    p.set_defaults(func=cmd_bench_packing)

@@ -14,8 +14,10 @@ Kernels:
   flex   torch.nn.attention.flex_attention with a block mask (create_block_mask): blocks
          outside every document are skipped, so the cost falls with the documents' lengths.
          On CUDA it runs compiled (a fused kernel). On CPU torch (2.11 to 2.13) runs its
-         forward only ("FlexAttention does not support backward on CPU"), eager (which
-         materializes the scores) or compiled: usable for evaluation, not for training.
+         forward only ("FlexAttention does not support backward on CPU"): usable for
+         evaluation, not for training; eager by default there (eager materializes the scores:
+         ~8x slower than dense SDPA at T = 512; compiled=True is on par with it after a
+         ~6 s compile per shape, `slipstream bench packing`).
   dense  scaled_dot_product_attention with a boolean (B, 1, T, T) mask: exact on every
          device and dtype, with dropout, at the cost of a T x T mask per row and attention
          over the whole row (no skipped blocks).
@@ -82,7 +84,7 @@ class DocumentMask:
     position inside its document."""
 
     def __init__(self, doc_ids: torch.Tensor, kernel: str = "auto", dropout: float = 0.0,
-                 needs_grad: bool | None = None) -> None:
+                 needs_grad: bool | None = None, compiled: bool | None = None) -> None:
         if kernel not in KERNELS:
             raise UserError(f"document mask kernel {kernel!r} is unknown; use one of {', '.join(KERNELS)}")
         if doc_ids.dim() != 2 or doc_ids.dtype.is_floating_point:
@@ -101,6 +103,7 @@ class DocumentMask:
                 raise UserError(f"document mask kernel 'flex' has no attention dropout (model.dropout = {dropout}); "
                                 "use kernel 'dense' or 'auto', or model.dropout = 0")
         self.kernel, self.doc_ids = kernel, doc_ids
+        self.compiled = device.type == "cuda" if compiled is None else compiled
         self.positions = positions_in_document(doc_ids)
         B, T = doc_ids.shape
         if kernel == "dense":
@@ -127,7 +130,7 @@ class DocumentMask:
                                                   enable_gqa=enable_gqa)
         if dropout_p > 0:
             raise UserError("document mask kernel 'flex' has no attention dropout; use kernel 'dense' or 'auto'")
-        if q.device.type == "cuda":
+        if self.compiled:
             flex = _compiled_flex()
         else:
             from torch.nn.attention.flex_attention import flex_attention as flex
