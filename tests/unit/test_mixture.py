@@ -309,3 +309,10 @@ def test_streamed_sources_mix_and_resume_exactly(sources, tmp_path, resume_at):
     assert windows.n_windows == 10 and sum(1 for _ in windows) == len(windows)
     for loader in (straight, first, resumed):
         loader.close()
+
+
+def test_an_unreachable_url_source_is_named(sources):
+    pytest.importorskip("slipstream.data.streaming")
+    cfg = _cfg({**sources, "b": "http://127.0.0.1:9/nothing"}, {"a": 0.5, "b": 0.5}, "--data.retries=1")
+    with pytest.raises(UserError, match=r"data.sources.b: .*http://127.0.0.1:9/nothing"):
+        open_mixture(cfg)

@@ -83,11 +83,11 @@ def _locations(cfg: Config) -> dict[str, str]:
 
 
 def _open_source(cfg: Config, name: str, location: str, check: bool) -> TrainData:
-    if _streams(cfg, location):
-        from slipstream.data.streaming import open_stream_url
-
-        return open_stream_url(location, cfg, check)
     try:
+        if _streams(cfg, location):
+            from slipstream.data.streaming import open_stream_url
+
+            return open_stream_url(location, cfg, check)
         manifest = load_manifest(location)
         if check:
             verify_manifest(location, checksums=wants_checksums(cfg.data.verify, manifest))
