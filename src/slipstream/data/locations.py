@@ -44,18 +44,29 @@ def translate(e: BaseException, path: str) -> UserError | None:
     if any(c is not None and type(c).__name__ in _CREDENTIAL_ERRORS for c in chain):
         hint = CREDENTIAL_HINTS.get(protocol(path) if is_url(path) else "", "configure the credentials its fsspec backend reads")
         return UserError(f"{path}: no credentials to read it ({type(e).__name__}); {hint}, then run again")
-    if isinstance(e, FileNotFoundError):
+    if isinstance(e, FileNotFoundError) and not _unreachable(e):
         return UserError(f"input path does not exist: {path!r}; check the spelling (and, for a URL, the bucket and prefix)")
     if isinstance(e, PermissionError) or name in ("AccessDenied", "Forbidden"):
         return UserError(f"{path}: access denied ({e}); check that your credentials may read it")
     if isinstance(e, ImportError):
         return UserError(f"{path}: reading {protocol(path)}:// URLs needs a package that is not installed ({e}); "
                          f"pip install it (e.g. s3fs for s3://, gcsfs for gs://, huggingface_hub for hf://)")
-    if isinstance(e, (OSError, ConnectionError, TimeoutError)) or "Connect" in name or "Endpoint" in name or "Timeout" in name:
-        return UserError(f"{path}: cannot be reached ({type(e).__name__}: {e}); check the URL, the network and the "
+    if isinstance(e, OSError) or _unreachable(e):
+        c = _unreachable(e) or e
+        return UserError(f"{path}: cannot be reached ({type(c).__name__}: {c}); check the URL, the network and the "
                          f"endpoint (AWS_ENDPOINT_URL for S3-compatible servers)")
     if is_url(path) and name in ("ValueError", "ClientError", "HTTPError", "ClientResponseError"):
         return UserError(f"{path}: the store refused the request ({type(e).__name__}: {e}); check the URL and your access")
+    return None
+
+
+def _unreachable(e: BaseException) -> BaseException | None:
+    """Whether e (or what caused it: fsspec's HTTP store reports a refused connection as
+    FileNotFoundError) is a failure to reach the store at all."""
+    for c in (e, e.__cause__, e.__context__):
+        name = type(c).__name__
+        if isinstance(c, (ConnectionError, TimeoutError)) or any(w in name for w in ("Connect", "Endpoint", "Timeout")):
+            return c
     return None
 
 
@@ -82,8 +93,16 @@ def exists(path: str) -> bool:
     if not is_url(path):
         return os.path.exists(path)
     fs, p = _fs(path)
+    # info, not fs.exists: exists answers False when the store cannot be reached at all,
+    # which would blame the spelling for a network or credentials problem.
     with reaching(path):
-        return fs.exists(p)
+        try:
+            fs.info(p)
+        except FileNotFoundError as e:
+            if _unreachable(e):
+                raise
+            return False
+    return True
 
 
 def isdir(path: str) -> bool:
