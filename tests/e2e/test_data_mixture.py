@@ -111,3 +111,22 @@ def test_tensor_parallel_ranks_read_the_same_mixed_batch(straight, mixture_args,
     assert len(records) == STEPS
     assert [r["loss"] for r in records] == pytest.approx(_losses(straight), rel=1e-5)
     assert [r["data/tokens/b"] for r in records] == [r["data/tokens/b"] for r in _records(straight)]
+
+
+@pytest.mark.timeout(200)
+def test_two_data_parallel_ranks_resume_from_rank0s_state(mixture_args, tmp_path):
+    """Each rank reads its own sequences; the checkpoint holds rank 0's loader state, which
+    knows every rank's position in every source: the resumed job logs the straight job's losses."""
+    launch = ["launch", "local", "--nproc", "2"]
+    run = tmp_path / "dp2"
+    _run([*mixture_args, f"--run.dir={run}", "--train.micro_batch_size=2", "--parallel.dp_strategy=ddp"], launch)
+    records = _records(run)
+    assert [r["data/tokens/a"] + r["data/tokens/b"] for r in records] == [r["tokens"] for r in records]
+    assert records[-1]["tokens"] == STEPS * 2 * 2 * SEQ  # both ranks' sequences
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed)
+    shutil.rmtree(resumed / "checkpoints" / "step_00000006")
+    out = _run([*mixture_args, f"--run.dir={resumed}", "--train.micro_batch_size=2", "--parallel.dp_strategy=ddp",
+                "--checkpoint.resume=auto"], launch)
+    assert "resumed from" in out
+    assert _losses(resumed) == pytest.approx(_losses(run), rel=1e-6)
