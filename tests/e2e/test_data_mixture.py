@@ -3,7 +3,8 @@
 One straight CLI run is the reference for everything else: its records carry the tokens per
 source, a resume from its step-3 checkpoint logs the same losses, a resume with new weights
 says so and logs them, and a `launch local --nproc 2 --parallel.tp=2` run (both tensor-parallel
-ranks read the same batch) logs its losses within 1e-5.
+ranks read the same batch) logs its losses within 1e-5. A two-rank data-parallel job resumes
+from rank 0's loader state (it holds every rank's position in every source) exactly.
 """
 
 from __future__ import annotations
