@@ -142,6 +142,9 @@ class StreamingTokenLoader:
         if readahead < 0:
             raise UserError(f"data.readahead={readahead} must be >= 0")
         self.remote = Remote(url, retries)
+        # A manifest handed in was fetched from this URL already: the host is reachable, so a
+        # connection error from now on is a transient one, retried.
+        self.remote.reached = manifest is not None
         self.manifest = manifest if manifest is not None else fetch_manifest(self.remote)
         self.url, self.split, self.batch_size, self.seq_len, self.seed = url, split, batch_size, seq_len, seed
         self.rank, self.world_size, self.readahead = rank, world_size, readahead
@@ -220,7 +223,11 @@ class StreamingTokenLoader:
         out = []
         while len(out) <= self.readahead:
             mine = self._plan(epoch)[0]
-            out.extend(self.chunks[int(c)] for c in mine[j:j + self.readahead + 1 - len(out)])
+            for c in mine[j:].tolist():
+                if len(out) > self.readahead:
+                    break
+                if self._windows[c] > 0 or not out:  # a chunk shorter than one window is never read
+                    out.append(self.chunks[c])
             epoch, j = epoch + 1, 0
         return out
 
@@ -320,6 +327,7 @@ class StreamingEvalWindows(EvalWindows):
         check_positive(batch_size=batch_size, seq_len=seq_len, max_tokens=max_tokens)
         check_rank(rank, world_size)
         self.remote = Remote(url, retries)
+        self.remote.reached = manifest is not None  # as in StreamingTokenLoader
         manifest = manifest if manifest is not None else fetch_manifest(self.remote)
         if split not in manifest["splits"]:
             raise UserError(f"split {split!r} not found in {url}; available: {', '.join(manifest['splits'])}")
@@ -402,8 +410,11 @@ class StreamingEvalWindows(EvalWindows):
         shape = (2 if self._masked else 1, len(starts), self.seq_len + 1)
         rows = None
         if os.path.isfile(path):
-            rows = np.load(path, allow_pickle=False)  # written below by this code: one int64 array
-            rows = rows if rows.shape == shape else None
+            try:
+                rows = np.load(path, allow_pickle=False)  # written below by this code: one int64 array
+            except (OSError, ValueError):
+                rows = None  # damaged on this disk: read the windows again
+            rows = rows if rows is not None and rows.shape == shape else None
         if rows is None:
             rows = self._read_all(starts)
             for entry in os.scandir(self._folder):  # windows of other settings: ours (marked folder, our prefix)
