@@ -62,8 +62,10 @@ def build_optimizer(model: nn.Module, cfg: Config, parallel=None):
 # --- the data a Trainer is given ------------------------------------------------------------------------------------
 
 def as_loader(data: Any, cfg: Config, device: torch.device, shuffle: bool, collate_fn=None, parallel=None):
-    """Wrap a map-style Dataset in our stateful loader (sharded over the data-parallel ranks);
-    pass stateful loaders through."""
+    """Wrap a map-style Dataset, TarShards or any IterableDataset in our stateful loaders (split
+    over the data-parallel ranks; shuffle=False, for validation, keeps the order and the last
+    partial batch); pass stateful loaders through. Streams and tar shards are read by
+    data.num_workers worker processes with data.prefetch batches each in flight, pinned on CUDA."""
     if data is None or (hasattr(data, "state_dict") and hasattr(data, "load_state_dict") and hasattr(data, "__iter__")
                         and not isinstance(data, torch.utils.data.Dataset)):
         dp = parallel.dims.dp if parallel else 1
@@ -73,14 +75,25 @@ def as_loader(data: Any, cfg: Config, device: torch.device, shuffle: bool, colla
                             f"read the same batches. Build it with rank={parallel.dp_rank if parallel else 0}, "
                             f"world_size={dp}, or pass a Dataset and let the Trainer shard it")
         return data
+    split = dict(rank=parallel.dp_rank if parallel else 0, world_size=parallel.dims.dp if parallel else 1)
+    if isinstance(data, torch.utils.data.IterableDataset):
+        from slipstream.data.iterable_loader import IterableLoader
+        from slipstream.data.tar_shards import TarShardLoader, TarShards
+
+        d = cfg.data
+        workers = dict(num_workers=d.num_workers, prefetch=d.prefetch, device=device, pin_memory=d.pin_memory)
+        if isinstance(data, TarShards):
+            return TarShardLoader(data, batch_size=cfg.train.micro_batch_size, shuffle=shuffle, seed=cfg.train.seed,
+                                  drop_last=shuffle, collate_fn=collate_fn, **workers, **split)
+        return IterableLoader(data, batch_size=cfg.train.micro_batch_size, seed=cfg.train.seed, drop_last=shuffle,
+                              collate_fn=collate_fn, **workers, **split)
     if isinstance(data, torch.utils.data.Dataset):
         from slipstream.data.loader import DatasetLoader
 
         return DatasetLoader(data, batch_size=cfg.train.micro_batch_size, shuffle=shuffle, seed=cfg.train.seed,
-                             drop_last=shuffle, collate_fn=collate_fn, device=device,
-                             rank=parallel.dp_rank if parallel else 0, world_size=parallel.dims.dp if parallel else 1)
-    raise UserError(f"train_data must be a torch Dataset or a stateful loader (state_dict/load_state_dict), "
-                    f"got {type(data).__name__}")
+                             drop_last=shuffle, collate_fn=collate_fn, device=device, **split)
+    raise UserError(f"train_data must be a torch Dataset (map-style or iterable), TarShards or a stateful loader "
+                    f"(state_dict/load_state_dict), got {type(data).__name__}")
 
 
 def batch_size_of(batch: Any) -> int:
