@@ -167,6 +167,7 @@ class StreamingTokenLoader:
                             f"data.readahead = {readahead} more ({readahead + 1} x {biggest:,} bytes); raise "
                             "data.cache_bytes, lower data.readahead, or prepare with a smaller --chunk-tokens")
         self._plans: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
+        self._order: tuple[tuple[int, int] | None, np.ndarray | None] = (None, None)  # window order of the chunk read
         self._plan(0)  # a split too small for this layout fails here, not at the first step
         folder = os.path.join(cache_root(url, cache_dir), f"{split}-rank{rank}")
         self.cache = ChunkCache(folder, cache_bytes, self.remote, self._dtype.itemsize, threads)
@@ -215,8 +216,10 @@ class StreamingTokenLoader:
         j = int(np.searchsorted(cum, position, side="right"))
         chunk = int(mine[j])
         k = position - (int(cum[j - 1]) if j else 0)
-        order = np.random.default_rng([seed_key(self.seed), epoch, chunk]).permutation(int(self._windows[chunk]))
-        return j, chunk, int(order[k]) * self.seq_len
+        if self._order[0] != (epoch, chunk):  # one permutation per chunk read, not per window
+            rng = np.random.default_rng([seed_key(self.seed), epoch, chunk])
+            self._order = ((epoch, chunk), rng.permutation(int(self._windows[chunk])))
+        return j, chunk, int(self._order[1][k]) * self.seq_len
 
     def _upcoming(self, epoch: int, j: int) -> list:
         """Chunk j of the epoch and the next `readahead` chunks of this rank's sequence."""
