@@ -69,8 +69,11 @@ def encode_records(tok: Tokenizer, dtype: np.dtype, records: list) -> tuple[np.n
             prompt_of.append(len(texts))
             texts.extend(r)
     encoded = _encode_texts(tok, texts)
+    # Byte ids arrive as uint8 arrays and concatenate straight into the token dtype; lists
+    # of ints become int64 first, so an id too big for the dtype is seen, not wrapped.
+    encoded = [e if isinstance(e, np.ndarray) else np.asarray(e, dtype=np.int64) for e in encoded]
     pieces, lengths, prompt_lens = [], [], []
-    eot = np.array([tok.eot_id], dtype=np.int64)
+    eot = np.array([tok.eot_id], dtype=dtype if tok.eot_id <= np.iinfo(dtype).max else np.int64)
     i = 0
     for p in prompt_of:
         if p < 0:
@@ -83,7 +86,7 @@ def encode_records(tok: Tokenizer, dtype: np.dtype, records: list) -> tuple[np.n
             lengths.append(len(encoded[i]) + len(encoded[i + 1]) + 1)
             prompt_lens.append(len(encoded[i]))
             i += 2
-    flat = np.concatenate([np.asarray(p, dtype=np.int64) for p in pieces]) if pieces else np.zeros(0, np.int64)
+    flat = np.concatenate(pieces) if pieces else np.zeros(0, dtype)
     _check_ids(tok, dtype, flat)
     lengths = np.asarray(lengths, dtype=np.int64)
     mask = None
@@ -92,7 +95,7 @@ def encode_records(tok: Tokenizer, dtype: np.dtype, records: list) -> tuple[np.n
         starts = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64)
         for start, n in zip(starts.tolist(), prompt_lens):
             mask[start : start + n] = 0
-    return flat.astype(dtype), lengths, mask
+    return flat.astype(dtype, copy=False), lengths, mask
 
 
 # Each pool worker builds its own tokenizer from the spec: tokenizers hold Rust/C objects

@@ -18,6 +18,7 @@ DatasetDict folder (dataset_dict.json) is read through its "train" split.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import itertools
@@ -33,7 +34,7 @@ from slipstream.safe_read import DOCUMENT, HF_JSON, loads_bounded, read_line_cap
 
 TEXT, JSONL, JSONL_GZ, JSONL_ZST, PARQUET, ARROW = "text", "jsonl", "jsonl.gz", "jsonl.zst", "parquet", "arrow"
 BINARY_SNIFF_BYTES = 8192
-BATCH_ROWS = 1024  # rows per Parquet/Arrow record batch: bounds memory by rows, not by row-group size
+BATCH_ROWS = 256  # rows per Parquet/Arrow record batch: bounds memory by rows, not by row-group size
 REPLACEMENT_CHAR = "\ufffd"
 REPLACEMENT_BYTES = REPLACEMENT_CHAR.encode("utf-8")
 SFT_FIELDS = ("prompt", "completion")
@@ -374,7 +375,8 @@ def _batch_records(batch, columns: list[str], stats: SourceStats) -> Iterator:
 def _iter_parquet(path: str, start: int, end: int, text_field: str, stats: SourceStats) -> Iterator:
     import pyarrow.parquet as pq
 
-    with loc.open_binary(path) as f:
+    # A local path goes to pyarrow's own file reader: no Python file object in the read path.
+    with (contextlib.nullcontext(path) if not loc.is_url(path) else loc.open_binary(path)) as f:
         try:
             # No pre-buffering and a small read buffer: pages stream in, the row group is never read whole.
             pf = pq.ParquetFile(f, pre_buffer=False, buffer_size=1 << 20)
@@ -386,7 +388,7 @@ def _iter_parquet(path: str, start: int, end: int, text_field: str, stats: Sourc
                 return
             meta = pf.metadata
             for rg in range(start, end):
-                for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=[rg], columns=columns):
+                for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=[rg], columns=columns, use_threads=False):
                     yield from _batch_records(batch, columns, stats)
                 stats.bytes += sum(meta.row_group(rg).column(c).total_compressed_size
                                    for c in range(meta.row_group(rg).num_columns))
