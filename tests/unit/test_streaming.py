@@ -419,3 +419,25 @@ def test_s3_unreachable_endpoint_and_missing_credentials(s3, tmp_path, monkeypat
         monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
         open_stream_url("s3://stream-test/nothing-here", cfg, True)
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+def test_which_errors_are_transient():
+    from botocore.exceptions import ClientError, EndpointConnectionError, NoCredentialsError, ReadTimeoutError
+
+    def client_error(code, status):
+        return ClientError({"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                           "GetObject")
+
+    class HTTPStatus(Exception):
+        def __init__(self, status):
+            self.status = status
+
+    translated = OSError(16, "SlowDown")  # s3fs turns a throttling ClientError into this
+    translated.__cause__ = client_error("SlowDown", 503)
+    for e in (ConnectionResetError(104, "reset"), TimeoutError(), client_error("InternalError", 500),
+              client_error("SlowDown", 503), translated, HTTPStatus(502), HTTPStatus(429),
+              EndpointConnectionError(endpoint_url="http://x"), ReadTimeoutError(endpoint_url="http://x")):
+        assert remote_mod.is_transient(e), e
+    for e in (FileNotFoundError("x"), PermissionError("x"), client_error("AccessDenied", 403), HTTPStatus(404),
+              NoCredentialsError(), ValueError("bad url")):
+        assert not remote_mod.is_transient(e), e

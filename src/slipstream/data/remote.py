@@ -49,6 +49,10 @@ _THROTTLE_CODES = ("SlowDown", "Throttling", "ThrottlingException", "RequestLimi
                    "RequestTimeout", "InternalError", "ServiceUnavailable", "503", "500", "502", "504")
 
 
+class RemoteMissing(UserError):
+    """The file does not exist at the URL (callers may say what that means for them)."""
+
+
 def _names(e: BaseException) -> set[str]:
     return {cls.__name__ for cls in type(e).__mro__}
 
@@ -160,7 +164,7 @@ class Remote:
         if names & set(_CREDENTIAL_NAMES):
             return UserError(f"no credentials to read {url} ({type(e).__name__}: {e}); {_credential_hint(self.url)}")
         if isinstance(e, FileNotFoundError):
-            return UserError(f"{url} does not exist; check data.dir and that the whole folder written by "
+            return RemoteMissing(f"{url} does not exist; check data.dir and that the whole folder written by "
                              "`slipstream data prepare` was uploaded there")
         if isinstance(e, PermissionError) or _status(e) in (401, 403):
             return UserError(f"access denied reading {url} ({e}); check that these credentials may read it: "

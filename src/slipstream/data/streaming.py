@@ -34,7 +34,7 @@ from slipstream.data.eval_windows import EvalWindows, window_starts
 from slipstream.data.loader import IGNORE_INDEX
 from slipstream.data.loader_checks import check_positive, check_rank, check_state, seed_key
 from slipstream.data.manifest import FORMAT, FORMAT_VERSION, MANIFEST, _check_fields
-from slipstream.data.remote import Remote
+from slipstream.data.remote import Remote, RemoteMissing
 from slipstream.data.stream_cache import ChunkCache, prepare_folder, split_chunks, write_atomic
 from slipstream.data.train_data import TrainData
 from slipstream.errors import UserError
@@ -54,12 +54,10 @@ def fetch_manifest(remote: Remote) -> dict:
     """The manifest at a URL, checked as load_manifest checks a local one (bounded: untrusted)."""
     where = remote.where(MANIFEST)
     try:
-        raw = remote.read_small(MANIFEST, DATA_MANIFEST)
-    except UserError as e:
-        if "does not exist" in str(e):
-            raise UserError(f"no prepared data at {remote.url} (no {MANIFEST}); run `slipstream data prepare` and "
-                            "upload its whole output folder there, or fix data.dir") from None
-        raise
+        raw = remote.read_small(MANIFEST, DATA_MANIFEST)  # blocks on the network: the run cannot start without it
+    except RemoteMissing:
+        raise UserError(f"no prepared data at {remote.url} (no {MANIFEST}); run `slipstream data prepare` and "
+                        "upload its whole output folder there, or fix data.dir") from None
     try:
         manifest = loads_bounded(raw, where)
     except ValueError as e:
@@ -97,7 +95,7 @@ def open_stream_url(url: str, cfg: Config, check: bool) -> TrainData:
         if not isinstance(name, str) or os.path.basename(name) != name or name in (".", ".."):
             raise UserError(f"{remote.where(MANIFEST)} names a malformed tokenizer_file {str(name)[:80]!r}; run "
                             "`slipstream data prepare` again")
-        raw = remote.read_small(name, TOKENIZER)
+        raw = remote.read_small(name, TOKENIZER)  # blocks on the network: once per run, before training
         local = os.path.join(root, f"tokenizer-{hashlib.sha256(raw).hexdigest()[:16]}.json")
         if not os.path.isfile(local):
             prepare_folder(root)
@@ -145,7 +143,7 @@ class StreamingTokenLoader:
         # A manifest handed in was fetched from this URL already: the host is reachable, so a
         # connection error from now on is a transient one, retried.
         self.remote.reached = manifest is not None
-        self.manifest = manifest if manifest is not None else fetch_manifest(self.remote)
+        self.manifest = manifest if manifest is not None else fetch_manifest(self.remote)  # network: once
         self.url, self.split, self.batch_size, self.seq_len, self.seed = url, split, batch_size, seq_len, seed
         self.rank, self.world_size, self.readahead = rank, world_size, readahead
         self.device = torch.device(device)
@@ -331,7 +329,7 @@ class StreamingEvalWindows(EvalWindows):
         check_rank(rank, world_size)
         self.remote = Remote(url, retries)
         self.remote.reached = manifest is not None  # as in StreamingTokenLoader
-        manifest = manifest if manifest is not None else fetch_manifest(self.remote)
+        manifest = manifest if manifest is not None else fetch_manifest(self.remote)  # network: once
         if split not in manifest["splits"]:
             raise UserError(f"split {split!r} not found in {url}; available: {', '.join(manifest['splits'])}")
         self._manifest, self._threads = manifest, threads
@@ -389,6 +387,7 @@ class StreamingEvalWindows(EvalWindows):
             return toks, mask
 
         with concurrent.futures.ThreadPoolExecutor(max(1, self._threads)) as pool:
+            # Blocks on the network, once per run: the first evaluation reads this rank's windows.
             data = list(pool.map(fetch, ranges))
         keys = [(k, lo) for k, lo, _ in ranges]
         rows = np.empty((2 if self._masked else 1, len(starts), width), dtype=np.int64)
