@@ -396,6 +396,22 @@ def test_s3_batches_equal_the_local_ones(s3, chunked, tmp_path):
     assert opened.manifest["splits"]["train"]["tokens"] > 0 and opened.tokenizer == "byte"
 
 
+def test_s3_object_overwritten_after_its_manifest(s3, chunked, tmp_path):
+    import boto3
+
+    client = boto3.client("s3")
+    for f in chunked.iterdir():
+        client.upload_file(str(f), "stream-test", f"changed/{f.name}")
+    stream = loader("s3://stream-test/changed", tmp_path, readahead=0, threads=1)
+    raw = bytearray((chunked / "train_000002.bin").read_bytes())
+    raw[0:4] = raw[4:8]
+    client.put_object(Bucket="stream-test", Key="changed/train_000002.bin", Body=bytes(raw))
+    with pytest.raises(UserError, match=r"s3://stream-test/changed/train_000002.bin changed since its manifest"):
+        for _ in range(stream._plan(0)[2] // B + 1):
+            next(stream)
+    stream.close()
+
+
 def test_s3_unreachable_endpoint_and_missing_credentials(s3, tmp_path, monkeypatch):
     import s3fs
 
