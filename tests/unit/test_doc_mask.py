@@ -103,6 +103,10 @@ def test_kernel_choice_and_refusals():
     with pytest.raises(UserError, match="parallel.pp = 2"):
         check_document_packing(load_config(None, ["--data.packing=document", "--parallel.pp=2"]))
     check_document_packing(load_config(None, ["--data.packing=eos", "--parallel.cp=2"]))
+    learned_sp = ["--data.packing=document", "--parallel.tp=2", "--parallel.sequence_parallel=true", "--train.seq_len=64"]
+    with pytest.raises(UserError, match="sequence_parallel=false"):
+        check_document_packing(load_config(None, learned_sp + ["--model.preset=tiny"]))
+    check_document_packing(load_config(None, learned_sp + ["--model.preset=llama-tiny"]))
 
 
 def test_eos_packing_calls_the_causal_kernel_unchanged():
@@ -155,20 +159,42 @@ def many_docs_dir(tmp_path_factory):
     return root / "prepared"
 
 
+def train_args(data_dir) -> list[str]:
+    return ["train", "--model.preset=llama-tiny", f"--data.dir={data_dir}", "--train.max_steps=3",
+            "--train.micro_batch_size=2", "--train.seq_len=32", "--train.eval_interval=0", "--train.eval_tokens=256",
+            "--logging.progress=false", "--logging.log_interval=1", "--optim.warmup_steps=1",
+            "--train.deterministic=true"]
+
+
+def final_loss(run) -> float:
+    return json.loads((run / "summary.json").read_text())["final_loss"]
+
+
 def test_train_cli_document_packing(many_docs_dir, tmp_path):
     from slipstream.cli import main
 
-    common = ["--model.preset=llama-tiny", f"--data.dir={many_docs_dir}", "--train.max_steps=3",
-              "--train.micro_batch_size=2", "--train.seq_len=32", "--train.eval_interval=0", "--train.eval_tokens=256",
-              "--logging.progress=false", "--logging.log_interval=1", "--optim.warmup_steps=1"]
-    finals = {}
     for packing in ("eos", "document"):
-        run = tmp_path / packing
-        assert main(["train", *common, f"--run.dir={run}", f"--data.packing={packing}"]) == 0
-        summary = json.loads((run / "summary.json").read_text())
-        finals[packing] = summary["final_loss"]
+        assert main([*train_args(many_docs_dir), f"--run.dir={tmp_path / packing}", f"--data.packing={packing}"]) == 0
+    finals = {packing: final_loss(tmp_path / packing) for packing in ("eos", "document")}
     assert all(v == v for v in finals.values())  # finite, not nan
     assert finals["eos"] != finals["document"]  # the switch took effect
+
+
+def test_tensor_parallel_document_packing_equals_one_process(many_docs_dir, tmp_path):
+    """tp splits heads; the (B, 1, T, T) mask and per-row RoPE tables serve every rank's heads
+    (sequence parallel on: the default)."""
+    import subprocess
+    import sys
+
+    from slipstream.cli import main
+
+    args = [*train_args(many_docs_dir), "--data.packing=document"]
+    assert main([*args, f"--run.dir={tmp_path / 'one'}"]) == 0
+    done = subprocess.run([sys.executable, "-m", "slipstream", "launch", "local", "--nproc", "2", "--", *args,
+                           f"--run.dir={tmp_path / 'tp2'}", "--parallel.tp=2", "--parallel.dp_shard=1"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert abs(final_loss(tmp_path / "tp2") - final_loss(tmp_path / "one")) < 1e-5
 
 
 def test_bench_packing_smoke(tmp_path):
