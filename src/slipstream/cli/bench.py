@@ -307,7 +307,7 @@ def add_commands(sub) -> None:
     p = bench.add_parser("packing", help="training tokens/s with data.packing = eos vs document (dense SDPA mask, "
                                          "FlexAttention where it trains)")
     p.add_argument("--size", default="default", choices=["default", "ci"],
-                   help="default = 4 blocks of width 256 at seq_len 512, documents of 128 tokens on average; "
+                   help="default = 4 blocks of width 128 at seq_len 512, documents of 128 tokens on average; "
                         "ci = a seconds-long smoke run for tests (needs --out)")
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of every variant")
     p.add_argument("--steps", type=int, default=3, help="training steps per variant and round")
