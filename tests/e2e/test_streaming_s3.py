@@ -131,5 +131,6 @@ def test_two_data_parallel_ranks_stream_disjoint_chunks(s3_env, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(_losses(run)) == list(range(1, 7))
     (root,) = [p for p in cache.iterdir() if p.is_dir()]
-    chunks = [{p.name for p in (root / f"train-rank{r}").iterdir() if p.name.endswith(".chunk")} for r in (0, 1)]
+    # dp rank r is local rank r here: one folder per process
+    chunks = [{p.name for p in (root / f"train-rank{r}-local{r}").iterdir() if p.name.endswith(".chunk")} for r in (0, 1)]
     assert chunks[0] and chunks[1] and not chunks[0] & chunks[1]

@@ -145,7 +145,8 @@ def test_ranks_read_disjoint_chunks_covering_the_epoch(chunked, tmp_path):
     for r in ranks:
         take(r, per_rank // B)
         r.close()
-    files = [set(chunk_files(tmp_path / "cache" / os.listdir(tmp_path / "cache")[0] / f"train-rank{r}")) for r in (0, 1)]
+    files = [set(chunk_files(Path(r.cache.folder))) for r in ranks]
+    assert files[0] and ranks[0].cache.folder != ranks[1].cache.folder
     assert files[0] and files[1] and not files[0] & files[1]  # each rank downloaded only its own chunks
 
 
@@ -457,3 +458,16 @@ def test_which_errors_are_transient():
     for e in (FileNotFoundError("x"), PermissionError("x"), client_error("AccessDenied", 403), HTTPStatus(404),
               NoCredentialsError(), ValueError("bad url")):
         assert not remote_mod.is_transient(e), e
+
+
+def test_processes_of_one_model_parallel_group_get_their_own_cache_folders(chunked, tmp_path, monkeypatch):
+    """tp / pp ranks share a data-parallel rank and read the same batches, but never one cache folder
+    (one would evict the chunks the other reads)."""
+    folders, batches = [], []
+    for local in ("0", "1"):
+        monkeypatch.setenv("LOCAL_RANK", local)
+        stream = loader(chunked, tmp_path, rank=1, world_size=2)
+        batches.append(take(stream, 4))
+        folders.append(stream.cache.folder)
+        stream.close()
+    assert folders[0] != folders[1] and same(*batches)

@@ -50,6 +50,13 @@ def cache_root(url: str, cache_dir: str = "") -> str:
     return os.path.join(os.path.abspath(base), hashlib.sha256(url.rstrip("/").encode()).hexdigest()[:16])
 
 
+def cache_folder_name(split: str, rank: int) -> str:
+    """One folder per process: the ranks of a model-parallel group share a data-parallel rank
+    (and read the same chunks) but must not evict each other's files. LOCAL_RANK (torchrun)
+    tells the processes of a node apart; a restarted job finds its folders again."""
+    return f"{split}-rank{rank}-local{os.environ.get('LOCAL_RANK') or 0}"
+
+
 def fetch_manifest(remote: Remote) -> dict:
     """The manifest at a URL, checked as load_manifest checks a local one (bounded: untrusted)."""
     where = remote.where(MANIFEST)
@@ -167,7 +174,7 @@ class StreamingTokenLoader:
         self._plans: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
         self._order: tuple[tuple[int, int] | None, np.ndarray | None] = (None, None)  # window order of the chunk read
         self._plan(0)  # a split too small for this layout fails here, not at the first step
-        folder = os.path.join(cache_root(url, cache_dir), f"{split}-rank{rank}")
+        folder = os.path.join(cache_root(url, cache_dir), cache_folder_name(split, rank))
         self.cache = ChunkCache(folder, cache_bytes, self.remote, self._dtype.itemsize, threads)
         self._pin = pin_memory and self.device.type == "cuda"
         self._epoch = self._position = self._batch_index = 0
@@ -351,7 +358,7 @@ class StreamingEvalWindows(EvalWindows):
         pad = per_rank - len(mine)
         self._starts = np.concatenate([mine, np.repeat(starts[:1], pad)])
         self._weights = np.concatenate([np.ones(len(mine)), np.zeros(pad)]).astype(np.float32)
-        self._folder = os.path.join(cache_root(url, cache_dir), f"{split}-windows-rank{rank}")
+        self._folder = os.path.join(cache_root(url, cache_dir), cache_folder_name(f"{split}-windows", rank))
         self._rows: np.ndarray | None = None  # (windows, seq_len + 1) tokens, then the same of mask
 
     def _pieces(self, start: int) -> list[tuple[int, int, int]]:
