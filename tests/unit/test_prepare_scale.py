@@ -107,6 +107,14 @@ def test_ctrl_c_then_rerun_keeps_finished_units(tmp_path, monkeypatch, capsys):
     assert not work.exists()  # the work folder goes once the data is in place
 
 
+def alive(pid):
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return "zombie" not in f.read()
+    except OSError:
+        return False
+
+
 KILLED_RUN = """
 import sys, time
 import slipstream.data.prepare_units as u
@@ -116,7 +124,7 @@ def slow(*args):
     time.sleep(0.15)  # slow enough that the test sees a few units finish before it kills the run
     return run(*args)
 u.run_unit = slow
-prepare_dataset([sys.argv[1]], "byte", sys.argv[2], num_workers=1, progress=False)
+prepare_dataset([sys.argv[1]], "byte", sys.argv[2], num_workers=2, progress=False)
 """
 
 
@@ -124,8 +132,7 @@ def test_kill_9_then_rerun_resumes_and_matches_an_uninterrupted_run(tmp_path, mo
     make_inputs(tmp_path / "in")
     out = tmp_path / "out"
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, str(tmp_path / "in"), str(out)], env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, str(tmp_path / "in"), str(out)], env=env)
     journal = None
     deadline = time.time() + 60
     while time.time() < deadline and proc.poll() is None:
@@ -134,8 +141,17 @@ def test_kill_9_then_rerun_resumes_and_matches_an_uninterrupted_run(tmp_path, mo
         if journal is not None and journal.exists() and len(journal.read_text().splitlines()) >= 4:
             break
         time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGKILL)
+    with open(f"/proc/{proc.pid}/task/{proc.pid}/children") as f:
+        workers = [int(c) for c in f.read().split()]
+    os.kill(proc.pid, signal.SIGKILL)  # the parent only: its pool workers must not outlive it
     proc.wait()
+    assert len(workers) == 2
+    for _ in range(200):
+        if not any(alive(w) for w in workers):
+            break
+        time.sleep(0.01)
+    else:
+        raise AssertionError(f"pool workers {workers} outlived their killed parent")
     assert journal is not None and not out.exists(), "the run finished before it could be killed"
     entries = [json.loads(line) for line in journal.read_text().splitlines() if line.strip()]
     kept = {e["unit"] for e in entries}
@@ -155,6 +171,29 @@ def test_kill_9_then_rerun_resumes_and_matches_an_uninterrupted_run(tmp_path, mo
     monkeypatch.undo()
     reference = prepare_dataset([str(tmp_path / "in")], "byte", str(tmp_path / "ref"), num_workers=1, progress=False)
     same_result(reference, tmp_path / "ref", m, out)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_stale_work_folders_and_a_running_prepare(tmp_path, monkeypatch):
+    make_inputs(tmp_path / "in", n=60)
+    out = tmp_path / "out"
+    monkeypatch.setattr(units_mod, "run_unit", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        prepare_dataset([str(tmp_path / "in")], "byte", str(out), num_workers=1, progress=False)
+    monkeypatch.undo()
+    (stale,) = [p for p in tmp_path.iterdir() if p.name.startswith(".out.prepare-")]
+    # Another prepare of the same data holds the work folder's lock: refused, not shared.
+    import fcntl
+    with open(stale / ".lock", "w") as held:
+        script = ("import sys; from slipstream.data.prepare import prepare_dataset\n"
+                  "prepare_dataset([sys.argv[1]], 'byte', sys.argv[2], num_workers=1, progress=False)")
+        fcntl.lockf(held, fcntl.LOCK_EX)
+        proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "in"), str(out)], capture_output=True,
+                              text=True, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")), timeout=120)
+    assert "another `slipstream data prepare` is writing" in proc.stderr
+    # A finished prepare with other settings removes the interrupted one's work folder.
+    prepare_dataset([str(tmp_path / "in")], "byte", str(out), num_workers=1, dedup=True, progress=False)
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
 # ----------------------------------------------------------------------------- memory bound

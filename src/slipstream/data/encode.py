@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import sys
 from typing import Iterable, Iterator
 
 import numpy as np
@@ -108,8 +109,25 @@ def _init_worker(spec: str, dtype_str: str) -> None:
     global _worker_tok, _worker_dtype
     # Ctrl-C is handled once, by the parent (which terminates the pool), not by every worker.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
     _worker_tok = get_tokenizer(spec)
     _worker_dtype = np.dtype(dtype_str)
+
+
+def _die_with_parent() -> None:
+    """Linux: a worker whose parent is killed (kill -9) would otherwise wait on the task
+    queue forever, and could still be writing part files when the prepare is run again."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() == 1:  # the parent died before the line above took effect
+        os._exit(1)
 
 
 def encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:

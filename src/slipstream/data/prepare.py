@@ -264,6 +264,7 @@ def prepare_dataset(
     finally:
         lock.close()
     shutil.rmtree(work, ignore_errors=True)
+    _remove_stale_work(out_dir)
     s = manifest["splits"]
     dropped = f", {manifest['dropped_duplicates']:,} duplicates dropped" if dedup else ""
     console.print(
@@ -291,13 +292,32 @@ def _work_dir(out_dir: str, fingerprint: dict, tok: Tokenizer, dtype: np.dtype, 
     return work
 
 
+def _remove_stale_work(out_dir: str) -> None:
+    """Work folders of earlier interrupted prepares of out_dir with other inputs or settings:
+    out_dir now holds newer data, so their units would only take disk space. One that is
+    locked belongs to a prepare still running and stays."""
+    parent, name = os.path.split(os.path.abspath(out_dir))
+    for entry in os.listdir(parent):
+        path = os.path.join(parent, entry)
+        if not entry.startswith(f".{name}.prepare-") or not os.path.isdir(path):
+            continue
+        try:
+            lock = _lock(path, out_dir)
+        except (UserError, OSError):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        lock.close()
+
+
 def _lock(work: str, out_dir: str):
-    """An exclusive lock on the work folder: two prepares of the same data must not share it."""
+    """An exclusive lock on the work folder: two prepares of the same data must not share it.
+    A POSIX record lock (lockf), not flock: the pool's forked workers do not inherit it, so
+    it dies with the process that took it."""
     import fcntl
 
     f = open(os.path.join(work, ".lock"), "w")
     try:
-        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.lockf(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         f.close()
         raise UserError(f"another `slipstream data prepare` is writing {out_dir!r} right now (it holds {work}); "
@@ -342,7 +362,7 @@ def _build(inputs, tok, dtype, work, out_dir, settings, unit_bytes, num_workers,
     units = units_mod.plan_units(plan(inputs, text_field, unit_bytes), unit_bytes)
     done = units_mod.read_journal(work, len(units), dtype.itemsize, dedup)
     for name in os.listdir(work):  # part files of units that never finished are redone from scratch
-        if name.startswith("unit_") and (name.endswith(".partial") or int(name[5:11]) not in done):
+        if name.startswith("unit_") and (".partial" in name or int(name[5:11]) not in done):
             os.remove(os.path.join(work, name))
     if done:
         console.print(f"[data] resuming {out_dir}: kept {len(done)} of {len(units)} units finished by an interrupted "

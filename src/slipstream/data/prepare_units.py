@@ -75,7 +75,8 @@ class _UnitWriter:
         self.files = {ext: open(self._partial(ext), "wb") for ext in ("tok", "len") + (("hash",) if dedup else ())}
 
     def _partial(self, ext: str) -> str:
-        return unit_path(self.work, self.index, ext) + ".partial"
+        # The pid keeps a worker orphaned by a killed run from writing into this run's files.
+        return unit_path(self.work, self.index, ext) + f".partial-{os.getpid()}"
 
     def write(self, tokens: np.ndarray, lengths: np.ndarray, mask: np.ndarray | None, hashes: list[bytes]) -> None:
         if mask is not None and not self.masked:
@@ -169,6 +170,8 @@ def read_journal(work: str, n_units: int, itemsize: int, dedup: bool) -> dict[in
 
 
 def _intact(work: str, entry: dict, itemsize: int, dedup: bool) -> bool:
+    if not all(isinstance(entry.get(k), int) and entry[k] >= 0 for k in ("tokens", "documents", "bytes")):
+        return False
     want = {"tok": entry["tokens"] * itemsize, "len": entry["documents"] * 8}
     if entry.get("mask"):
         want["mask"] = entry["tokens"]
