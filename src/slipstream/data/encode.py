@@ -1,9 +1,6 @@
-"""Tokenizing a corpus into part files: documents go in chunks to a pool of worker
-processes (or are encoded in this one), and the tokens are appended to numbered part files
-of at most shard_tokens tokens each.
-
-prepare.py drives it and owns the rest: where validation starts, cutting the parts into
-the named train/val shards, and the manifest.
+"""Tokenizing records into flat token arrays (eot after each document, a loss mask for
+fine-tuning pairs, ids checked against the vocabulary), and the pool of worker processes
+that does it for prepare_units.py.
 """
 
 from __future__ import annotations
@@ -12,14 +9,13 @@ import multiprocessing
 import os
 import signal
 import sys
-from typing import Iterable, Iterator
 
 import numpy as np
 
 from slipstream.data.tokenizers import ByteTokenizer, Tokenizer, get_tokenizer
 from slipstream.errors import UserError
 
-CHUNK_CHARS = 1 << 20  # text per worker task: big enough to amortise IPC, small enough to balance
+CHUNK_CHARS = 1 << 20  # text per encode call: big enough to amortise the call, small enough to bound memory
 
 
 def cpu_count() -> int:
@@ -27,12 +23,6 @@ def cpu_count() -> int:
     if hasattr(os, "sched_getaffinity"):
         return max(1, len(os.sched_getaffinity(0)))
     return os.cpu_count() or 1
-
-
-def encode_chunk(tok: Tokenizer, dtype: np.dtype, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    """Encode documents into one flat array with eot after each; also return per-document lengths."""
-    tokens, lengths, _mask = encode_records(tok, dtype, texts)
-    return tokens, lengths
 
 
 def _encode_texts(tok: Tokenizer, texts: list[str]) -> list:
@@ -130,25 +120,9 @@ def _die_with_parent() -> None:
         os._exit(1)
 
 
-def encode_in_worker(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    return encode_chunk(_worker_tok, _worker_dtype, texts)
-
-
 def worker_tokenizer() -> tuple[Tokenizer, np.dtype]:
     """The tokenizer and dtype this pool worker was started with."""
     return _worker_tok, _worker_dtype
-
-
-def chunk_documents(docs: Iterable[str], chunk_chars: int) -> Iterator[list[str]]:
-    chunk, size = [], 0
-    for doc in docs:
-        chunk.append(doc)
-        size += len(doc)
-        if size >= chunk_chars:
-            yield chunk
-            chunk, size = [], 0
-    if chunk:
-        yield chunk
 
 
 def make_pool(num_workers: int, spec: str, dtype: np.dtype):
@@ -164,36 +138,6 @@ def make_pool(num_workers: int, spec: str, dtype: np.dtype):
             del os.environ["TOKENIZERS_PARALLELISM"]
         else:
             os.environ["TOKENIZERS_PARALLELISM"] = previous
-
-
-class ShardWriter:
-    """Appends token arrays to numbered part files of at most shard_tokens tokens each."""
-
-    def __init__(self, folder: str, shard_tokens: int) -> None:
-        self.folder = folder
-        self.shard_tokens = shard_tokens
-        self.parts: list[list] = []  # [path, tokens]
-        self._f = None
-
-    def write(self, tokens: np.ndarray) -> None:
-        while len(tokens):
-            if self._f is None or self.parts[-1][1] == self.shard_tokens:
-                self._next_file()
-            room = self.shard_tokens - self.parts[-1][1]
-            piece, tokens = tokens[:room], tokens[room:]
-            piece.tofile(self._f)
-            self.parts[-1][1] += len(piece)
-
-    def _next_file(self) -> None:
-        self.close()
-        path = os.path.join(self.folder, f"part_{len(self.parts):06d}.tmp")
-        self._f = open(path, "wb")
-        self.parts.append([path, 0])
-
-    def close(self) -> None:
-        if self._f is not None:
-            fsync_close(self._f)
-            self._f = None
 
 
 def fsync_close(f) -> None:

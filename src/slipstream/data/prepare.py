@@ -54,8 +54,8 @@ from datetime import datetime, timezone
 import numpy as np
 
 from slipstream.data import prepare_units as units_mod
-from slipstream.data.encode import CHUNK_CHARS, cpu_count, fsync_close, make_pool  # noqa: F401 (CHUNK_CHARS: tests tune it)
-from slipstream.data.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, TOKENIZER_FILE, load_manifest, scan_file,
+from slipstream.data.encode import CHUNK_CHARS, cpu_count, fsync_close, make_pool  # noqa: F401 (CHUNK_CHARS: older tests set it)
+from slipstream.data.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, TOKENIZER_FILE, load_manifest,
                                       shard_problem, token_dtype, wants_checksums)
 # Also imported from here by callers (slipstream.data, data/ensure.py, `data verify`), which
 # predate manifest.py: re-exported so `slipstream.data.prepare` keeps its public names.

@@ -30,11 +30,10 @@ from typing import Iterator
 
 import numpy as np
 
-from slipstream.data.encode import encode_records, fsync_close, worker_tokenizer
+from slipstream.data.encode import CHUNK_CHARS, encode_records, fsync_close, worker_tokenizer
 from slipstream.data.formats import SourceStats, iter_piece
 
 UNIT_BYTES = 64 << 20  # input bytes per unit: enough to amortize a task, small enough to balance 2..64 workers
-CHUNK_CHARS = 1 << 20  # text per encode call inside a unit
 COPY_TOKENS = 1 << 20  # tokens per read while assembling
 JOURNAL = "journal.jsonl"
 HASH_BYTES = 16
