@@ -239,10 +239,11 @@ class FlakyFS:
         return self.fs.size(path)
 
 
-def test_transient_errors_are_retried_then_reported(chunked, tmp_path):
+@pytest.mark.parametrize("error", [ConnectionResetError, ConnectionRefusedError])
+def test_transient_errors_are_retried_then_reported(chunked, tmp_path, error):
     reference = take(loader(chunked, tmp_path / "ref"), 3)
     stream = loader(chunked, tmp_path / "a", retries=4, threads=1, readahead=0)
-    flaky = FlakyFS(stream.remote.fs, fails=3)
+    flaky = FlakyFS(stream.remote.fs, fails=3, error=error)  # mid-run: the host answered before
     stream.remote.fs = flaky
     assert same(take(stream, 3), reference)
     assert flaky.calls >= 4
