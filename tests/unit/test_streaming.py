@@ -472,3 +472,26 @@ def test_processes_of_one_model_parallel_group_get_their_own_cache_folders(chunk
         folders.append(stream.cache.folder)
         stream.close()
     assert folders[0] != folders[1] and same(*batches)
+
+
+def test_a_plain_http_server_without_range_support(chunked, tmp_path):
+    """http(s):// through fsspec; Python's http.server ignores Range and sends whole files."""
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(chunked)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_port}"
+        assert same(take(loader(url, tmp_path / "h", readahead=1), 8), take(loader(chunked, tmp_path / "l"), 8))
+        local = EvalWindows(str(chunked), "val", B, T, 1500)
+        stream = StreamingEvalWindows(url, "val", B, T, 1500, cache_dir=str(tmp_path / "c"))
+        for ((x, y), w), ((x0, y0), w0) in zip(stream, local):
+            assert torch.equal(x, x0) and torch.equal(y, y0) and torch.equal(w, w0)
+    finally:
+        server.shutdown()
