@@ -5,9 +5,10 @@ Any fsspec URL works (s3://, gs://, hf://, http(s)://, file://, or a plain path)
 come from the environment exactly as the filesystem's library reads them; slipstream passes
 none. For S3 that is botocore's chain: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY
 (/ AWS_SESSION_TOKEN), AWS_PROFILE and ~/.aws/credentials, or an instance role; and
-botocore (>= 1.34) honours AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3), so an S3-compatible
-server (MinIO, Ceph, a moto test server) needs only that variable: checked with s3fs
-2026.9.0 / botocore 1.43 against a moto server (tests/unit/test_streaming.py).
+botocore honours AWS_ENDPOINT_URL (or AWS_ENDPOINT_URL_S3), so an S3-compatible server
+(MinIO, Ceph, a moto test server) needs only that variable: checked with s3fs 2026.9.0 /
+botocore 1.43 against a moto server (tests/unit/test_streaming.py). Each attempt here
+includes the library's own quick retries (botocore: about 3 s on a closed port).
 
 Errors, judged by the exception's type (library-agnostic: by class name where the class
 lives in an optional library):
