@@ -151,14 +151,30 @@ def _jsonl_ranges(path: str, range_bytes: int) -> list[tuple]:
         while cuts[-1] + range_bytes < total:
             # The cut goes after the newline ending the line that holds byte target-1, so a
             # line starting exactly at the target starts the next range.
-            f.seek(cuts[-1] + range_bytes - 1)
-            read_line_capped(f, DOCUMENT, path, 0)
-            cut = f.tell()
+            cut = _after_newline(f, cuts[-1] + range_bytes - 1)
+            if cut is None:
+                break  # no newline within the cap: the reader of this range refuses the line, naming it
             if cut >= total:
                 break
             cuts.append(cut)
     cuts.append(total)
     return [(JSONL, path, a, b, b - a) for a, b in zip(cuts, cuts[1:])] or [(JSONL, path, 0, 0, 0)]
+
+
+def _after_newline(f, pos: int) -> int | None:
+    """The offset just past the first newline at or after pos (the end of the file if none),
+    scanning 1 MiB at a time; None when the line runs on past the document cap."""
+    f.seek(pos)
+    scanned = 0
+    while scanned <= DOCUMENT.limit:
+        block = f.read(1 << 20)
+        if not block:
+            return pos + scanned
+        i = block.find(b"\n")
+        if i >= 0:
+            return pos + scanned + i + 1
+        scanned += len(block)
+    return None
 
 
 def _check_schema(path: str, names: list[str], types: dict, text_field: str) -> list[str]:
