@@ -75,6 +75,13 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+@functools.cache
+def _compiled_create_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return torch.compile(create_block_mask)
+
+
 class DocumentMask:
     """The causal, same-document attention of a batch of packed rows, built once per forward
     (outside the blocks: activation checkpointing's recomputation and compiled blocks reuse it).
@@ -120,7 +127,16 @@ class DocumentMask:
                 return (q_idx >= kv_idx) & (ids[b, q_idx] == ids[b, kv_idx])
 
             self.dense = None
-            self.block_mask = create_block_mask(document_causal, B, None, T, T, device=device)
+            # Compiled, the block mask is built without materializing the (B, T, T) boolean mask.
+            build = _compiled_create_block_mask() if self.compiled else create_block_mask
+            self.block_mask = build(document_causal, B, None, T, T, device=device)
+            # Chosen here, outside the model: a compiled block then traces one plain call.
+            if self.compiled:
+                self._flex = _compiled_flex()
+            else:
+                from torch.nn.attention.flex_attention import flex_attention as eager
+
+                self._flex = eager
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                enable_gqa: bool = False) -> torch.Tensor:
@@ -130,8 +146,4 @@ class DocumentMask:
                                                   enable_gqa=enable_gqa)
         if dropout_p > 0:
             raise UserError("document mask kernel 'flex' has no attention dropout; use kernel 'dense' or 'auto'")
-        if self.compiled:
-            flex = _compiled_flex()
-        else:
-            from torch.nn.attention.flex_attention import flex_attention as flex
-        return flex(q, k, v, block_mask=self.block_mask, enable_gqa=enable_gqa)
+        return self._flex(q, k, v, block_mask=self.block_mask, enable_gqa=enable_gqa)
