@@ -110,6 +110,10 @@ def open_stream_url(url: str, cfg: Config, check: bool) -> TrainData:
         tokenizer = f"bpe:{local}"
     if check:
         _check_sizes(remote, manifest, d.stream_threads)
+        train = manifest["splits"]["train"]
+        print(f"[data] streaming {url}: {train['tokens']:,} train tokens in "
+              f"{len(split_chunks(manifest, 'train', url))} chunks (sizes checked; each chunk's sha256 is checked "
+              f"as it arrives), cache {root} (at most {d.cache_bytes:,} bytes per process)", flush=True)
     return TrainData(url, manifest, tokenizer, None)
 
 
