@@ -11,8 +11,10 @@ distribution, each closed by the end-of-text token, as `data prepare` writes the
 A training step is forward + backward + AdamW step of the loss fn `slipstream train` uses
 (train/lm_loss.py, eot_id set for document packing). The variants are interleaved round by
 round, so a machine shared with other work slows them alike; each variant's number is the
-median step time over all its rounds. An evaluation pass (forward, no grad) of every
-runnable kernel is timed the same way (on CPU flex both compiled and eager, the default there). The JSON records the machine, versions and git sha.
+median step time over all its rounds (also recorded: the best round, and the median of the
+per-round ratios to eos). An evaluation pass (forward, no grad) of every runnable kernel is
+timed the same way (on CPU flex both compiled and eager, the default there). The JSON records
+the machine, versions and git sha.
 """
 
 from __future__ import annotations
@@ -159,8 +161,8 @@ def run_packing_bench(size: str = "default", rounds: int = 5, steps: int = 3, de
     }
     for what, rows_ in (("train", training), ("eval", evaluation)):
         for name, row in rows_.items():
-            print(f"{what} {name:<10} {row['tokens_per_s']:>10,.0f} tokens/s (best round {row['tokens_per_s_best']:,.0f}; "
-                  f"{row['vs_eos']:.2f}x eos, {row['vs_eos_paired']:.2f}x paired by round)")
+            print(f"{what} {name:<10} {row['tokens_per_s']:>10,.0f} tokens/s (best round "
+                  f"{row['tokens_per_s_best']:,.0f}; {row['vs_eos']:.2f}x eos, {row['vs_eos_paired']:.2f}x paired by round)")
     for name, why in skipped.items():
         print(f"train {name}: not run ({why})")
     path = out or f"benchmarks/packing-{dev.type}.json"
