@@ -75,6 +75,31 @@ def test_workers_give_the_same_batches_as_in_process():
     multi.close()
 
 
+class Noisy(Stream):
+    """Augments with torch's and Python's global generators."""
+
+    def __iter__(self):
+        import random
+
+        for x in super().__iter__():
+            yield x + torch.rand(1), torch.tensor([random.random()])
+
+
+def test_global_generators_seeded_per_epoch_and_restored():
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    ref = IterableLoader(Noisy(10), batch_size=2, world_size=2, rank=1, seed=4)
+    ref_batches = [next(ref) for _ in range(5)]  # epoch 0 and into epoch 1
+    assert torch.equal(torch.rand(3), expected)  # the training process's generator is left as it was
+    multi = IterableLoader(Noisy(10), batch_size=2, world_size=2, rank=1, seed=4, num_workers=2)
+    for a, b in zip(ref_batches, [next(multi) for _ in range(5)]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    multi.close()
+    other = IterableLoader(Noisy(10), batch_size=2, world_size=2, rank=1, seed=5)
+    assert not torch.equal(next(other)[0], ref_batches[0][0])
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 @pytest.mark.parametrize("stateful", [False, True])
 def test_exact_resume_mid_epoch_and_across_epochs(workers, stateful):

@@ -31,15 +31,22 @@ The split of a user's stream (IterableLoader):
     resume each worker loads it and reads on from there. Without it, resuming re-reads the
     stream from the epoch's start and skips the consumed items: the cost of reading (not
     collating) batch x B x W items, once per worker.
-  - the stream must be a function of the epoch (seeded shuffles, augmentations), or resuming
-    cannot reproduce it.
+  - the stream must be a function of the epoch, or resuming cannot reproduce it: seed its own
+    generators from the epoch, or draw from torch's or Python's global generator, which the loader
+    seeds by (seed, epoch) for the stream (restoring the training process's after each batch), so
+    every worker draws the same numbers. numpy's global generator is not seeded. After a Stateful
+    resume the global generators start from (seed, epoch) again: keep such a stream's randomness
+    in its own state.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import random
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from slipstream.data.dataset_loader import _to_device
@@ -185,8 +192,8 @@ class StreamProducer:
     reshardable = True
 
     def __init__(self, dataset, batch_size: int, rank: int, world_size: int, drop_last: bool,
-                 collate_fn: Callable | None) -> None:
-        self.dataset, self.batch_size, self.drop_last = dataset, batch_size, drop_last
+                 collate_fn: Callable | None, seed: int = 0) -> None:
+        self.dataset, self.batch_size, self.drop_last, self.seed = dataset, batch_size, drop_last, seed
         self.collate = collate_fn or torch.utils.data.default_collate
         self.world_size, self.rank = world_size, rank
         self.self_split = callable(getattr(dataset, "set_rank", None))
@@ -202,9 +209,11 @@ class StreamProducer:
         self._epoch = -1
         self._consumed = 0  # items of the epoch's stream read so far
         self._ended_at: int | None = None  # the epoch's batch count, once the stream has ended
+        self._rngs: tuple[torch.Tensor, Any] | None = None  # the stream's torch and Python generator states
 
     def identity(self) -> dict:
-        return {"dataset": type(self.dataset).__name__, "batch_size": self.batch_size, "world_size": self.world_size,
+        return {"dataset": type(self.dataset).__name__, "seed": self.seed, "batch_size": self.batch_size,
+                "world_size": self.world_size,
                 "drop_last": self.drop_last, "self_split": self.self_split}
 
     def empty_message(self, epoch: int) -> str:
@@ -222,14 +231,32 @@ class StreamProducer:
         return changed
 
     def _start(self, epoch: int, j: int) -> None:
-        if callable(getattr(self.dataset, "set_epoch", None)):
-            self.dataset.set_epoch(epoch)
-        self._consumed, self._ended_at = 0, None
-        if self._resume is not None and self._resume[0] == epoch and self._resume[1] <= j:
-            self.dataset.load_state_dict(copy.deepcopy(self._resume[2]))
-            self._consumed = self._resume[1] * self.batch_size * self._w
-        self._it = iter(self.dataset)
+        s = int(np.random.SeedSequence([seed_key(self.seed), epoch]).generate_state(1, np.uint64)[0])
+        self._rngs = (torch.Generator().manual_seed(s % 2**63).get_state(), random.Random(s).getstate())
+        with self._stream_rngs():
+            if callable(getattr(self.dataset, "set_epoch", None)):
+                self.dataset.set_epoch(epoch)
+            self._consumed, self._ended_at = 0, None
+            if self._resume is not None and self._resume[0] == epoch and self._resume[1] <= j:
+                self.dataset.load_state_dict(copy.deepcopy(self._resume[2]))
+                self._consumed = self._resume[1] * self.batch_size * self._w
+            self._it = iter(self.dataset)
         self._epoch = epoch
+
+    @contextlib.contextmanager
+    def _stream_rngs(self):
+        """The stream reads torch's and Python's global generators as its own, seeded by (seed, epoch):
+        every worker (each reading the whole stream) then draws the same numbers for the same items,
+        as the training process does with num_workers=0, whose own generators are restored after."""
+        outer = (torch.get_rng_state(), random.getstate())
+        torch.set_rng_state(self._rngs[0])
+        random.setstate(self._rngs[1])
+        try:
+            yield
+        finally:
+            self._rngs = (torch.get_rng_state(), random.getstate())
+            torch.set_rng_state(outer[0])
+            random.setstate(outer[1])
 
     def _round(self) -> Any:
         """Read one round (W items); return this rank's item. Raises _Ended if the round is incomplete."""
@@ -250,6 +277,11 @@ class StreamProducer:
             self._start(epoch, j)
         if self._ended_at is not None:  # j >= the epoch's batch count here: earlier j restarted above
             return END, None
+        with self._stream_rngs():
+            items, state = self._collect(j, per_batch)
+        return (END, None) if items is None else (self.collate(items), state)
+
+    def _collect(self, j: int, per_batch: int) -> tuple[list | None, Any]:
         items: list = []
         try:
             while self._consumed < j * per_batch:  # batches of other workers (or consumed before a resume)
@@ -260,9 +292,9 @@ class StreamProducer:
             keep = bool(items) and not self.drop_last
             self._ended_at = j + 1 if keep else j
             if not keep:
-                return END, None
+                return None, None
         state = copy.deepcopy(self.dataset.state_dict()) if self.stateful and self._ended_at is None else None
-        return self.collate(items), state
+        return items, state
 
 
 class IterableLoader(ProducerLoader):
@@ -279,7 +311,7 @@ class IterableLoader(ProducerLoader):
         check_rank(rank, world_size)
         if not isinstance(dataset, torch.utils.data.IterableDataset) and not hasattr(dataset, "__iter__"):
             raise UserError(f"IterableLoader needs an iterable dataset, got {type(dataset).__name__}")
-        producer = StreamProducer(dataset, batch_size, rank, world_size, drop_last, collate_fn)
+        producer = StreamProducer(dataset, batch_size, rank, world_size, drop_last, collate_fn, seed)
         super().__init__(producer, num_workers=num_workers, prefetch=prefetch, device=device,
                          pin_memory=pin_memory, seed=seed, rank=rank)
         self.batch_size, self.rank, self.world_size = batch_size, rank, world_size
