@@ -102,7 +102,11 @@ def hf_dataset_files(folder: str) -> list[str] | None:
         if not isinstance(splits, list) or "train" not in splits:
             raise UserError(f"{folder} is a Hugging Face DatasetDict with splits {splits} and no 'train' split; "
                             f"pass the split folder to read as the input, e.g. {loc.join(folder, str((splits or ['NAME'])[0]))}")
-        return hf_dataset_files(loc.join(folder, "train")) or []
+        files = hf_dataset_files(loc.join(folder, "train"))
+        if files is None:
+            raise UserError(f"{loc.join(folder, 'train')} has no state.json: the DatasetDict in {folder} is incomplete; "
+                            f"save it again with save_to_disk")
+        return files
     if not loc.exists(loc.join(folder, "state.json")):
         return None
     state = load("state.json")

@@ -31,7 +31,7 @@ from typing import Iterator
 import numpy as np
 
 from slipstream.data.encode import CHUNK_CHARS, encode_records, fsync_close, worker_tokenizer
-from slipstream.data.formats import SourceStats, iter_piece
+from slipstream.data.formats import TEXT, SourceStats, iter_piece
 
 UNIT_BYTES = 64 << 20  # input bytes per unit: enough to amortize a task, small enough to balance 2..64 workers
 COPY_TOKENS = 1 << 20  # tokens per read while assembling
@@ -43,7 +43,13 @@ def plan_units(pieces: list[tuple], unit_bytes: int = UNIT_BYTES) -> list[list[t
     """Consecutive pieces grouped into units of about unit_bytes (a big piece is a unit alone)."""
     units, current, size = [], [], 0
     for piece in pieces:
-        current.append(piece)
+        last = current[-1] if current else None
+        if last is not None and last[:2] == piece[:2] and last[0] != TEXT and 0 <= last[3] == piece[2]:
+            # Adjacent ranges of one file read as one: the file is opened (its footer or
+            # stream headers read) once per unit, not once per row group or batch.
+            current[-1] = (last[0], last[1], last[2], piece[3], last[4] + piece[4])
+        else:
+            current.append(piece)
         size += piece[4]
         if size >= unit_bytes:
             units.append(current)
