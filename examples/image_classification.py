@@ -25,6 +25,8 @@ import argparse
 import io
 import json
 import math
+import os
+import shutil
 import sys
 import tarfile
 import time
@@ -129,9 +131,9 @@ def evaluate_transform(sample: dict) -> tuple[torch.Tensor, int]:
 
 def make_model() -> nn.Module:
     return nn.Sequential(
-        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(64, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(32, 64, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
         nn.Linear(64, CLASSES))
 
 
@@ -154,9 +156,10 @@ def accuracy(model: nn.Module, shard: Path, device: torch.device) -> float:
 
 def data_wait(run_dir: Path) -> dict:
     """The trainer's per-interval means from metrics.jsonl, the first interval (worker start-up,
-    warm-up) left out."""
+    warm-up) left out when there are more."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    rows = [r for r in rows if "data_wait_s" in r and "step_time_s" in r][1:]
+    rows = [r for r in rows if "data_wait_s" in r and "step_time_s" in r]
+    rows = rows[1:] if len(rows) > 1 else rows
     wait = sum(r["data_wait_s"] for r in rows) / max(1, len(rows))
     step = sum(r["step_time_s"] for r in rows) / max(1, len(rows))
     return {"data_wait_s": wait, "step_time_s": step, "data_wait_fraction": wait / step if step else None,
@@ -171,6 +174,8 @@ def train(shards: Path, run_dir: Path, workers: int, steps: int, batch: int = 64
         f"--data.num_workers={workers}", f"--data.prefetch={prefetch}", "--logging.log_interval=10",
         "--train.eval_interval=0", "--train.eval_steps=2", "--logging.progress=false",
         f"--checkpoint.resume={resume}", *overrides])
+    if resume == "none" and run_dir.exists():
+        shutil.rmtree(run_dir)  # this example's own run folder under --out: a fresh run starts clean
     torch.manual_seed(cfg.train.seed)
     model = make_model()
     train_data = TarShards(sorted(shards.glob("train-*.tar")), decode="pil", transform=augment)
@@ -179,6 +184,7 @@ def train(shards: Path, run_dir: Path, workers: int, steps: int, batch: int = 64
     start = time.perf_counter()
     summary = trainer.fit()
     result = {"workers": workers, "prefetch": prefetch, "batch": batch, "steps": steps,
+              "load_average_1m_after": os.getloadavg()[0],
               "steps_this_run": summary["steps_this_run"],
               "wall_s": time.perf_counter() - start, "final_loss": summary["final_loss"],
               "val_loss": summary["val_loss"], "samples_per_s": summary["tokens_per_s"],
@@ -189,24 +195,28 @@ def train(shards: Path, run_dir: Path, workers: int, steps: int, batch: int = 64
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--workers", type=int, nargs="+", default=[2], help="data.num_workers; several: one run each")
+    parser.add_argument("--workers", type=int, nargs="+", default=[2],
+                        help="data.num_workers; several (e.g. 0 2 0 2): one run each, in that order")
     parser.add_argument("--steps", type=int, default=150)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--prefetch", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=Path("runs/image-classification"), help="shards and run folders")
+    parser.add_argument("--out", type=Path, default=Path("runs/image-classification"),
+                        help="the shards (written once) and the run folders (a fresh run replaces its folder)")
     parser.add_argument("--resume", default="none", help="checkpoint.resume: none, auto or a checkpoint folder")
     parser.add_argument("--json", type=Path, help="write the measurements (with the machine) to this file")
     args = parser.parse_args(argv)
     shards = make_shards(args.out)
     results = []
-    for workers in args.workers:
-        result = train(shards, args.out / f"run-workers{workers}", workers, args.steps, args.batch, args.prefetch,
+    for i, workers in enumerate(args.workers):
+        run_dir = args.out / (f"run-workers{workers}" if len(args.workers) == 1 else f"run-{i}-workers{workers}")
+        result = train(shards, run_dir, workers, args.steps, args.batch, args.prefetch,
                        args.resume)
         result.pop("model")
         results.append(result)
+        share = result["data_wait_fraction"]
         print(f"workers={workers}: step {result['step_time_s'] * 1e3:.1f} ms, data wait "
-              f"{result['data_wait_s'] * 1e3:.1f} ms ({100 * result['data_wait_fraction']:.0f} % of the step), "
-              f"{result['samples_per_s']:.0f} samples/s, held-out accuracy {100 * result['accuracy']:.1f} %")
+              f"{result['data_wait_s'] * 1e3:.1f} ms ({'n/a' if share is None else f'{100 * share:.0f} %'} of the "
+              f"step), {result['samples_per_s']:.0f} samples/s, held-out accuracy {100 * result['accuracy']:.1f} %")
     if args.json:
         from slipstream.observe.env import collect_env, write_json_atomic
 

@@ -112,6 +112,33 @@ def test_exact_resume_with_workers(tmp_path, cut):
     again.close()
 
 
+def test_shards_by_url_read_the_same_batches(tmp_path):
+    """file:// and a plain HTTP server (Python's http.server: no Range support) through fsspec."""
+    import functools
+    import threading
+    from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+    write_shards(tmp_path)
+    ref = batches(TarShardLoader(TarShards(tmp_path, transform=noisy), batch_size=4, seed=2), 5)
+
+    class Quiet(SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(tmp_path)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        for url in (f"file://{tmp_path}/shard-{{000..002}}.tar",
+                    f"http://127.0.0.1:{server.server_port}/shard-{{000..002}}.tar"):
+            data = TarShards(url, transform=noisy)
+            assert [s.path for s in data.shards][0].endswith("shard-000.tar")
+            assert_same(batches(TarShardLoader(data, batch_size=4, seed=2), 5), ref)
+        with pytest.raises(UserError, match="globs are not expanded in URLs"):
+            TarShards(f"http://127.0.0.1:{server.server_port}/*.tar")
+    finally:
+        server.shutdown()
+
+
 def test_resume_checks_identity(tmp_path):
     write_shards(tmp_path, extra=False)
     data = TarShards(tmp_path)
@@ -220,6 +247,7 @@ def load_example():
 def test_image_classification_example_trains_and_resumes(tmp_path):
     ex = load_example()
     shards = ex.make_shards(tmp_path, train_shards=2, per_shard=96, val=96)
+    assert sum(1 for _ in wds.WebDataset(str(shards / "val.tar"), shardshuffle=False)) == 96  # webdataset reads them
     tiny = ("--checkpoint.interval=4", "--checkpoint.async_save=false", "--metrics.memory_breakdown=false",
             "--logging.log_interval=4")
     full = ex.train(shards, tmp_path / "full", workers=2, steps=8, batch=16, overrides=tiny)

@@ -6,6 +6,10 @@ tar whose consecutive members sharing a key form one sample; the key is the memb
 the first dot of its file name, the field is the rest (`train/000123.png`, `train/000123.cls`
 -> key `train/000123`, fields `png` and `cls`).
 
+Shards are local files or fsspec URLs (s3://, gs://, http(s)://, file://; credentials from the
+environment, transient errors retried: data/remote.py), read by range requests: the index scan
+fetches the headers in 256 KiB blocks, each sample its own members.
+
 Reading data from elsewhere, so: members are located by one scan of the tar headers (never
 extracted, their paths never used as paths; links, directories and devices are skipped), every
 member is capped (SLIPSTREAM_MAX_TAR_MEMBER_BYTES, 64 MiB by default) before it is read, nothing
@@ -63,15 +67,22 @@ _TAR_BLOCK = 512
 
 # --- the shard list ------------------------------------------------------------------------------------------------
 
-def expand_sources(sources: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Path]:
-    """Paths, folders (their *.tar files), globs (`shards/*.tar`) and WebDataset brace ranges
-    (`shard-{000..009}.tar`), in the order given (a glob or folder: sorted)."""
+def expand_sources(sources: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Path | str]:
+    """Paths, folders (their *.tar files), globs (`shards/*.tar`), fsspec URLs of shards
+    (`s3://bucket/train-{000..009}.tar`) and WebDataset brace ranges (`shard-{000..009}.tar`),
+    in the order given (a glob or folder: sorted)."""
     items = [sources] if isinstance(sources, (str, os.PathLike)) else list(sources)
     if not items:
         raise UserError("TarShards got no shards; pass a path, folder, glob or list of .tar files")
-    out: list[Path] = []
+    out: list[Path | str] = []
     for item in items:
         for name in _expand_braces(str(item)):
+            if "://" in name:
+                if any(c in name for c in "*?["):
+                    raise UserError(f"{name!r}: globs are not expanded in URLs; list the shards or use a range "
+                                    f"such as train-{{000..009}}.tar")
+                out.append(name)
+                continue
             path = Path(name).expanduser()
             if path.is_dir():
                 found = sorted(path.glob("*.tar"))
@@ -86,8 +97,7 @@ def expand_sources(sources: str | os.PathLike | Iterable[str | os.PathLike]) -> 
             elif path.is_file():
                 out.append(path)
             else:
-                raise UserError(f"tar shard {path} does not exist; check the path (remote URLs are not read here: "
-                                f"copy the shards to local disk first)")
+                raise UserError(f"tar shard {path} does not exist; check the path")
     return out
 
 
@@ -107,7 +117,7 @@ def _expand_braces(name: str) -> list[str]:
 
 @dataclass
 class Shard:
-    path: Path
+    path: Path | str  # a local path or an fsspec URL
     samples: list[tuple[str, dict[str, tuple[str, int, int]]]]  # key -> {field: (member name, offset, size)}
 
 
@@ -120,14 +130,67 @@ def _split_name(name: str) -> tuple[str, str] | None:
     return (f"{folder}/{stem}" if folder else stem), field.lower()
 
 
-def index_shard(path: Path, cap: Cap = TAR_MEMBER) -> Shard:
+class _RangeFile(io.RawIOBase):
+    """A read-only, seekable view of a remote shard for tarfile's header scan: reads whole blocks
+    by range request (with data/remote.py's retries), so skipping a member costs no download."""
+
+    BLOCK = 256 * 1024
+
+    def __init__(self, remote, name: str, size: int) -> None:
+        self.remote, self.name, self.size, self.pos = remote, name, size, 0
+        self._block: tuple[int, bytes] = (-1, b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.pos = {0: offset, 1: self.pos + offset, 2: self.size + offset}[whence]
+        return self.pos
+
+    def read(self, n: int = -1) -> bytes:
+        end = self.size if n is None or n < 0 else min(self.size, self.pos + n)
+        out = []
+        while self.pos < end:
+            start = self.pos - self.pos % self.BLOCK
+            if self._block[0] != start:
+                self._block = (start, self.remote.read_range(self.name, start, min(self.size, start + self.BLOCK)))
+            piece = self._block[1][self.pos - start: end - start]
+            out.append(piece)
+            self.pos += len(piece)
+        return b"".join(out)
+
+
+def _open_location(location: Path | str):
+    """(binary file object, size) of a local path or a URL."""
+    if isinstance(location, Path):
+        return open(location, "rb"), location.stat().st_size
+    from slipstream.data.remote import Remote
+
+    folder, _, name = location.rpartition("/")
+    remote = Remote(folder)
+    size = remote.size(name)
+    return _RangeFile(remote, name, size), size
+
+
+def index_shard(path: Path | str, cap: Cap = TAR_MEMBER) -> Shard:
     """Every sample's members (offset and size) from the tar headers, without reading the data."""
     limit = cap.limit
-    size = path.stat().st_size
+    f, size = _open_location(path)
+    with f:
+        return _index(f, path, size, cap, limit)
+
+
+def _index(f, path: Path | str, size: int, cap: Cap, limit: int) -> Shard:
     samples: list[tuple[str, dict[str, tuple[str, int, int]]]] = []
     last_name = "(start of file)"
     try:
-        with tarfile.open(path, mode="r:") as tar:  # "r:": uncompressed only, headers read lazily
+        with tarfile.open(fileobj=f, mode="r:") as tar:  # "r:": uncompressed only, headers read lazily
             for member in tar:
                 last_name = member.name
                 if not member.isfile():
@@ -152,19 +215,18 @@ def index_shard(path: Path, cap: Cap = TAR_MEMBER) -> Shard:
     except tarfile.TarError as e:
         raise UserError(f"tar shard {path} is corrupt or not an uncompressed tar (after member {last_name!r}: {e}); "
                         f"re-create it (webdataset.TarWriter or `tar cf`), uncompressed") from None
-    _check_tail(path, end, size, last_name)
+    # tarfile stops quietly at some damaged headers after the first: what follows the last member
+    # must be the end-of-archive zeros, or the rest of the shard would be lost without a word.
+    f.seek(end)
+    while chunk := f.read(1 << 16):
+        if chunk.count(0) != len(chunk):
+            raise UserError(f"tar shard {path} is corrupt: unreadable data follows member {last_name!r} "
+                            f"(byte {end}); re-create or re-download the shard")
     return Shard(path, samples)
 
 
-def _check_tail(path: Path, end: int, size: int, last_name: str) -> None:
-    """tarfile stops quietly at a damaged header after the first: what follows the last member
-    must be the end-of-archive zeros, or the rest of the shard would be lost without a word."""
-    with open(path, "rb") as f:
-        f.seek(end)
-        while chunk := f.read(1 << 16):
-            if chunk.count(0) != len(chunk):
-                raise UserError(f"tar shard {path} is corrupt: unreadable data follows member {last_name!r} "
-                                f"(byte {end}); re-create or re-download the shard")
+def shard_name(location: Path | str) -> str:
+    return location.name if isinstance(location, Path) else location.rpartition("/")[2]
 
 
 # --- decoding -------------------------------------------------------------------------------------------------------
@@ -267,24 +329,35 @@ class TarShards(torch.utils.data.IterableDataset):
                 if missing:
                     raise UserError(f"tar shard {shard.path}: sample {key!r} lacks field(s) {missing} "
                                     f"(it has: {', '.join(sorted(members))}); fix the shard or drop those fields")
-        self._files: dict[Path, Any] = {}
+        self._files: dict[Path | str, Any] = {}  # open local files and Remote folders, per process
 
     def __len__(self) -> int:
         return sum(len(s.samples) for s in self.shards)
 
     def identity(self) -> dict:
-        digest = hashlib.sha256("\n".join(f"{s.path.name}:{len(s.samples)}" for s in self.shards).encode())
+        digest = hashlib.sha256("\n".join(f"{shard_name(s.path)}:{len(s.samples)}" for s in self.shards).encode())
         return {"num_shards": len(self.shards), "num_samples": len(self), "shards_sha256": digest.hexdigest()}
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_files": {}}  # open files stay in their process
 
-    def _read(self, path: Path, name: str, offset: int, size: int) -> bytes:
+    def _read(self, path: Path | str, name: str, offset: int, size: int) -> bytes:
         f = self._files.get(path)
         if f is None:
             if len(self._files) >= 16:  # a few shards at a time are open per process
-                self._files.pop(next(iter(self._files))).close()
-            f = self._files[path] = open(path, "rb", buffering=0)
+                old = self._files.pop(next(iter(self._files)))
+                if not isinstance(old, tuple):
+                    old.close()
+            if isinstance(path, Path):
+                f = self._files[path] = open(path, "rb", buffering=0)
+            else:
+                from slipstream.data.remote import Remote
+
+                folder, _, file_name = path.rpartition("/")
+                f = self._files[path] = (Remote(folder), file_name)
+        if isinstance(f, tuple):
+            remote, file_name = f
+            return remote.read_range(file_name, offset, offset + size)  # checks the length itself
         # pread, not seek + read: forked workers share an inherited file's position.
         chunks, done = [], 0
         while done < size:
