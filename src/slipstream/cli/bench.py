@@ -196,7 +196,8 @@ def cmd_bench_packing(args: argparse.Namespace, extra: list[str]) -> int:
 
     no_extra(extra)
     refuse_existing(args.out, args.force)  # an explicit --out; the default benchmarks/ file is refreshed
-    run_packing_bench(size=args.size, rounds=args.rounds, steps=args.steps, device=args.device, out=args.out)
+    run_packing_bench(size=args.size, rounds=args.rounds, steps=args.steps, device=args.device, out=args.out,
+                      threads=args.threads)
     return 0
 
 
@@ -312,6 +313,7 @@ def add_commands(sub) -> None:
     p.add_argument("--rounds", type=int, default=5, help="interleaved rounds of every variant")
     p.add_argument("--steps", type=int, default=3, help="training steps per variant and round")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument("--threads", type=int, default=0, help="CPU threads for torch (0 = torch's default: all cores)")
     p.add_argument("--out", default="", help="JSON file (default benchmarks/packing-<device>.json)")
     add_force(p)
     p.set_defaults(func=cmd_bench_packing)

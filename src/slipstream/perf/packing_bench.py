@@ -57,7 +57,7 @@ def _variants(device: torch.device) -> tuple[dict[str, str | None], dict[str, st
 
 
 def run_packing_bench(size: str = "default", rounds: int = 5, steps: int = 3, device: str = "cpu",
-                      out: str = "") -> dict[str, Any]:
+                      out: str = "", threads: int = 0) -> dict[str, Any]:
     from slipstream.config.schema import ModelConfig
     from slipstream.models.doc_mask import DocumentMask, doc_ids_after, flex_runnable
     from slipstream.models.flops import flops_per_token
@@ -69,6 +69,10 @@ def run_packing_bench(size: str = "default", rounds: int = 5, steps: int = 3, de
         raise UserError(f"--size {size!r} is unknown; use one of {', '.join(SIZES)}")
     if rounds < 1 or steps < 1:
         raise UserError(f"--rounds and --steps must be >= 1 (got {rounds} and {steps})")
+    if threads < 0:
+        raise UserError(f"--threads must be >= 0 (0 = torch's default), got {threads}")
+    if threads:  # fewer threads than cores: steadier timings on a machine shared with other work
+        torch.set_num_threads(threads)
     s = SIZES[size]
     dev = torch.device(device)
     if dev.type == "cuda" and not torch.cuda.is_available():
