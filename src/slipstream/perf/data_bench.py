@@ -29,9 +29,11 @@ from typing import Any
 from slipstream.errors import UserError
 
 GPT2_BATCH, GPT2_SEQ = 16, 1024  # sequences x tokens of one GPT-2 124M micro-batch (the issue's shape)
-SIZES = {  # batches pulled per reader, emulated GPT-2 steps, default-job training steps
-    "default": {"batches": 60, "emulated_steps": 40, "train_steps": 30},
-    "ci": {"batches": 4, "emulated_steps": 3, "train_steps": 3},
+SIZES = {  # batches pulled per reader, emulated GPT-2 steps, default-job training steps (+ its overrides)
+    "default": {"batches": 60, "emulated_steps": 40, "train_steps": 30, "job": []},
+    "ci": {"batches": 4, "emulated_steps": 3, "train_steps": 3,
+           "job": ["--model.n_layer=1", "--model.d_model=64", "--model.n_head=2", "--train.micro_batch_size=4",
+                   "--train.seq_len=64"]},
 }
 WORKERS = 2
 
@@ -54,7 +56,7 @@ def run_data_bench(out: str = "", size: str = "default", data_dir: str = "") -> 
     with tempfile.TemporaryDirectory(prefix="slipstream-data-bench-") as tmp:
         readers = measure_readers(corpus, Path(tmp), n["batches"], n["emulated_steps"], step_gpt2)
         prepare = measure_prepare(corpus, Path(tmp), size)
-        default_job = measure_default_job(corpus, Path(tmp), n["train_steps"])
+        default_job = measure_default_job(corpus, Path(tmp), n["train_steps"], n["job"])
     result = {"bench": "data", "size": size, "workers": WORKERS,
               "gpt2_shape": {"micro_batch": GPT2_BATCH, "seq_len": GPT2_SEQ, "planned_step_s_h100_bf16": step_gpt2,
                              "consumed_tokens_per_s": GPT2_BATCH * GPT2_SEQ / step_gpt2},
@@ -197,7 +199,7 @@ def measure_prepare(corpus: str, tmp: Path, size: str) -> list[dict]:
 
 # ----------------------------------------------------------------------------------------------- default job
 
-def measure_default_job(corpus: str, tmp: Path, steps: int) -> list[dict]:
+def measure_default_job(corpus: str, tmp: Path, steps: int, overrides: list[str]) -> list[dict]:
     """The default job trained for real: data wait over step time, per reader."""
     from slipstream.perf.local_servers import HttpFileServer
     from slipstream.perf.sharding import run_strategy
@@ -209,9 +211,9 @@ def measure_default_job(corpus: str, tmp: Path, steps: int) -> list[dict]:
                  (f"local shards, {WORKERS} workers", [f"--data.dir={corpus}", f"--data.num_workers={WORKERS}"]),
                  ("streaming, HTTP server", [f"--data.dir={http.url}", "--data.streaming=true",
                                              f"--data.cache_dir={tmp / 'job-cache'}"])]
-        for i, (name, overrides) in enumerate(cases):
+        for i, (name, reader) in enumerate(cases):
             run_dir = tmp / f"job{i}"
-            summary = run_strategy("none", 1, [*overrides, "--train.device=cpu", "--train.threads=1"],
+            summary = run_strategy("none", 1, [*reader, *overrides, "--train.device=cpu", "--train.threads=1"],
                                    str(run_dir), steps=steps)
             records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
             timed = [r for r in records if "step_time_s" in r and r["step"] >= 3] or \
