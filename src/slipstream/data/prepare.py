@@ -53,6 +53,7 @@ from datetime import datetime, timezone
 
 import numpy as np
 
+from slipstream.data import locations as loc
 from slipstream.data import prepare_units as units_mod
 from slipstream.data.encode import CHUNK_CHARS, cpu_count, fsync_close, make_pool  # noqa: F401 (CHUNK_CHARS: older tests set it)
 from slipstream.data.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, TOKENIZER_FILE, load_manifest,
@@ -60,7 +61,6 @@ from slipstream.data.manifest import (FORMAT, FORMAT_VERSION, MANIFEST, TOKENIZE
 # Also imported from here by callers (slipstream.data, data/ensure.py, `data verify`), which
 # predate manifest.py: re-exported so `slipstream.data.prepare` keeps its public names.
 from slipstream.data.manifest import AUTO_FULL_BYTES, data_bytes, tokenizer_spec_for, verify_data, verify_manifest  # noqa: F401
-from slipstream.data import locations as loc
 from slipstream.data.sources import STDLIB, SourceStats, empty_corpus, fingerprint_inputs, plan
 from slipstream.data.tokenizers import Tokenizer, get_tokenizer
 from slipstream.diskspace import disk_full_error, is_disk_full
@@ -362,7 +362,7 @@ def _build(inputs, tok, dtype, work, out_dir, settings, unit_bytes, num_workers,
     units = units_mod.plan_units(plan(inputs, text_field, unit_bytes), unit_bytes)
     done = units_mod.read_journal(work, len(units), dtype.itemsize, dedup)
     for name in os.listdir(work):  # part files of units that never finished are redone from scratch
-        if name.startswith("unit_") and (".partial" in name or int(name[5:11]) not in done):
+        if name.startswith("unit_") and (".partial" in name or not name[5:11].isdigit() or int(name[5:11]) not in done):
             os.remove(os.path.join(work, name))
     if done:
         console.print(f"[data] resuming {out_dir}: kept {len(done)} of {len(units)} units finished by an interrupted "
