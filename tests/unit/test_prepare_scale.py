@@ -262,9 +262,10 @@ def test_memory_stays_bounded_on_an_input_several_times_the_limit(tmp_path):
     The whole tree's memory is sampled (parent + 2 pool workers, /proc every 5 ms). Its
     absolute size is mostly the imports (torch, numpy, pyarrow) in each process, so the
     limit is on the growth over a 4 MB input's peak, measured first in the same test.
-    Measured on this VM (2 cores, AMD EPYC, torch 2.13 CPU), summed over the tree: 4 MB
-    input peak RSS 632 MiB (PSS 231 MiB), 255 MB input peak RSS 645 MiB (PSS 239 MiB):
-    +13 MiB RSS, +8 MiB PSS; ~29 s for the test (byte tokenizer, --workers 2).
+    Measured on this VM (2 cores, AMD EPYC, torch 2.13 CPU), summed over the tree, two runs:
+    4 MB input peak RSS 632-634 MiB (PSS 218-231 MiB), 255 MB input peak RSS 645-648 MiB
+    (PSS 239-248 MiB): +13-14 MiB RSS, +8-30 MiB PSS; 23-29 s for the test (byte
+    tokenizer, --workers 2).
     """
     small = write_corpus(tmp_path / "small", 4)
     big = write_corpus(tmp_path / "big", 240)
