@@ -130,6 +130,38 @@ def test_fsspec_urls_memory_and_file(tmp_path):
     assert ByteTokenizer().decode(tokens_of(tmp_path / "viafile", m)) == "a text file by URL" + EOT_TEXT
 
 
+def test_s3_folder_from_a_local_moto_server(tmp_path, monkeypatch):
+    """s3:// through s3fs, credentials and endpoint from the environment as boto reads them;
+    the forked pool workers read their units from the store too."""
+    s3fs = pytest.importorskip("s3fs")
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        for key, value in dict(AWS_ACCESS_KEY_ID="test", AWS_SECRET_ACCESS_KEY="test", AWS_DEFAULT_REGION="us-east-1",
+                               AWS_ENDPOINT_URL=f"http://{host}:{port}").items():
+            monkeypatch.setenv(key, value)
+        s3fs.S3FileSystem.clear_instance_cache()  # a cached instance would keep another test's settings
+        fs = fsspec.filesystem("s3")
+        fs.mkdir("bucket")
+        with fs.open("bucket/docs/a.jsonl", "wb") as f:
+            f.write("".join(json.dumps({"text": d}) + "\n" for d in DOCS).encode())
+        buf = pa.BufferOutputStream()
+        pq.write_table(pa.table({"text": DOCS}), buf, row_group_size=8)
+        with fs.open("bucket/docs/b.parquet", "wb") as f:
+            f.write(buf.getvalue().to_pybytes())
+        m = prepare(["s3://bucket/docs"], tmp_path / "s3", num_workers=2)
+        assert ByteTokenizer().decode(tokens_of(tmp_path / "s3", m)) == expected_text(DOCS + DOCS)
+        assert m["units"] > 1 and m["inputs"]["inputs"][0]["files"] == 2
+        with pytest.raises(UserError, match=r"does not exist: 's3://bucket/nothing-here'"):
+            prepare(["s3://bucket/nothing-here"], tmp_path / "none")
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.stop()
+
+
 # ----------------------------------------------------------------------------- fine-tuning masks
 
 def test_prompt_completion_records_carry_a_loss_mask(tmp_path):

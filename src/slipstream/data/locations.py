@@ -10,6 +10,7 @@ read them: nothing here takes or stores a secret.
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 from typing import BinaryIO, Iterator
 
@@ -131,7 +132,18 @@ def open_binary(path: str) -> BinaryIO:
         return open(path, "rb")
     fs, p = _fs(path)
     with reaching(path):
-        return fs.open(p, "rb")
+        f = fs.open(p, "rb")
+    # fsspec's remote files take no size in readline, which the capped line reader needs.
+    return f if isinstance(f, io.IOBase) and _readline_takes_size(f) else io.BufferedReader(f, 1 << 20)
+
+
+def _readline_takes_size(f) -> bool:
+    import inspect
+
+    try:
+        return len(inspect.signature(f.readline).parameters) >= 1
+    except (TypeError, ValueError):  # a builtin without a signature: io's own readline(size=-1)
+        return True
 
 
 def walk_files(root: str, skip_dirs: frozenset[str] | set[str] = frozenset(), suffix: str | None = None) -> list[str]:
