@@ -253,6 +253,13 @@ def test_chunk_checksums(tmp_path):
         data = (tmp_path / "out" / shard["file"]).read_bytes()
         want = [hashlib.sha256(data[i:i + 256]).hexdigest() for i in range(0, len(data), 256)]
         assert shard["chunk_sha256"] == want
+    rows = [json.dumps({"prompt": "q" * 90, "completion": "a" * 150}) for _ in range(3)]
+    (tmp_path / "sft.jsonl").write_text("\n".join(rows) + "\n")
+    sft = prepare([tmp_path / "sft.jsonl"], tmp_path / "sft", shard_tokens=300, chunk_tokens=128, val_fraction=0.0)
+    for shard in sft["splits"]["train"]["shards"]:  # the mask of a streamed chunk has its own checksum
+        bits = (tmp_path / "sft" / shard["mask_file"]).read_bytes()
+        assert shard["mask_chunk_sha256"] == [hashlib.sha256(bits[i:i + 128]).hexdigest()
+                                              for i in range(0, len(bits), 128)]
     with pytest.raises(UserError, match="chunk_tokens=0"):
         prepare([tmp_path / "a.txt"], tmp_path / "z", chunk_tokens=0)
 

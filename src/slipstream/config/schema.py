@@ -81,9 +81,9 @@ class ModelConfig:
 class DataConfig:
     """What to train on and how to cut it into batches."""
 
-    inputs: list[str] = option(["stdlib"], "Text files, folders, .jsonl files, or `stdlib` (the embedded corpus: Python's standard-library sources).")
+    inputs: list[str] = option(["stdlib"], "What `data prepare` reads: text files, folders, .jsonl (.gz, .zst), Parquet files, Hugging Face `datasets` folders (save_to_disk) and .arrow files, fsspec URLs (s3://, gs://, hf://, file://) of any of them, or `stdlib` (the embedded corpus: Python's standard-library sources).")
     tokenizer: str = option("byte", "Tokenizer: `byte`, `bpe:FILE` (tokenizers JSON) or `tiktoken:NAME`.")
-    text_field: str = option("text", "Field holding the text in .jsonl inputs.")
+    text_field: str = option("text", "Field (JSONL) or column (Parquet, Arrow) holding the text. Records without it but with `prompt` and `completion` strings are supervised fine-tuning pairs: only the completion is trained on (a loss mask).")
     dir: str = option("", "Prepared token-shard folder (from `slipstream data prepare`), used as is. Empty: prepare `inputs` on first use into data/<tokenizer>-<inputs>-<hash>.")
     val_fraction: float = option(0.01, "Fraction of documents held out for validation.", min=0.0, max=0.5)
     sampling: str = option("random", "Training windows: random (seeded) or sequential epochs (shuffled window order).",

@@ -15,7 +15,9 @@ from slipstream.config.schema import Config
 
 def default_data_dir(cfg: Config) -> Path:
     """data/<tokenizer>-<inputs>-<hash>: one cached folder per (inputs, tokenizer) pair."""
-    key = repr((sorted(cfg.data.inputs), cfg.data.tokenizer, cfg.data.text_field, cfg.data.val_fraction))
+    key = (sorted(cfg.data.inputs), cfg.data.tokenizer, cfg.data.text_field, cfg.data.val_fraction)
+    # dedup joins the key only when on, so the folders of existing runs keep their names.
+    key = repr(key + (("dedup",) if cfg.data.dedup else ()))
     digest = hashlib.sha256(key.encode()).hexdigest()[:8]
     slug = re.sub(r"[^A-Za-z0-9]+", "-", f"{cfg.data.tokenizer.split('/')[-1]}-{'-'.join(Path(i).name for i in cfg.data.inputs)}")
     return Path("data") / f"{slug.strip('-')[:60]}-{digest}"

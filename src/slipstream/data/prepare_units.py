@@ -243,6 +243,7 @@ class ShardAssembler:
                  "f": open(os.path.join(self.folder, name + ".bin"), "wb")}
         if self.with_mask:
             shard["mf"], shard["msha"] = open(os.path.join(self.folder, name + ".mask"), "wb"), hashlib.sha256()
+            shard["mask_chunk"], shard["mask_chunks"] = hashlib.sha256(), []
         self._open = shard
 
     def _put(self, tokens: np.ndarray, mask: np.ndarray | None) -> None:
@@ -253,21 +254,30 @@ class ShardAssembler:
         s["sha"].update(data)
         top = int(tokens.max())
         s["max_id"] = top if s["max_id"] is None else max(s["max_id"], top)
-        pos, size = 0, self.dtype.itemsize
-        while pos < len(tokens):  # the chunk checksums streaming readers verify (chunk_tokens each)
-            take = min(self.chunk_tokens - s["chunk_fill"], len(tokens) - pos)
-            s["chunk"].update(data[pos * size : (pos + take) * size])
-            s["chunk_fill"] += take
-            pos += take
-            if s["chunk_fill"] == self.chunk_tokens:
-                s["chunks"].append(s["chunk"].hexdigest())
-                s["chunk"], s["chunk_fill"] = hashlib.sha256(), 0
+        m = b""
         if self.with_mask:
             m = (mask if mask is not None else np.ones(len(tokens), dtype=np.uint8)).astype(np.uint8).tobytes()
             s["mf"].write(m)
             s["msha"].update(m)
+        pos, size = 0, self.dtype.itemsize
+        while pos < len(tokens):  # the chunk checksums streaming readers verify (chunk_tokens each)
+            take = min(self.chunk_tokens - s["chunk_fill"], len(tokens) - pos)
+            s["chunk"].update(data[pos * size : (pos + take) * size])
+            if self.with_mask:  # a streamed chunk's mask bytes are checked on their own too
+                s["mask_chunk"].update(m[pos : pos + take])
+            s["chunk_fill"] += take
+            pos += take
+            if s["chunk_fill"] == self.chunk_tokens:
+                self._end_chunk(s)
         s["tokens"] += len(tokens)
         self.written += len(tokens)
+
+    def _end_chunk(self, s: dict) -> None:
+        s["chunks"].append(s["chunk"].hexdigest())
+        s["chunk"], s["chunk_fill"] = hashlib.sha256(), 0
+        if self.with_mask:
+            s["mask_chunks"].append(s["mask_chunk"].hexdigest())
+            s["mask_chunk"] = hashlib.sha256()
 
     def close(self) -> None:
         s, self._open = self._open, None
@@ -275,12 +285,13 @@ class ShardAssembler:
             return
         fsync_close(s["f"])
         if s["chunk_fill"]:
-            s["chunks"].append(s["chunk"].hexdigest())
+            self._end_chunk(s)
         entry = {"file": s["name"] + ".bin", "tokens": s["tokens"], "sha256": s["sha"].hexdigest(),
                  "max_id": s["max_id"], "chunk_sha256": s["chunks"]}
         if self.with_mask:
             fsync_close(s["mf"])
             entry["mask_file"], entry["mask_sha256"] = s["name"] + ".mask", s["msha"].hexdigest()
+            entry["mask_chunk_sha256"] = s["mask_chunks"]
         self.shards[s["split"]].append(entry)
 
 
