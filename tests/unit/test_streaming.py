@@ -495,3 +495,58 @@ def test_a_plain_http_server_without_range_support(chunked, tmp_path):
             assert torch.equal(x, x0) and torch.equal(y, y0) and torch.equal(w, w0)
     finally:
         server.shutdown()
+
+
+# -- review: concurrent users of one cache folder, close, retries, eval reads
+
+
+def test_two_live_loaders_never_share_a_cache_folder(chunked, tmp_path):
+    """Two jobs on one machine streaming the same URL (or ranks of one model-parallel group on
+    two nodes with a shared home folder) have the same rank and LOCAL_RANK: one folder would
+    let each evict the chunks the other reads and delete its downloads in flight."""
+    a = loader(chunked, tmp_path, readahead=1)
+    take(a, 2)
+    in_flight = Path(a.cache.folder) / ".tmp-99999-1-abc.chunk"  # a's download under way
+    in_flight.write_bytes(b"x")
+    b = loader(chunked, tmp_path, readahead=1)
+    assert a.cache.folder != b.cache.folder
+    assert in_flight.exists()  # b's start-up cleaning left a's folder alone
+    assert same(take(b, 2), take(loader(chunked, tmp_path / "ref"), 2))
+    b.close()
+    folder = a.cache.folder
+    a.close()
+    again = loader(chunked, tmp_path)  # a restarted job finds its folder (and its chunks) again
+    assert again.cache.folder == folder
+    again.close()
+
+
+class SlowFS:
+    """Reads that take `delay` seconds each, counted."""
+
+    def __init__(self, fs, delay: float) -> None:
+        self.fs, self.delay, self.calls = fs, delay, 0
+
+    def cat_file(self, *args, **kw):
+        import time
+
+        self.calls += 1
+        time.sleep(self.delay)
+        return self.fs.cat_file(*args, **kw)
+
+    def size(self, path):
+        return self.fs.size(path)
+
+
+def test_close_does_not_wait_for_queued_read_ahead(chunked, tmp_path):
+    import time
+
+    stream = loader(chunked, tmp_path, readahead=4, threads=1, cache_bytes=1 << 22)
+    slow = SlowFS(stream.remote.fs, 0.3)
+    stream.remote.fs = slow
+    next(stream)  # the first chunk; four more queued behind one thread
+    started = time.monotonic()
+    calls, threads = slow.calls, list(stream.cache._threads)
+    stream.close()
+    assert time.monotonic() - started < 0.9  # at most the download in flight, not all four
+    assert slow.calls <= calls + 1
+    assert threads and not [t for t in threads if t.is_alive()]

@@ -16,6 +16,12 @@ download the cache makes room by deleting the chunks not in use (the current one
 read-ahead ones are in use), those used longest ago first, so the folder never holds more
 than cache_bytes. It deletes only chunk files and its own temporary files, and only in a
 folder carrying its marker file (MARKER), which it writes when it creates the folder.
+
+One live process per folder: a cache holds an exclusive lock (flock on LOCK) on its folder
+while it is open. Another process that would use the same folder (a second job streaming the
+same URL on this machine, or a rank of the same model-parallel group on another node sharing
+the cache folder) takes the next free one, <folder>.1, .2, ...: it never evicts the chunks the
+first one reads nor deletes its downloads in flight. A restarted job finds its folder again.
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ MARKER = ".slipstream-stream-cache"
 MARKER_TEXT = "A read-ahead cache of slipstream's data streaming: chunk files it downloaded and may delete.\n"
 SUFFIX = ".chunk"
 TMP_PREFIX = ".tmp-"
+LOCK = ".slipstream-stream-cache.lock"
+MAX_SHARERS = 64  # live processes that may stream into copies of one cache folder at once
 
 
 @dataclass(frozen=True)
@@ -123,6 +131,41 @@ def prepare_folder(folder: str) -> None:
                         "data.cache_dir") from None
 
 
+def _release(fd: list[int]) -> None:
+    if fd and fd[0] >= 0:
+        os.close(fd[0])  # releases the flock
+        fd[0] = -1
+
+
+def claim_folder(folder: str) -> tuple[str, list[int]]:
+    """`folder`, or the first of folder.1, folder.2, ... that no live process holds (see the
+    module doc), prepared and locked; the lock is held by the returned descriptor (in a list,
+    so that close and the finalizer release it once)."""
+    try:
+        import fcntl
+    except ImportError:  # no flock on this platform: one process per folder is then the user's to ensure
+        prepare_folder(folder)
+        return folder, [-1]
+    for i in range(MAX_SHARERS):
+        candidate = folder if i == 0 else f"{folder}.{i}"
+        prepare_folder(candidate)
+        try:
+            fd = os.open(os.path.join(candidate, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise UserError(f"cannot create {os.path.join(candidate, LOCK)} ({e.strerror}); choose a writable "
+                            "data.cache_dir") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)  # a live process streams into this one: try the next
+            continue
+        except OSError:
+            pass  # a filesystem without locks (some network mounts): used unlocked, as before
+        return candidate, [fd]
+    raise UserError(f"{MAX_SHARERS} live processes already use copies of the streaming cache folder {folder}; "
+                    "give this run its own data.cache_dir")
+
+
 def write_atomic(path: str, data: bytes | memoryview) -> None:
     """Write a file under a temporary name and rename it: no reader ever sees half of it."""
     folder, name = os.path.split(path)
@@ -142,7 +185,7 @@ class ChunkCache:
     `get` one of them (waiting for its download)."""
 
     def __init__(self, folder: str, cap_bytes: int, remote: Remote, itemsize: int, threads: int) -> None:
-        prepare_folder(folder)
+        folder, self._lock_fd = claim_folder(folder)
         self.folder, self.cap, self.remote, self.itemsize = folder, cap_bytes, remote, itemsize
         for entry in os.scandir(folder):  # a killed run's partial downloads: ours (marked folder, our prefix)
             if entry.name.startswith(TMP_PREFIX) and entry.is_file():
@@ -154,6 +197,7 @@ class ChunkCache:
         self._uses = 0
         self._futures: dict[str, concurrent.futures.Future] = {}
         self._jobs: queue.Queue = queue.Queue()
+        self._closed = False
         self.downloads = 0  # chunks fetched in this session (for tests and logs)
         # Daemon threads: an exiting run does not wait for read-ahead it will never use; the
         # temporary file a thread leaves behind is removed by the next run (above).
@@ -162,6 +206,7 @@ class ChunkCache:
         for t in self._threads:
             t.start()
         weakref.finalize(self, _stop_workers, self._jobs, len(self._threads))
+        weakref.finalize(self, _release, self._lock_fd)
 
     def path(self, chunk: Chunk) -> str:
         return os.path.join(self.folder, chunk.name)
@@ -169,6 +214,8 @@ class ChunkCache:
     def want(self, chunks: list[Chunk]) -> None:
         """These chunks are read next (the first now): keep them, download those not here."""
         with self._lock:
+            if self._closed:  # no thread would ever download it: get() would wait forever
+                raise UserError("the streaming loader was closed; open a new one to read more batches")
             self._in_use = {c.name for c in chunks}
             for c in chunks:
                 if c.name in self._futures or os.path.isfile(self.path(c)):
@@ -196,11 +243,21 @@ class ChunkCache:
         return self.path(chunk)
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        while True:  # read-ahead not started is dropped: close waits only for the downloads in flight
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job[1].cancel()
         _stop_workers(self._jobs, len(self._threads))
         for t in self._threads:
             # Blocks until a download in flight ends (bounded by data.retries): then no thread writes here.
             t.join()
         self._threads = []
+        _release(self._lock_fd)  # after the joins: the folder is another process's only once we are done
 
     # -- download threads
 
