@@ -116,7 +116,8 @@ def build_lm_trainer(cfg: Config):
     # document after each end-of-text token of this data's tokenizer.
     eot_id = manifest["eot_id"] if cfg.data.packing == "document" else None
     loss_fn = (functools.partial(fused_lm_loss_fn, chunk_size=t.fused_loss_chunk, eot_id=eot_id) if t.fused_loss
-               else functools.partial(lm_loss_fn, eot_id=eot_id))
+               # The plain loss itself when no ids are needed: the pipeline recognizes it (its last stage computes it).
+               else lm_loss_fn if eot_id is None else functools.partial(lm_loss_fn, eot_id=eot_id))
     sequence_loss_fn = functools.partial(lm_sequence_losses, fused_chunk=t.fused_loss_chunk if t.fused_loss else None,
                                          eot_id=eot_id)
     job = JobInfo(checkpoint_meta=meta, checkpoint_files=files, model_summary=describe_model(cfg),
