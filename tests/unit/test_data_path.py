@@ -55,3 +55,12 @@ def test_training_with_workers_equals_in_process(tiny_overrides, tmp_path):
     a = train_lm(load_config(None, common + [f"--run.dir={tmp_path / 'a'}"]))
     b = train_lm(load_config(None, common + [f"--run.dir={tmp_path / 'b'}", "--data.num_workers=2"]))
     assert a["final_loss"] == b["final_loss"]
+
+
+def test_a_url_without_streaming_names_the_switch():
+    from slipstream.config.load import load_config
+    from slipstream.data.ensure import ensure_data
+    from slipstream.errors import UserError
+
+    with pytest.raises(UserError, match="--data.streaming=true"):
+        ensure_data(load_config(None, ["--data.dir=s3://bucket/prepared"]))

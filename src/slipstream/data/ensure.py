@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.config.schema import Config
+from slipstream.errors import UserError
 
 
 def default_data_dir(cfg: Config) -> Path:
@@ -35,6 +36,9 @@ def ensure_data(cfg: Config, check: bool = True) -> tuple[Path, dict[str, Any]]:
     from slipstream.data.prepare import AUTO_FULL_BYTES, data_bytes, load_manifest, wants_checksums
 
     d = cfg.data
+    if "://" in d.dir:
+        raise UserError(f"data.dir = {d.dir!r} is a URL; stream it with --data.streaming=true (or download the "
+                        "folder and point data.dir at the local copy)")
     if d.dir:
         manifest = load_manifest(d.dir)
         checksums = check and wants_checksums(d.verify, manifest)
