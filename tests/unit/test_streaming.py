@@ -550,3 +550,41 @@ def test_close_does_not_wait_for_queued_read_ahead(chunked, tmp_path):
     assert time.monotonic() - started < 0.9  # at most the download in flight, not all four
     assert slow.calls <= calls + 1
     assert threads and not [t for t in threads if t.is_alive()]
+
+
+def test_client_errors_are_not_retried_even_when_wrapped():
+    """s3fs turns an S3 error code it does not know into OSError(EIO) with the ClientError as
+    its cause; gcsfs raises HttpError for every status: a 4xx (bar 408 / 429 / RequestTimeout)
+    is the request's fault and fails at once."""
+    from botocore.exceptions import ClientError
+
+    def client_error(code, status):
+        return ClientError({"Error": {"Code": code, "Message": code}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                           "GetObject")
+
+    class HttpError(Exception):  # gcsfs.retry.HttpError's shape: a code attribute
+        def __init__(self, code):
+            self.code = code
+
+    def wrapped(cause):
+        e = OSError(5, "Input/output error")
+        e.__cause__ = cause
+        return e
+
+    for e in (wrapped(client_error("InvalidObjectState", 403)), wrapped(client_error("SomethingNew", 400)),
+              HttpError(400), HttpError(416)):
+        assert not remote_mod.is_transient(e), e
+    for e in (wrapped(client_error("SomethingNew", 503)), wrapped(client_error("RequestTimeout", 400)),
+              HttpError(503), HttpError(429), HttpError(408), wrapped(ConnectionResetError(104, "reset"))):
+        assert remote_mod.is_transient(e), e
+
+
+def test_backoff_is_capped(monkeypatch, tmp_path):
+    """data.retries = 30 must give up within minutes, not wait 0.5 s x 2^29 before the last try."""
+    waits = []
+    monkeypatch.setattr(remote_mod, "BACKOFF_S", 0.5)
+    monkeypatch.setattr(remote_mod.time, "sleep", waits.append)
+    r = remote_mod.Remote(str(tmp_path), retries=30)
+    with pytest.raises(UserError, match="failed 30 time"):
+        r.call("x", "reading", lambda: (_ for _ in ()).throw(ConnectionResetError(104, "reset")))
+    assert len(waits) == 29 and max(waits) <= remote_mod.MAX_BACKOFF_S and sum(waits) < 30 * 60

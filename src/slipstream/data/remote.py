@@ -14,7 +14,8 @@ Errors, judged by the exception's type (library-agnostic: by class name where th
 lives in an optional library):
   - transient: connection reset / refused / aborted mid-run, timeouts, HTTP 5xx, throttling
     (SlowDown, 429, 503): retried up to `retries` attempts, waiting BACKOFF_S, then twice
-    that, ...; then a UserError naming the URL, the attempts and the last error.
+    that, ... (at most MAX_BACKOFF_S); then a UserError naming the URL, the attempts and the
+    last error. A 4xx status other than 408 / 429 is not transient, even inside an OSError.
   - at once: not found, access denied, missing credentials (naming the variables to set),
     and an unreachable host on the first contact (the URL is wrong or the server is down:
     waiting would not help, and the run has not started yet).
@@ -33,6 +34,7 @@ from slipstream.safe_read import Cap
 
 T = TypeVar("T")
 BACKOFF_S = 0.5  # first wait between attempts; doubles each time (tests lower it)
+MAX_BACKOFF_S = 30.0  # ... up to this: a large data.retries waits longer in all, never hours per attempt
 
 _TRANSIENT_ERRNOS = {errno.ECONNRESET, errno.ECONNREFUSED, errno.ECONNABORTED, errno.ETIMEDOUT, errno.EPIPE,
                      errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENETDOWN, errno.EAGAIN, errno.EBUSY, errno.EIO,
@@ -71,21 +73,29 @@ def _status(e: BaseException) -> int | None:
     return None
 
 
+def _code(e: BaseException) -> str:
+    response = getattr(e, "response", None)
+    return str(response.get("Error", {}).get("Code", "")) if isinstance(response, dict) else ""
+
+
 def is_transient(e: BaseException) -> bool:
-    """A failure that a later attempt may not see: the network or an overloaded server."""
-    for err in (e, e.__cause__):
-        if err is None:
-            continue
-        if isinstance(err, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)):
-            return False
-        if isinstance(err, (ConnectionError, TimeoutError)) or _names(err) & set(_TRANSIENT_NAMES):
+    """A failure that a later attempt may not see: the network or an overloaded server.
+
+    What the server said decides first, wherever in the chain it is (s3fs wraps an S3 error
+    code it does not know in OSError(EIO), its cause the ClientError): a throttling code or a
+    5xx / 408 / 429 status is transient, any other 4xx is the request's fault and is not."""
+    chain = [err for err in (e, e.__cause__) if err is not None]
+    if any(isinstance(err, (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError))
+           for err in chain):
+        return False
+    for err in chain:
+        if _code(err) in _THROTTLE_CODES:
             return True
         status = _status(err)
-        if status is not None and (status >= 500 or status == 429):
-            return True
-        code = str(getattr(err, "response", {}).get("Error", {}).get("Code", "")) if isinstance(
-            getattr(err, "response", None), dict) else ""
-        if code in _THROTTLE_CODES:
+        if status is not None and status >= 400:
+            return status >= 500 or status in (408, 429)
+    for err in chain:
+        if isinstance(err, (ConnectionError, TimeoutError)) or _names(err) & set(_TRANSIENT_NAMES):
             return True
         if isinstance(err, OSError) and err.errno in _TRANSIENT_ERRNOS:
             return True
@@ -157,7 +167,7 @@ class Remote:
                                     f"{type(e).__name__}: {e}; {_endpoint_hint(self.url)}, or raise data.retries "
                                     f"(now {self.retries})") from None
                 time.sleep(wait)  # backing off: the server is overloaded or the network is down for a moment
-                wait *= 2
+                wait = min(wait * 2, MAX_BACKOFF_S)
         raise AssertionError("unreachable")
 
     def _fatal(self, e: Exception, url: str, what: str) -> UserError | None:
