@@ -181,10 +181,10 @@ def train(shards: Path, run_dir: Path, workers: int, steps: int, batch: int = 64
     train_data = TarShards(sorted(shards.glob("train-*.tar")), decode="pil", transform=augment)
     val_data = TarShards(shards / "val.tar", decode="pil", transform=evaluate_transform)
     trainer = Trainer(model, train_data=train_data, val_data=val_data, loss_fn=loss_fn, config=cfg)
-    start = time.perf_counter()
+    start, load_before = time.perf_counter(), os.getloadavg()[0]
     summary = trainer.fit()
     result = {"workers": workers, "prefetch": prefetch, "batch": batch, "steps": steps,
-              "load_average_1m_after": os.getloadavg()[0],
+              "load_average_1m_before": load_before, "load_average_1m_after": os.getloadavg()[0],
               "steps_this_run": summary["steps_this_run"],
               "wall_s": time.perf_counter() - start, "final_loss": summary["final_loss"],
               "val_loss": summary["val_loss"], "samples_per_s": summary["tokens_per_s"],
@@ -221,8 +221,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
         from slipstream.observe.env import collect_env, write_json_atomic
 
         write_json_atomic(args.json, {"bench": "image-data-wait", "command": " ".join(["python", *sys.argv]),
-                                      "env": collect_env(), "results": results})
+                                      "env": collect_env(), "summary": summarize(results), "results": results})
     return results
+
+
+def summarize(results: list[dict]) -> dict:
+    """Per worker count, the mean over its runs (interleaved runs share the machine's load)."""
+    out = {}
+    for workers in sorted({r["workers"] for r in results}):
+        runs = [r for r in results if r["workers"] == workers]
+        mean = {k: sum(r[k] for r in runs) / len(runs)
+                for k in ("step_time_s", "data_wait_s", "data_wait_fraction", "samples_per_s", "accuracy")}
+        out[f"workers={workers}"] = {"runs": len(runs), **mean}
+    return out
 
 
 if __name__ == "__main__":

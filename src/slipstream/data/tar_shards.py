@@ -24,6 +24,11 @@ to rank k % world_size, every rank keeping floor(N / W) samples (equal batch cou
 lockstep), and batch j of a rank is its samples j*B .. j*B + B-1, built by worker j % num_workers.
 Because the index gives every member's offset, a worker reads (and decodes) only the samples of
 its own batches, and a resumed loader starts at the saved batch without reading what came before.
+The shuffle is as good as the shards are large (a batch draws from one or two shards), as with
+webdataset's shard shuffle plus buffer. The costs: the index is built when TarShards is created
+(one header scan per shard, in the training process: about a second per few hundred thousand
+local members; remote shards cost a range request per 256 KiB of headers, more with members
+larger than that) and held in memory (some 200 bytes per sample).
 
 Decoding (decode=True or "tensor"): png / jpg / jpeg / webp -> uint8 CHW tensor (grayscale 1
 channel, everything else RGB); decode="pil" hands PIL images (RGB or L) to the transform;
