@@ -588,3 +588,19 @@ def test_backoff_is_capped(monkeypatch, tmp_path):
     with pytest.raises(UserError, match="failed 30 time"):
         r.call("x", "reading", lambda: (_ for _ in ()).throw(ConnectionResetError(104, "reset")))
     assert len(waits) == 29 and max(waits) <= remote_mod.MAX_BACKOFF_S and sum(waits) < 30 * 60
+
+
+def test_a_damaged_chunk_file_in_the_cache_is_fetched_again(chunked, tmp_path):
+    """A chunk file cut short on this disk (a crash after the rename reached the disk but
+    before the data did) is not trusted: it is downloaded again, not read as a short chunk."""
+    reference = take(loader(chunked, tmp_path / "ref"), 3)
+    first = loader(chunked, tmp_path, readahead=0)
+    take(first, 1)
+    folder = Path(first.cache.folder)
+    first.close()
+    for p in folder.iterdir():
+        if p.name.endswith(".chunk"):
+            p.write_bytes(p.read_bytes()[: p.stat().st_size // 2])
+    again = loader(chunked, tmp_path, readahead=0)
+    assert same(take(again, 3), reference)
+    again.close()

@@ -211,6 +211,18 @@ class ChunkCache:
     def path(self, chunk: Chunk) -> str:
         return os.path.join(self.folder, chunk.name)
 
+    def _present(self, chunk: Chunk) -> bool:
+        """The chunk's file is here, whole. One of another size (cut short on this disk by a
+        crash) is deleted, to be downloaded again: the caller holds the lock."""
+        try:
+            size = os.path.getsize(self.path(chunk))
+        except OSError:
+            return False
+        if size == chunk.nbytes(self.itemsize):
+            return True
+        os.remove(self.path(chunk))  # a chunk file (our name, our marked and locked folder)
+        return False
+
     def want(self, chunks: list[Chunk]) -> None:
         """These chunks are read next (the first now): keep them, download those not here."""
         with self._lock:
@@ -218,7 +230,7 @@ class ChunkCache:
                 raise UserError("the streaming loader was closed; open a new one to read more batches")
             self._in_use = {c.name for c in chunks}
             for c in chunks:
-                if c.name in self._futures or os.path.isfile(self.path(c)):
+                if c.name in self._futures or self._present(c):
                     continue
                 future: concurrent.futures.Future = concurrent.futures.Future()
                 self._futures[c.name] = future
@@ -228,10 +240,13 @@ class ChunkCache:
         """The local file of a chunk in use (tokens, then mask bytes), downloading it if needed."""
         with self._lock:
             future = self._futures.get(chunk.name)
-        if future is None and not os.path.isfile(self.path(chunk)):
-            self.want([chunk])
+        if future is None:
             with self._lock:
-                future = self._futures.get(chunk.name)
+                present = self._present(chunk)
+            if not present:
+                self.want([chunk])
+                with self._lock:
+                    future = self._futures.get(chunk.name)
         if future is not None:
             # Blocks on a download thread: the step needs this chunk and read-ahead did not finish it in time.
             future.result()
@@ -269,6 +284,8 @@ class ChunkCache:
             data = self._fetch_checked(chunk)
             with open(tmp, "wb") as f:
                 f.write(data)
+                f.flush()
+                os.fsync(f.fileno())  # the data reaches the disk before the rename says the chunk is whole
             with self._lock:  # rename and release together: the bytes are never counted twice or not at all
                 os.replace(tmp, self.path(chunk))
                 self._reserved -= nbytes
