@@ -26,9 +26,9 @@ Because the index gives every member's offset, a worker reads (and decodes) only
 its own batches, and a resumed loader starts at the saved batch without reading what came before.
 The shuffle is as good as the shards are large (a batch draws from one or two shards), as with
 webdataset's shard shuffle plus buffer. The costs: the index is built when TarShards is created
-(one header scan per shard, in the training process: about a second per few hundred thousand
-local members; remote shards cost a range request per 256 KiB of headers, more with members
-larger than that) and held in memory (some 200 bytes per sample).
+(one header scan per shard, in the training process: measured 2.3 s for 100,000 local members
+on 2 shared cores; remote shards cost a range request per 256 KiB of headers, more with members
+larger than that) and held in memory (measured about 700 bytes per sample of two fields).
 
 Decoding (decode=True or "tensor"): png / jpg / jpeg / webp -> uint8 CHW tensor (grayscale 1
 channel, everything else RGB); decode="pil" hands PIL images (RGB or L) to the transform;
