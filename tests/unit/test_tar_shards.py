@@ -186,9 +186,11 @@ def test_bad_inputs_are_named(tmp_path, monkeypatch):
     with pytest.raises(UserError, match="uncompressed"):
         TarShards(gz)
     # A field the transform needs and a sample lacks: named at the first read, or at indexing with fields=.
-    loader = TarShardLoader(TarShards(good, transform=lambda s: s["label"]), batch_size=2)
-    with pytest.raises(UserError, match=r"good|shard-000.tar: sample '0000\d\d' has no field 'label' \(it has: cls"):
-        next(loader)
+    for workers in (0, 1):  # raised in a worker process, it reaches the step as the same UserError
+        loader = TarShardLoader(TarShards(good, transform=lambda s: s["label"]), batch_size=2, num_workers=workers)
+        with pytest.raises(UserError, match=r"shard-000.tar: sample '0000\d\d' has no field 'label' \(it has: cls"):
+            next(loader)
+        loader.close()
     with pytest.raises(UserError, match=r"sample '000000' lacks field\(s\) \['label'\]"):
         TarShards(good, fields=("png", "label"))
     with pytest.raises(UserError, match="less than batch_size=8"):
@@ -230,8 +232,9 @@ def test_trainer_takes_tar_shards_as_train_and_val_data(tmp_path):
     from slipstream.config.load import load_config
 
     write_shards(tmp_path, extra=False)
-    cfg = load_config(None, ["--data.num_workers=0", "--train.micro_batch_size=4"])
+    cfg = load_config(None, ["--data.num_workers=2", "--data.prefetch=3", "--train.micro_batch_size=4"])
     train = as_loader(TarShards(tmp_path), cfg, torch.device("cpu"), shuffle=True)
+    assert train.num_workers == 2 and train._loader.prefetch_factor == 3 and not train._loader.pin_memory  # CPU
     val = as_loader(TarShards(tmp_path), cfg, torch.device("cpu"), shuffle=False)
     assert isinstance(train, TarShardLoader) and train.producer.shuffle and train.producer.drop_last
     assert not val.producer.shuffle and val.batches_per_epoch == 6  # 21 samples: the last batch of 1 kept
