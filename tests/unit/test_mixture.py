@@ -316,3 +316,27 @@ def test_an_unreachable_url_source_is_named(sources):
     cfg = _cfg({**sources, "b": "http://127.0.0.1:9/nothing"}, {"a": 0.5, "b": 0.5}, "--data.retries=1")
     with pytest.raises(UserError, match=r"data.sources.b: .*http://127.0.0.1:9/nothing"):
         open_mixture(cfg)
+
+
+def test_sources_without_a_validation_split_are_skipped_streamed_or_not(sources, tmp_path):
+    """A source prepared without a val split is left out of evaluation whether it is read
+    locally or streamed (a streamed one used to stop the run); the run's TrainData says how
+    many val tokens the mixture has, not only its first source."""
+    pytest.importorskip("slipstream.data.streaming")
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    for i in range(10):
+        (raw / f"{i}.txt").write_text("0123456789" * 30)
+    prepare_dataset([str(raw)], "byte", str(tmp_path / "noval"), val_fraction=0.0, num_workers=1, progress=False)
+    mix = {"a": 0.5, "b": 0.5}
+    both = {**sources, "a": str(tmp_path / "noval")}  # the first source (name order) has no val split
+    for extra in ((), ("--data.streaming=true", f"--data.cache_dir={tmp_path / 'cache'}")):
+        cfg = _cfg(both, mix, f"--train.eval_tokens={10 * SEQ}", *extra)
+        windows = mixture_val_windows(cfg)
+        assert list(windows.parts) == ["b"], extra
+        data = open_mixture(cfg)
+        assert data.val_tokens == load_manifest_val(sources["b"]) > SEQ, extra
+
+
+def load_manifest_val(path: str) -> int:
+    return json.loads((__import__("pathlib").Path(path) / "manifest.json").read_text())["splits"]["val"]["tokens"]

@@ -117,7 +117,10 @@ def open_mixture(cfg: Config, check: bool = True) -> TrainData:
                             f"were prepared with different tokenizers ({diffs}); a mixture trains one model on one "
                             f"vocabulary: prepare {name} again with `slipstream data prepare --tokenizer "
                             f"{first.manifest.get('tokenizer')}`")
-    return first
+    # Evaluation reads the val split of every source of positive weight that has one
+    # (mixture_val_windows), not only the first source's.
+    weighted = [name for name, w in normalized(cfg.data.mixture).items() if w > 0]
+    return dataclasses.replace(first, val_tokens=max(opened[name].val_tokens for name in weighted))
 
 
 # -- training batches
@@ -386,11 +389,14 @@ def mixture_val_windows(cfg: Config, rank: int = 0, world_size: int = 1,
         if _streams(cfg, location):
             from slipstream.data.streaming import streaming_val_windows
 
+            opened = _open_source(cfg, name, location, check=False)
+            if opened.val_tokens <= t.seq_len:
+                skipped.append(name)
+                continue
             one = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, dir=location, streaming=True,
                                                                     mixture={}, sources={}),
                                       train=dataclasses.replace(t, eval_tokens=tokens))
-            parts[name] = streaming_val_windows(one, _open_source(cfg, name, location, check=False),
-                                                rank=rank, world_size=world_size, device=device)
+            parts[name] = streaming_val_windows(one, opened, rank=rank, world_size=world_size, device=device)
             continue
         val = load_manifest(location)["splits"].get("val", {})
         if sum(s["tokens"] for s in val.get("shards", [])) <= t.seq_len:

@@ -25,6 +25,13 @@ class TrainData:
     manifest: dict[str, Any]  # sizes the model (vocab_size) and names the tokenizer
     tokenizer: str  # a spec get_tokenizer can open on this machine (a bpe file is local)
     local_dir: str | None = None  # the folder holding the shards on this machine (None: streamed)
+    # Tokens of the validation data (a mixture: its largest source's; evaluation is off when
+    # no window fits). None: the manifest's val split.
+    val_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.val_tokens is None:
+            self.val_tokens = int(self.manifest.get("splits", {}).get("val", {}).get("tokens", 0))
 
 
 def open_train_data(cfg: Config, check: bool = True) -> TrainData:

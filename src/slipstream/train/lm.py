@@ -86,7 +86,7 @@ def build_lm_trainer(cfg: Config):
     check_tokenizer_vocab(get_tokenizer(tokenizer), manifest, data_dir)
     train_cfg = cfg.train
     evaluating = train_cfg.eval_steps and train_cfg.eval_tokens
-    if evaluating and manifest["splits"].get("val", {}).get("tokens", 0) <= train_cfg.seq_len:
+    if evaluating and data.val_tokens <= train_cfg.seq_len:  # a mixture: its largest source's val split
         print(f"note: {data_dir} has no validation split long enough for one sequence; evaluation is off "
               "(prepare with data.val_fraction > 0 to get one)")
         train_cfg = dataclasses.replace(train_cfg, eval_steps=0)
