@@ -604,3 +604,33 @@ def test_a_damaged_chunk_file_in_the_cache_is_fetched_again(chunked, tmp_path):
     again = loader(chunked, tmp_path, readahead=0)
     assert same(take(again, 3), reference)
     again.close()
+
+
+class CountingFS:
+    """Records the size of every byte range read."""
+
+    def __init__(self, fs) -> None:
+        self.fs, self.reads = fs, []
+
+    def cat_file(self, path, start=None, end=None, **kw):
+        data = self.fs.cat_file(path, start=start, end=end, **kw)
+        self.reads.append(len(data))
+        return data
+
+    def size(self, path):
+        return self.fs.size(path)
+
+
+def test_eval_windows_read_in_bounded_requests(prepared, tmp_path, monkeypatch):
+    """Nearby windows are read as one request, but one request never grows past
+    MAX_RANGE_BYTES: sampled windows a little apart over a large val split used to be read
+    as the whole split, held in memory at once."""
+    monkeypatch.setattr(StreamingEvalWindows, "MAX_RANGE_BYTES", 512, raising=False)
+    local = EvalWindows(str(prepared), "val", B, T, 600)
+    stream = StreamingEvalWindows(str(prepared), "val", B, T, 600, cache_dir=str(tmp_path / "c"))
+    assert stream.sampled
+    counting = CountingFS(stream.remote.fs)
+    stream.remote.fs = counting
+    for ((x, y), w), ((x0, y0), w0) in zip(stream, local):
+        assert torch.equal(x, x0) and torch.equal(y, y0) and torch.equal(w, w0)
+    assert counting.reads and max(counting.reads) <= 512

@@ -331,7 +331,8 @@ class StreamingEvalWindows(EvalWindows):
     """EvalWindows (same windows, weights and attributes the Evaluator reads) of a split at a
     URL: this rank's windows are read once by byte ranges into the cache and reused."""
 
-    MERGE_GAP = 1 << 16  # ranges closer than this are read as one request: fewer round trips
+    MERGE_GAP = 1 << 16  # tokens: ranges closer than this are read as one request (fewer round trips) ...
+    MAX_RANGE_BYTES = 8 << 20  # ... of at most this many bytes (more only for one window's piece): bounded memory
 
     def __init__(self, url: str, split: str, batch_size: int, seq_len: int, max_tokens: int, rank: int = 0,
                  world_size: int = 1, device: str | torch.device = "cpu", cache_dir: str = "", retries: int = 5,
@@ -377,19 +378,29 @@ class StreamingEvalWindows(EvalWindows):
         return out
 
     def _read_all(self, starts: np.ndarray) -> np.ndarray:
-        """Tokens (and mask) of the windows starting at `starts`: (1 or 2, len(starts), seq_len + 1)."""
+        """Tokens (and mask) of the windows starting at `starts`: (1 or 2, len(starts), seq_len + 1).
+        Each merged range is copied into the rows as it arrives and dropped: at most a few
+        requests of MAX_RANGE_BYTES are held at once, whatever the size of the split."""
         width = self.seq_len + 1
+        item = self._dtype.itemsize
         pieces = sorted({p for s in starts.tolist() for p in self._pieces(s)})
         ranges: list[list[int]] = []  # [shard, lo, hi] merged
         for k, lo, hi in pieces:
-            if ranges and ranges[-1][0] == k and lo - ranges[-1][2] <= self.MERGE_GAP:
+            if (ranges and ranges[-1][0] == k and lo - ranges[-1][2] <= self.MERGE_GAP
+                    and (max(ranges[-1][2], hi) - ranges[-1][1]) * item <= self.MAX_RANGE_BYTES):
                 ranges[-1][2] = max(ranges[-1][2], hi)
             else:
                 ranges.append([k, lo, hi])
-        item = self._dtype.itemsize
+        keys = [(k, lo) for k, lo, _ in ranges]
+        targets: list[list[tuple[int, int, int, int]]] = [[] for _ in ranges]  # per range: (row, col, lo, hi)
+        for i, s in enumerate(starts.tolist()):
+            col = 0
+            for k, lo, hi in self._pieces(s):
+                targets[bisect.bisect_right(keys, (k, lo)) - 1].append((i, col, lo, hi))  # the range holding it
+                col += hi - lo
 
         def fetch(r):
-            k, lo, hi = r
+            k, lo, hi = ranges[r]
             shard = self._shards[k]
             # Blocks on the network (a download thread of this pool): byte ranges of the windows only.
             toks = np.frombuffer(self.remote.read_range(shard["file"], lo * item, hi * item), dtype=self._dtype)
@@ -397,21 +408,20 @@ class StreamingEvalWindows(EvalWindows):
                     if self._masked else None)
             return toks, mask
 
-        with concurrent.futures.ThreadPoolExecutor(max(1, self._threads)) as pool:
-            # Blocks on the network, once per run: the first evaluation reads this rank's windows.
-            data = list(pool.map(fetch, ranges))
-        keys = [(k, lo) for k, lo, _ in ranges]
         rows = np.empty((2 if self._masked else 1, len(starts), width), dtype=np.int64)
-        for i, s in enumerate(starts.tolist()):
-            col = 0
-            for k, lo, hi in self._pieces(s):
-                r = bisect.bisect_right(keys, (k, lo)) - 1  # the merged range holding this piece
-                toks, mask = data[r]
+        ahead = 2 * max(1, self._threads)
+        with concurrent.futures.ThreadPoolExecutor(max(1, self._threads)) as pool:
+            pending = {r: pool.submit(fetch, r) for r in range(min(ahead, len(ranges)))}
+            for r in range(len(ranges)):
+                # Blocks on the network, once per run: the first evaluation reads this rank's windows.
+                toks, mask = pending.pop(r).result()
+                if r + ahead < len(ranges):
+                    pending[r + ahead] = pool.submit(fetch, r + ahead)
                 a = ranges[r][1]
-                rows[0, i, col:col + hi - lo] = toks[lo - a:hi - a]
-                if mask is not None:
-                    rows[1, i, col:col + hi - lo] = mask[lo - a:hi - a]
-                col += hi - lo
+                for i, col, lo, hi in targets[r]:
+                    rows[0, i, col:col + hi - lo] = toks[lo - a:hi - a]
+                    if mask is not None:
+                        rows[1, i, col:col + hi - lo] = mask[lo - a:hi - a]
         return rows
 
     def _load(self) -> None:
