@@ -634,3 +634,17 @@ def test_eval_windows_read_in_bounded_requests(prepared, tmp_path, monkeypatch):
     for ((x, y), w), ((x0, y0), w0) in zip(stream, local):
         assert torch.equal(x, x0) and torch.equal(y, y0) and torch.equal(w, w0)
     assert counting.reads and max(counting.reads) <= 512
+
+
+def test_a_full_cache_disk_is_named_with_the_fix(chunked, tmp_path, monkeypatch):
+    from slipstream.data import stream_cache
+
+    def full(fd):
+        raise OSError(28, "No space left on device")
+
+    stream = loader(chunked, tmp_path, readahead=0, threads=1)
+    monkeypatch.setattr(stream_cache.os, "fsync", full)
+    with pytest.raises(UserError, match=r"cannot write .* to the streaming cache .*No space left.*data.cache_dir"):
+        next(stream)
+    stream.close()
+    assert not [p for p in Path(stream.cache.folder).iterdir() if p.name.startswith(".tmp-")]

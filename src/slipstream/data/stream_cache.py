@@ -282,15 +282,20 @@ class ChunkCache:
         tmp = os.path.join(self.folder, f"{TMP_PREFIX}{os.getpid()}-{threading.get_ident()}-{chunk.name}")
         try:
             data = self._fetch_checked(chunk)
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())  # the data reaches the disk before the rename says the chunk is whole
-            with self._lock:  # rename and release together: the bytes are never counted twice or not at all
-                os.replace(tmp, self.path(chunk))
-                self._reserved -= nbytes
-                nbytes = 0
-                self.downloads += 1
+            try:
+                with open(tmp, "wb") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())  # the data reaches the disk before the rename says the chunk is whole
+                with self._lock:  # rename and release together: the bytes are never counted twice or not at all
+                    os.replace(tmp, self.path(chunk))
+                    self._reserved -= nbytes
+                    nbytes = 0
+                    self.downloads += 1
+            except OSError as e:
+                raise UserError(f"cannot write chunk {chunk.index} of {self.remote.where(chunk.file)} to the streaming "
+                                f"cache {self.folder} ({e.strerror or e}); free space there, choose another "
+                                "data.cache_dir, or lower data.cache_bytes") from None
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)
