@@ -474,8 +474,9 @@ def test_processes_of_one_model_parallel_group_get_their_own_cache_folders(chunk
     assert folders[0] != folders[1] and same(*batches)
 
 
-def test_a_plain_http_server_without_range_support(chunked, tmp_path):
-    """http(s):// through fsspec; Python's http.server ignores Range and sends whole files."""
+def test_a_plain_http_server_without_range_support(chunked, tmp_path, capsys):
+    """http(s):// through fsspec; Python's http.server ignores Range and sends whole files
+    (said once: every chunk read then downloads its whole shard)."""
     import functools
     import threading
     from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
@@ -493,6 +494,9 @@ def test_a_plain_http_server_without_range_support(chunked, tmp_path):
         stream = StreamingEvalWindows(url, "val", B, T, 1500, cache_dir=str(tmp_path / "c"))
         for ((x, y), w), ((x0, y0), w0) in zip(stream, local):
             assert torch.equal(x, x0) and torch.equal(y, y0) and torch.equal(w, w0)
+        err = capsys.readouterr().err
+        assert err.count("ignores byte-range requests") == 2  # once per Remote (the loader's, the windows')
+        assert f"{url}/train_" in err and "Range" in err
     finally:
         server.shutdown()
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import errno
 import os
 import posixpath
+import sys
 import time
 from typing import Callable, TypeVar
 
@@ -132,6 +133,7 @@ class Remote:
             raise UserError(f"data.retries={retries} must be >= 1")
         self.url, self.retries = url.rstrip("/") or url, retries
         self.reached = False  # no request has succeeded yet: an unreachable host is a setup error
+        self.whole_files = False  # the server answered a byte range with the whole file (said once)
         try:
             self.fs, root = fsspec.core.url_to_fs(self.url)
         except (ImportError, ValueError) as e:
@@ -197,6 +199,12 @@ class Remote:
         if len(data) > end - start and len(data) >= end:
             # A plain HTTP server without Range support answers with the whole file (200, not 206).
             data = data[start:end]
+            if not self.whole_files:
+                self.whole_files = True
+                print(f"warning: the server of {self.where(name)} ignores byte-range requests (HTTP Range) and sends "
+                      f"whole files: every chunk read downloads its whole shard to keep a part of it (here "
+                      f"{end - start:,} bytes); serve the data with Range support (any object store, nginx) or "
+                      "prepare it without --chunk-tokens", file=sys.stderr, flush=True)
         if len(data) != end - start:
             raise UserError(f"{self.where(name)}: reading bytes {start:,} to {end:,} returned {len(data):,} bytes; "
                             "the remote data changed since its manifest was written: run "
