@@ -340,3 +340,16 @@ def test_sources_without_a_validation_split_are_skipped_streamed_or_not(sources,
 
 def load_manifest_val(path: str) -> int:
     return json.loads((__import__("pathlib").Path(path) / "manifest.json").read_text())["splits"]["val"]["tokens"]
+
+
+def test_streamed_sources_share_the_cache_bound(sources, tmp_path):
+    """data.cache_bytes bounds the read-ahead cache of a process: the streamed sources of a
+    mixture split it instead of each taking all of it."""
+    pytest.importorskip("slipstream.data.streaming")
+    extra = ("--data.streaming=true", f"--data.cache_dir={tmp_path / 'cache'}", "--data.cache_bytes=400000")
+    loader = _loader(sources, {"a": 0.5, "b": 0.3, "c": 0.2}, 0, 1, *extra)
+    caps = [inner.cache.cap for inner in loader.sources.values()]
+    assert sum(caps) <= 400000 and len(set(caps)) == 1
+    loader.close()
+    with pytest.raises(UserError, match=r"data.sources.a: .*3 streamed sources of data.mixture share data.cache_bytes"):
+        _loader(sources, {"a": 0.5, "b": 0.3, "c": 0.2}, 0, 1, *extra[:2], "--data.cache_bytes=3000")

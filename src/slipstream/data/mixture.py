@@ -5,7 +5,7 @@
     mixture = {web = 0.7, code = 0.3}
 
 Every source is a folder from `slipstream data prepare` (or a URL read by the streaming
-loader), all with one tokenizer. Each source has its own stream of windows, read BLOCK at a
+loader; the streamed sources share data.cache_bytes equally), all with one tokenizer. Each source has its own stream of windows, read BLOCK at a
 time from a TokenLoader cut over the data-parallel ranks like any training split (data.sampling
 applies), with a seed derived from (train.seed, source name) so the sources are independent.
 
@@ -332,14 +332,24 @@ def open_source_loader(cfg: Config, name: str, location: str, split: str, rank: 
     assembles its batch from them and moves it to the device)."""
     t, d = cfg.train, cfg.data
     seed = source_seed(t.seed, name)
+    # data.cache_bytes bounds the process's read-ahead cache: its streamed sources share it.
+    streamed = sum(_streams(cfg, loc) for loc in _locations(cfg).values()) if cfg.data.mixture else 1
+    share = d.cache_bytes // max(streamed, 1)
     try:
         if _streams(cfg, location):
             from slipstream.data.streaming import StreamingTokenLoader
 
-            # Each URL gets its own folder under data.cache_dir (streaming.cache_root).
-            return StreamingTokenLoader(location, split, BLOCK, t.seq_len, seed=seed, rank=rank, world_size=world_size,
-                                        device="cpu", cache_dir=d.cache_dir, cache_bytes=d.cache_bytes,
-                                        readahead=d.readahead, threads=d.stream_threads, retries=d.retries)
+            try:
+                # Each URL gets its own folder under data.cache_dir (streaming.cache_root).
+                return StreamingTokenLoader(location, split, BLOCK, t.seq_len, seed=seed, rank=rank,
+                                            world_size=world_size, device="cpu", cache_dir=d.cache_dir,
+                                            cache_bytes=share, readahead=d.readahead, threads=d.stream_threads,
+                                            retries=d.retries)
+            except UserError as e:
+                if streamed > 1 and "cache_bytes" in str(e):
+                    raise UserError(f"{e} (the {streamed} streamed sources of data.mixture share data.cache_bytes = "
+                                    f"{d.cache_bytes:,}: {share:,} bytes each)") from None
+                raise
         return TokenLoader(location, split, BLOCK, t.seq_len, seed=seed, mode=d.sampling, rank=rank,
                            world_size=world_size, device="cpu", prefetch=0, num_workers=0, augment=d.augment,
                            augment_prob=d.augment_prob, augment_cost_ms=d.augment_cost_ms)
