@@ -160,6 +160,7 @@ def test_eval_windows_mask_targets(masked_dir, tmp_path):
             assert y[row].tolist() == np.where(mask[start + 1:start + 33] == 1, target, IGNORE_INDEX).tolist()
             seen += 1
     assert seen >= 7
+    assert windows.tokens == sum(int(mask[int(s) + 1:int(s) + 33].sum()) for s in window_starts_of(windows))
     # A window with no unmasked target has no loss: weight 0.
     empty = tmp_path / "empty"
     shutil.copytree(masked_dir, empty)
@@ -169,13 +170,19 @@ def test_eval_windows_mask_targets(masked_dir, tmp_path):
     assert all(float(w.sum()) == 0 for _, w in EvalWindows(str(empty), "val", 3, 32, max_tokens=64))
 
 
+def window_starts_of(windows: EvalWindows) -> list[int]:
+    from slipstream.data.eval_windows import window_starts
+
+    return window_starts(windows._source.total_tokens, windows.seq_len, 32 * 7).tolist()
+
+
 def test_bad_mask_files_are_user_errors(masked_dir, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(masked_dir, broken)
     manifest = json.loads((broken / "manifest.json").read_text())
     shard = manifest["splits"]["train"]["shards"][0]
     (broken / shard["mask_file"]).write_bytes(b"\x01" * 10)
-    with pytest.raises(UserError, match="one byte per token"):
+    with pytest.raises(UserError, match=r"mask.*(10 bytes|one byte per token).*data prepare"):
         TokenLoader(str(broken), "train", 2, 16)
     del shard["mask_file"]
     (broken / "manifest.json").write_text(json.dumps(manifest))

@@ -57,6 +57,12 @@ class EvalWindows:
         starts = window_starts(total, seq_len, max_tokens)
         self.n_windows = len(starts)  # over all ranks
         self.tokens = self.n_windows * seq_len  # target tokens evaluated over all ranks
+        if self._source.loss_mask:  # only the unmasked ones count (a read of seq_len bytes per window)
+            tokens, mask = np.empty(seq_len + 1, dtype=np.int64), np.empty(seq_len + 1, dtype=np.uint8)
+            self.tokens = 0
+            for start in starts.tolist():
+                self._source.read(int(start), tokens, mask)
+                self.tokens += int(np.count_nonzero(mask[1:]))
         self.sampled = self.n_windows < max(total - 1, 0) // seq_len
         mine = starts[rank::world_size]
         per_rank = -(-self.n_windows // world_size)  # the most windows any rank has
