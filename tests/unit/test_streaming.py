@@ -652,3 +652,25 @@ def test_a_full_cache_disk_is_named_with_the_fix(chunked, tmp_path, monkeypatch)
         next(stream)
     stream.close()
     assert not [p for p in Path(stream.cache.folder).iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_read_ahead_downloads_the_next_chunks_in_the_background(chunked, tmp_path):
+    """data.readahead is not ignored: after the first batch, the next chunks of this rank's
+    order arrive without another batch being asked for."""
+    import time
+
+    stream = loader(chunked, tmp_path, readahead=2, threads=2, cache_bytes=1 << 22)
+    next(stream)
+    want = {c.name for c in stream._upcoming(0, 0)}
+    assert len(want) == 3
+    deadline = time.monotonic() + 10
+    while not want <= set(chunk_files(Path(stream.cache.folder))):
+        assert time.monotonic() < deadline, "read-ahead chunks never arrived"
+        time.sleep(0.01)
+    assert stream.cache.downloads == 3
+    stream.close()
+    none = loader(chunked, tmp_path / "none", readahead=0)
+    next(none)
+    time.sleep(0.2)
+    assert none.cache.downloads == 1
+    none.close()
