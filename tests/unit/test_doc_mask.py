@@ -178,6 +178,13 @@ def test_train_cli_document_packing(many_docs_dir, tmp_path):
     finals = {packing: final_loss(tmp_path / packing) for packing in ("eos", "document")}
     assert all(v == v for v in finals.values())  # finite, not nan
     assert finals["eos"] != finals["document"]  # the switch took effect
+    # `slipstream eval` scores a document-packed checkpoint as training evaluated it: within documents.
+    from slipstream.train.evaluate import evaluate_checkpoint
+
+    for packing in ("eos", "document"):
+        summary = json.loads((tmp_path / packing / "summary.json").read_text())
+        scored = evaluate_checkpoint(str(tmp_path / packing), max_tokens=256, device="cpu")
+        assert scored["loss"] == pytest.approx(summary["val_loss"], abs=1e-5), packing
 
 
 def test_tensor_parallel_document_packing_equals_one_process(many_docs_dir, tmp_path):

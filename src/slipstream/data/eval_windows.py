@@ -53,7 +53,7 @@ class EvalWindows:
         total = self._source.total_tokens
         self.split, self.seq_len, self.batch_size = split, seq_len, batch_size
         self.rank, self.world_size, self.device = rank, world_size, torch.device(device)
-        self.vocab_size = self._source.vocab_size
+        self.vocab_size, self.eot_id = self._source.vocab_size, self._source.eot_id
         starts = window_starts(total, seq_len, max_tokens)
         self.n_windows = len(starts)  # over all ranks
         self.tokens = self.n_windows * seq_len  # target tokens evaluated over all ranks

@@ -132,7 +132,10 @@ def evaluate_checkpoint(checkpoint: str, data_dir: str | None = None, split: str
                         "it was tokenized with another tokenizer; evaluate on data prepared with the checkpoint's")
     from slipstream.optimize.precision import autocast_context
 
-    sequence_loss_fn = functools.partial(lm_sequence_losses, fused_chunk=cfg.train.fused_loss_chunk if cfg.train.fused_loss else None)
+    # A model trained with document packing is scored the same way: attention within documents.
+    eot_id = windows.eot_id if cfg.data.packing == "document" else None
+    sequence_loss_fn = functools.partial(lm_sequence_losses, fused_chunk=cfg.train.fused_loss_chunk if cfg.train.fused_loss else None,
+                                         eot_id=eot_id)
     evaluator = Evaluator(windows, None, None, autocast_context(target, cfg.precision.autocast), 0, sequence_loss_fn)
     result = evaluator(model, target)
     return {"checkpoint": str(checkpoint), "data_dir": str(data_dir), "split": split, "seq_len": seq_len,
