@@ -24,7 +24,8 @@ from typing import Any
 import torch
 
 # Packages whose versions commonly explain a behaviour difference between two runs.
-KEY_PACKAGES = ("numpy", "rich", "tensorboard", "tokenizers", "tiktoken", "transformers", "wandb")
+KEY_PACKAGES = ("numpy", "rich", "tensorboard", "tokenizers", "tiktoken", "transformers", "wandb", "pyarrow", "fsspec",
+                "s3fs")
 
 GIT_TIMEOUT_S = 2.0
 
