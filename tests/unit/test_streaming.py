@@ -674,3 +674,44 @@ def test_read_ahead_downloads_the_next_chunks_in_the_background(chunked, tmp_pat
     time.sleep(0.2)
     assert none.cache.downloads == 1
     none.close()
+
+
+def test_the_cache_root_is_marked_before_any_folder_in_it(chunked, tmp_path):
+    """A loader's folder is made inside the URL's cache root; the root must carry the marker
+    too, or a later process that writes the tokenizer there (another node's first process,
+    data re-uploaded with a tokenizer file) finds an unmarked, non-empty folder and stops."""
+    data = tmp_path / "data"
+    shutil.copytree(chunked, data)
+    stream = loader(data, tmp_path)
+    take(stream, 1)
+    stream.close()
+    root = Path(stream.cache.folder).parent
+    assert (root / MARKER).is_file()
+    (data / "tokenizer.json").write_text('{"model": {}}')
+    m = json.loads((data / "manifest.json").read_text())
+    m["tokenizer_file"] = "tokenizer.json"
+    (data / "manifest.json").write_text(json.dumps(m))
+    cfg = Config()
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, streaming=True, dir=str(data),
+                                                            cache_dir=str(tmp_path / "cache")))
+    assert open_stream(cfg, False).tokenizer.startswith(f"bpe:{root}")
+
+
+def test_marking_a_folder_leaves_no_unmarked_moment(tmp_path, monkeypatch):
+    """Two processes preparing one folder at once: the second never sees a non-empty folder
+    without the marker (the marker was written under a temporary name, then renamed)."""
+    from slipstream.data import stream_cache
+
+    seen = []
+    folder = tmp_path / "f"
+    real_open, real_replace = os.open, os.replace
+
+    def look():
+        seen.append(os.listdir(folder) if folder.is_dir() else [])
+
+    monkeypatch.setattr(stream_cache.os, "replace", lambda *a, **k: (look(), real_replace(*a, **k))[1])
+    monkeypatch.setattr(stream_cache.os, "open", lambda *a, **k: (look(), real_open(*a, **k))[1])
+    stream_cache.prepare_folder(str(folder))
+    monkeypatch.undo()
+    assert (folder / MARKER).is_file()
+    assert all(MARKER in names or not names for names in seen), seen

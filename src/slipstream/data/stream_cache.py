@@ -118,14 +118,22 @@ def split_chunks(manifest: dict, split: str, where: str) -> list[Chunk]:
 
 
 def prepare_folder(folder: str) -> None:
-    """Create (or adopt) a cache folder: ours only if it carries the marker."""
+    """Create (or adopt) a cache folder: ours only if it carries the marker. Callers mark a
+    folder before making any folder inside it (streaming.cache_root first)."""
     if os.path.isdir(folder) and os.listdir(folder) and not os.path.isfile(os.path.join(folder, MARKER)):
         raise UserError(f"{folder} exists and was not made by slipstream's streaming cache (no {MARKER} file); "
                         "it is not used, so nothing in it is deleted: choose another data.cache_dir")
     try:
         os.makedirs(folder, exist_ok=True)
         if not os.path.isfile(os.path.join(folder, MARKER)):
-            write_atomic(os.path.join(folder, MARKER), MARKER_TEXT.encode())
+            # Created in place, never under another name: a process preparing the same folder
+            # at this moment sees it empty or marked, not holding a stranger's file.
+            try:
+                fd = os.open(os.path.join(folder, MARKER), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            except FileExistsError:
+                return
+            with os.fdopen(fd, "wb") as f:
+                f.write(MARKER_TEXT.encode())
     except OSError as e:
         raise UserError(f"cannot create the streaming cache folder {folder} ({e.strerror}); choose a writable "
                         "data.cache_dir") from None

@@ -178,7 +178,9 @@ class StreamingTokenLoader:
         self._plans: dict[int, tuple[np.ndarray, np.ndarray, int]] = {}
         self._order: tuple[tuple[int, int] | None, np.ndarray | None] = (None, None)  # window order of the chunk read
         self._plan(0)  # a split too small for this layout fails here, not at the first step
-        folder = os.path.join(cache_root(url, cache_dir), cache_folder_name(split, rank))
+        root = cache_root(url, cache_dir)
+        prepare_folder(root)  # marked before the folder inside it exists (see prepare_folder)
+        folder = os.path.join(root, cache_folder_name(split, rank))
         self.cache = ChunkCache(folder, cache_bytes, self.remote, self._dtype.itemsize, threads)
         self._pin = pin_memory and self.device.type == "cuda"
         self._epoch = self._position = self._batch_index = 0
@@ -428,6 +430,7 @@ class StreamingEvalWindows(EvalWindows):
         key = hashlib.sha256(repr((self.remote.url, self.split, self.seq_len, self._starts.tolist(),
                                    self._manifest["splits"][self.split]["shards"])).encode()).hexdigest()[:24]
         path = os.path.join(self._folder, f"windows-{key}.npy")
+        prepare_folder(os.path.dirname(self._folder))  # the URL's cache root, marked first
         prepare_folder(self._folder)
         starts = np.unique(self._starts)
         shape = (2 if self._masked else 1, len(starts), self.seq_len + 1)
