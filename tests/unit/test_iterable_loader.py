@@ -165,6 +165,19 @@ def test_empty_and_bad_inputs():
     IterableLoader(Stream(8), batch_size=1, world_size=2).load_state_dict(other)
 
 
+def test_as_loader_splits_over_the_data_parallel_ranks():
+    from types import SimpleNamespace
+
+    from slipstream.config.load import load_config
+    from slipstream.train.setup import as_loader
+
+    cfg = load_config(None, ["--train.micro_batch_size=2", "--data.num_workers=0"])
+    parallel = SimpleNamespace(dims=SimpleNamespace(dp=2), dp_rank=1)
+    loader = as_loader(Stream(9), cfg, torch.device("cpu"), shuffle=False, parallel=parallel)
+    assert isinstance(loader, IterableLoader) and (loader.rank, loader.world_size) == (1, 2)
+    assert take(loader, 2) == [[1, 3], [5, 7]]
+
+
 def test_trainer_takes_an_iterable_dataset(tmp_path):
     from slipstream.config.load import load_config
     from slipstream.train.trainer import Trainer

@@ -238,6 +238,12 @@ def test_trainer_takes_tar_shards_as_train_and_val_data(tmp_path):
     val = as_loader(TarShards(tmp_path), cfg, torch.device("cpu"), shuffle=False)
     assert isinstance(train, TarShardLoader) and train.producer.shuffle and train.producer.drop_last
     assert not val.producer.shuffle and val.batches_per_epoch == 6  # 21 samples: the last batch of 1 kept
+    from types import SimpleNamespace
+
+    parallel = SimpleNamespace(dims=SimpleNamespace(dp=2), dp_rank=1)  # rank and world from the parallel state
+    ranked = as_loader(TarShards(tmp_path), cfg, torch.device("cpu"), shuffle=True, parallel=parallel)
+    assert (ranked.rank, ranked.world_size, ranked.batches_per_epoch) == (1, 2, 2)
+    assert as_loader(ranked, cfg, torch.device("cpu"), shuffle=True, parallel=parallel) is ranked
 
 
 def load_example():
