@@ -715,3 +715,18 @@ def test_marking_a_folder_leaves_no_unmarked_moment(tmp_path, monkeypatch):
     monkeypatch.undo()
     assert (folder / MARKER).is_file()
     assert all(MARKER in names or not names for names in seen), seen
+
+
+def test_an_error_retrying_cannot_fix_names_the_file_and_what_to_check(tmp_path):
+    r = remote_mod.Remote("s3://bucket/prefix", retries=3)
+    bad = OSError(5, "Bad Request")
+    bad.__cause__ = type("ClientError", (Exception,), {"response": {"ResponseMetadata": {"HTTPStatusCode": 400}}})()
+    calls = []
+
+    def fn():
+        calls.append(1)
+        raise bad
+
+    with pytest.raises(UserError, match=r"reading s3://bucket/prefix/x failed \(HTTP 400\): OSError.*Bad Request; retrying would not help: check "):
+        r.call("x", "reading", fn)
+    assert len(calls) == 1

@@ -185,7 +185,11 @@ class Remote:
         if not self.reached and names & set(_UNREACHABLE_NAMES):
             return UserError(f"cannot reach {url} ({type(e).__name__}: {e}); {_endpoint_hint(self.url)}")
         if not is_transient(e):
-            return UserError(f"{what} {url} failed: {type(e).__name__}: {e}")
+            status = _status(e.__cause__) if e.__cause__ is not None else _status(e)
+            said = f" (HTTP {status})" if status is not None and _status(e) is None else ""
+            return UserError(f"{what} {url} failed{said}: {type(e).__name__}: {e}; retrying would not help: check "
+                             "the URL in data.dir (or data.sources) and that the whole folder written by "
+                             "`slipstream data prepare` was uploaded there")
         return None
 
     def size(self, name: str) -> int:
