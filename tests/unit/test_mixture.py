@@ -353,3 +353,19 @@ def test_streamed_sources_share_the_cache_bound(sources, tmp_path):
     loader.close()
     with pytest.raises(UserError, match=r"data.sources.a: .*3 streamed sources of data.mixture share data.cache_bytes"):
         _loader(sources, {"a": 0.5, "b": 0.3, "c": 0.2}, 0, 1, *extra[:2], "--data.cache_bytes=3000")
+
+
+def test_a_failing_source_stops_the_download_threads_of_those_opened_before_it(sources, tmp_path):
+    import threading
+
+    pytest.importorskip("slipstream.data.streaming")
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "short.txt").write_text("0123456789")
+    prepare_dataset([str(raw)], "byte", str(tmp_path / "short"), val_fraction=0.1, num_workers=1, progress=False)
+    before = {t for t in threading.enumerate() if t.name.startswith("slipstream-stream")}
+    extra = ("--data.streaming=true", f"--data.cache_dir={tmp_path / 'cache'}")
+    with pytest.raises(UserError, match=r"data.sources.b: "):
+        _loader({**sources, "b": str(tmp_path / "short")}, {"a": 0.5, "b": 0.5}, 0, 1, *extra)
+    after = {t for t in threading.enumerate() if t.name.startswith("slipstream-stream") and t.is_alive()}
+    assert after <= before

@@ -199,8 +199,14 @@ class MixtureLoader:
     def from_config(cls, cfg: Config, rank: int = 0, world_size: int = 1,
                     device: str | torch.device = "cpu") -> "MixtureLoader":
         t = cfg.train
-        sources = {name: open_source_loader(cfg, name, location, "train", rank, world_size)
-                   for name, location in _locations(cfg).items()}
+        sources: dict[str, Any] = {}
+        try:
+            for name, location in _locations(cfg).items():
+                sources[name] = open_source_loader(cfg, name, location, "train", rank, world_size)
+        except BaseException:
+            for opened in sources.values():  # a streamed source's download threads and cache folder lock
+                getattr(opened, "close", lambda: None)()
+            raise
         return cls(sources, dict(cfg.data.mixture), t.micro_batch_size, t.seq_len, seed=t.seed, rank=rank,
                    world_size=world_size, device=device, pin_memory=cfg.data.pin_memory)
 
