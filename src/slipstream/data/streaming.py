@@ -53,7 +53,9 @@ def cache_root(url: str, cache_dir: str = "") -> str:
 def cache_folder_name(split: str, rank: int) -> str:
     """One folder per process: the ranks of a model-parallel group share a data-parallel rank
     (and read the same chunks) but must not evict each other's files. LOCAL_RANK (torchrun)
-    tells the processes of a node apart; a restarted job finds its folders again."""
+    tells the processes of a node apart; a restarted job finds its folders again. Processes
+    that still share a name (two jobs at once, peers on two nodes sharing the cache folder)
+    are kept apart by the cache's folder lock: the second takes <name>.1 (stream_cache.py)."""
     return f"{split}-rank{rank}-local{os.environ.get('LOCAL_RANK') or 0}"
 
 
