@@ -146,9 +146,36 @@ class SelfSplit(Stream):
             yield torch.tensor([i])
 
 
+class SelfSplitStateful(SelfSplit):
+    def state_dict(self):
+        return {"rank": self.rank}
+
+    def load_state_dict(self, state):
+        raise AssertionError("a self-split dataset's state is one rank's: never loaded")
+
+
 def test_a_dataset_that_splits_itself_over_ranks():
     loaders = [IterableLoader(SelfSplit(8), batch_size=2, rank=r, world_size=2) for r in range(2)]
     assert [take(ld, 2) for ld in loaders] == [[[0, 2], [4, 6]], [[1, 3], [5, 7]]]
+    # Resumed by skipping (its state would be one rank's), exactly.
+    first = IterableLoader(SelfSplitStateful(12), batch_size=2, rank=1, world_size=2)
+    ref = take(IterableLoader(SelfSplitStateful(12), batch_size=2, rank=1, world_size=2), 4)
+    assert take(first, 2) == ref[:2] and "dataset_state" not in first.state_dict()
+    again = IterableLoader(SelfSplitStateful(12), batch_size=2, rank=1, world_size=2)
+    again.load_state_dict(first.state_dict())
+    assert take(again, 2) == ref[2:]
+
+
+class Tensors(StatefulStream):
+    def state_dict(self):
+        return {"pos": torch.tensor(self.pos)}
+
+
+def test_a_state_that_is_not_json_is_named():
+    loader = IterableLoader(Tensors(8), batch_size=2)
+    next(loader)
+    with pytest.raises(UserError, match="state_dict\\(\\) is not JSON-serialisable"):
+        loader.state_dict()
 
 
 def test_empty_and_bad_inputs():

@@ -28,9 +28,10 @@ The split of a user's stream (IterableLoader):
   - resume: a dataset with torchdata's Stateful protocol (state_dict / load_state_dict) is
     snapshotted after each batch at the end of the batch's last round (stream position
     (j+1)*B*W), and that snapshot (JSON-serialisable, like every loader state) is saved; on
-    resume each worker loads it and reads on from there. Without it, resuming re-reads the
-    stream from the epoch's start and skips the consumed items: the cost of reading (not
-    collating) batch x B x W items, once per worker.
+    resume each worker loads it and reads on from there. Without it, and for set_rank datasets
+    (whose per-rank states one checkpoint cannot hold), resuming re-reads the stream from the
+    epoch's start and skips the consumed items: the cost of reading (not collating)
+    batch x B x W items, once per worker.
   - the stream must be a function of the epoch, or resuming cannot reproduce it: seed its own
     generators from the epoch, or draw from torch's or Python's global generator, which the loader
     seeds by (seed, epoch) for the stream (restoring the training process's after each batch), so
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import random
 from typing import Any, Callable
 
@@ -161,6 +163,12 @@ class ProducerLoader:
         state = {"kind": self.kind, **self.producer.identity(), "num_workers": self.num_workers,
                  "epoch": self._epoch, "batch_in_epoch": self._batch_in_epoch}
         if self._dataset_state is not None and self._batch_in_epoch > 0:
+            try:
+                json.dumps(self._dataset_state)
+            except (TypeError, ValueError) as e:
+                raise UserError(f"the dataset's state_dict() is not JSON-serialisable ({e}); checkpoints store it "
+                                f"as JSON: return plain numbers, strings, lists and dicts, or drop "
+                                f"state_dict/load_state_dict to resume by skipping") from None
             state["dataset_state"] = self._dataset_state
         return state
 
@@ -202,7 +210,10 @@ class StreamProducer:
             self.reshardable = False
         # The stream's own split: a self-split dataset's stream is this rank's already.
         self._w, self._r = (1, 0) if self.self_split else (world_size, rank)
-        self.stateful = callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+        # A checkpoint holds one rank's loader state: fine when every rank reads the same stream, but a
+        # self-split dataset's states differ per rank, so it resumes by skipping instead.
+        self.stateful = (callable(getattr(dataset, "state_dict", None)) and callable(getattr(dataset, "load_state_dict", None))
+                         and not self.self_split)
         self.batches_per_epoch = None
         self._resume: tuple[int, int, Any] | None = None
         self._it = None
