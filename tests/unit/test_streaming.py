@@ -592,6 +592,7 @@ def test_backoff_is_capped(monkeypatch, tmp_path):
     with pytest.raises(UserError, match="failed 30 time"):
         r.call("x", "reading", lambda: (_ for _ in ()).throw(ConnectionResetError(104, "reset")))
     assert len(waits) == 29 and max(waits) <= remote_mod.MAX_BACKOFF_S and sum(waits) < 30 * 60
+    assert waits[:4] == [0.5, 1.0, 2.0, 4.0]  # backing off: each wait twice the last
 
 
 def test_a_damaged_chunk_file_in_the_cache_is_fetched_again(chunked, tmp_path):
