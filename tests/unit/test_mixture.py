@@ -369,3 +369,44 @@ def test_a_failing_source_stops_the_download_threads_of_those_opened_before_it(s
         _loader({**sources, "b": str(tmp_path / "short")}, {"a": 0.5, "b": 0.5}, 0, 1, *extra)
     after = {t for t in threading.enumerate() if t.name.startswith("slipstream-stream") and t.is_alive()}
     assert after <= before
+
+
+def test_streamed_sources_resume_at_another_number_of_ranks(sources, tmp_path):
+    """The module doc promises every source continues at another number of data-parallel
+    ranks; a streamed source's windows depend on the layout, so it continues at the first
+    epoch no rank had begun (nothing read twice) instead of refusing the checkpoint."""
+    pytest.importorskip("slipstream.data.streaming")
+    mix = {"a": 0.5, "b": 0.5}
+    chunked = {}
+    for i, name in enumerate(mix):  # chunks of 1000 tokens: every rank gets some
+        raw = _corpus(tmp_path / f"raw_{name}", ALPHABETS[name], 40, seed=i)
+        chunked[name] = str(tmp_path / name)
+        prepare_dataset([raw], "byte", chunked[name], val_fraction=0.2, num_workers=1, progress=False,
+                        chunk_tokens=1000)
+    sources = chunked
+    extra = ("--data.streaming=true", f"--data.cache_dir={tmp_path / 'cache'}")
+    ranks = [_loader(sources, mix, r, 2, *extra) for r in range(2)]
+    for loader in ranks:
+        _take(loader, 4)
+    state = json.loads(json.dumps(ranks[0].state_dict()))
+    one = _loader(sources, mix, 0, 1, *extra)
+    one.load_state_dict(state)
+    for name in mix:
+        # The old ranks were inside epoch 0: the source continues at epoch 1 of the new layout.
+        position = one._streams[one.names.index(name)].position
+        assert position == one.sources[name].windows_per_rank(0, 1) == one.sources[name]._plan(0)[2]
+        assert one.state_dict()["sources"][name]["taken"][0] == position
+    assert one.metrics() == ranks[0].metrics()
+    from slipstream.data.streaming import StreamingTokenLoader
+
+    refs = {}
+    for name in mix:  # each source's own stream at one rank, from epoch 1 on
+        ref = StreamingTokenLoader(chunked[name], "train", BLOCK, SEQ, seed=source_seed(7, name),
+                                   cache_dir=str(tmp_path / "ref"))
+        ref.load_state_dict({**ref.state_dict(), "epoch": 1, "position": 0})
+        refs[name] = (row for x, _ in iter(lambda r=ref: next(r), None) for row in x)
+    for x, _ in _take(one, 6):
+        for row in x:
+            assert torch.equal(row, next(refs[_source_of(row)]))
+    for loader in (*ranks, one):
+        loader.close()

@@ -22,7 +22,9 @@ Resume: the next batch is the one the uninterrupted run would have read. New wei
 are allowed (printed and visible in the logged weights): each source continues where it was
 and the new weights apply from the next batch. A source no longer in the mixture is dropped
 (printed); a new one starts at its beginning. At another number of data-parallel ranks each
-source continues after the furthest any rank had read it (its TokenLoader reshards from there).
+source continues after the furthest any rank had read it (its TokenLoader reshards from there;
+a streamed source, whose chunks are dealt by the number of ranks, at the first epoch that no
+rank had begun).
 """
 
 from __future__ import annotations
@@ -147,14 +149,37 @@ class _Windows:
     def seek(self, saved_state: dict, position: int, resharded: bool) -> None:
         """Continue at window `position` of a loader state saved by this layout; resharded: the
         state was saved by another number of ranks and `position` is the furthest any had read
-        (the loader reshards it, rounding up to a block so no window of the furthest is read twice)."""
+        (the loader reshards it, rounding up to a block so no window of the furthest is read twice;
+        a streamed source continues at the first epoch no rank had begun, see _stream_restart)."""
+        streamed = saved_state.get("kind") == "StreamingTokenLoader"
+        if streamed and resharded:
+            position, resharded = _stream_restart(self.loader, position, saved_state.get("world_size")), False
         block = -(-position // BLOCK) if resharded else position // BLOCK
         state = {**saved_state, "batch_index": block}
-        if state.get("kind") == "StreamingTokenLoader":
-            state.update(_stream_position(self.loader, block * BLOCK))
+        if streamed:
+            state.update(_stream_position(self.loader, block * BLOCK), world_size=self.loader.world_size)
         self.loader.load_state_dict(state)
         self._block = None
         self.position = self.loader.state_dict()["batch_index"] * BLOCK if resharded else position
+
+
+def _stream_restart(loader, furthest: int, saved_world) -> int:
+    """Windows of this layout before the first epoch that no rank of the saved layout had begun,
+    its furthest rank having read `furthest` windows: a streamed source's windows depend on the
+    number of ranks, so it reshards at an epoch boundary (the rest of a begun epoch is skipped,
+    nothing is read twice)."""
+    if not isinstance(saved_world, int) or isinstance(saved_world, bool) or saved_world < 1:
+        raise UserError("the checkpoint's data mixture state is malformed (the checkpoint is damaged); resume from "
+                        "another checkpoint or start a fresh run")
+    epoch, left = 0, furthest
+    while left > 0:
+        per_epoch = loader.windows_per_rank(epoch, saved_world)
+        if per_epoch == 0:
+            raise UserError(f"the checkpoint was saved by {saved_world} data-parallel ranks, more than this source's "
+                            "chunks allow; resume with as many ranks as it was saved with")
+        left -= per_epoch
+        epoch += 1
+    return sum(loader._plan(e)[2] for e in range(epoch))
 
 
 def _stream_position(loader, windows: int) -> dict[str, int]:

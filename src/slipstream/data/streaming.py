@@ -203,11 +203,20 @@ class StreamingTokenLoader:
 
     # -- the order (pure functions of seed, epoch and the manifest)
 
+    def _epoch_order(self, epoch: int, world_size: int) -> tuple[np.ndarray, list[int]]:
+        """(the epoch's chunk order, the windows of each of world_size ranks' chunks in it)."""
+        order = np.random.default_rng([seed_key(self.seed), epoch]).permutation(len(self.chunks))
+        return order, [int(self._windows[order[r::world_size]].sum()) for r in range(world_size)]
+
+    def windows_per_rank(self, epoch: int, world_size: int) -> int:
+        """The windows every rank reads in `epoch` at `world_size` data-parallel ranks (another
+        layout's too: a mixture resuming at another number of ranks asks)."""
+        return min(self._epoch_order(epoch, world_size)[1])
+
     def _plan(self, epoch: int) -> tuple[np.ndarray, np.ndarray, int]:
         """(this rank's chunks of the epoch that it reads, cumulative windows of them, windows per rank)."""
         if epoch not in self._plans:
-            order = np.random.default_rng([seed_key(self.seed), epoch]).permutation(len(self.chunks))
-            totals = [int(self._windows[order[r::self.world_size]].sum()) for r in range(self.world_size)]
+            order, totals = self._epoch_order(epoch, self.world_size)
             per_rank = min(totals)
             if per_rank == 0:
                 poor = int(np.argmin(totals))
