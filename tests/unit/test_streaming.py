@@ -728,6 +728,7 @@ def test_an_error_retrying_cannot_fix_names_the_file_and_what_to_check(tmp_path)
         calls.append(1)
         raise bad
 
-    with pytest.raises(UserError, match=r"reading s3://bucket/prefix/x failed \(HTTP 400\): OSError.*Bad Request; retrying would not help: check "):
+    with pytest.raises(UserError, match=r"reading s3://bucket/prefix/x failed \(HTTP 400\): OSError.*Bad Request; "
+                                        r"retrying would not help: check "):
         r.call("x", "reading", fn)
     assert len(calls) == 1

@@ -5,9 +5,10 @@
     mixture = {web = 0.7, code = 0.3}
 
 Every source is a folder from `slipstream data prepare` (or a URL read by the streaming
-loader; the streamed sources share data.cache_bytes equally), all with one tokenizer. Each source has its own stream of windows, read BLOCK at a
-time from a TokenLoader cut over the data-parallel ranks like any training split (data.sampling
-applies), with a seed derived from (train.seed, source name) so the sources are independent.
+loader; the streamed sources share data.cache_bytes equally), all with one tokenizer. Each
+source has its own stream of windows, read BLOCK at a time from a TokenLoader cut over the
+data-parallel ranks like any training split (data.sampling applies), with a seed derived from
+(train.seed, source name) so the sources are independent.
 
 Batch i: one numpy Generator seeded by (train.seed, i) draws the source of every sequence of
 the global batch (world_size x micro_batch_size draws, from the normalized weights); rank r
