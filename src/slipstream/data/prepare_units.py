@@ -44,9 +44,10 @@ def plan_units(pieces: list[tuple], unit_bytes: int = UNIT_BYTES) -> list[list[t
     units, current, size = [], [], 0
     for piece in pieces:
         last = current[-1] if current else None
-        if last is not None and last[:2] == piece[:2] and last[0] != TEXT and 0 <= last[3] == piece[2]:
+        if last is not None and last[:2] == piece[:2] and last[0] != TEXT and 0 < piece[2] == last[3]:
             # Adjacent ranges of one file read as one: the file is opened (its footer or
-            # stream headers read) once per unit, not once per row group or batch.
+            # stream headers read) once per unit, not once per row group or batch. A piece
+            # starting at 0 starts its file: the same input given again, read again.
             current[-1] = (last[0], last[1], last[2], piece[3], last[4] + piece[4])
         else:
             current.append(piece)
