@@ -186,6 +186,8 @@ def _check_schema(path: str, names: list[str], types: dict, text_field: str) -> 
     import pyarrow as pa
 
     def is_text(t) -> bool:
+        if pa.types.is_dictionary(t):  # dictionary-encoded strings (pandas categoricals): to_pylist gives the strings
+            t = t.value_type
         return pa.types.is_string(t) or pa.types.is_large_string(t) or getattr(pa.types, "is_string_view", lambda _: False)(t)
 
     columns = [text_field] if text_field in names else list(SFT_FIELDS) if all(f in names for f in SFT_FIELDS) else None
@@ -321,9 +323,52 @@ def _iter_text(path: str, stats: SourceStats) -> Iterator[str]:
 def _decompressed(kind: str, raw):
     if kind == JSONL_GZ:
         return gzip.GzipFile(fileobj=raw)
-    import zstandard
+    return io.BufferedReader(_ZstdFrames(raw), 1 << 20)
 
-    return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True), 1 << 20)
+
+class _ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a stream of zstd frames, refusing one cut short.
+
+    zstandard's stream_reader ends quietly where its input ends, even inside a frame, so a
+    truncated file would lose its tail without a word. Here each frame goes through its own
+    decompressobj, whose eof says the frame is complete. The compressed input is fed FEED
+    bytes at a time: at zstd's largest expansion (an RLE block: 4 bytes for 128 KiB) one
+    call's output stays under 64 MiB, so a decompression bomb streams like any file."""
+
+    FEED = 1 << 11
+
+    def __init__(self, raw) -> None:
+        import zstandard
+
+        self._raw, self._dctx, self._error = raw, zstandard.ZstdDecompressor(), zstandard.ZstdError
+        self._frame = None  # the decompressobj of the frame being read
+        self._in, self._in_pos = b"", 0
+        self._out, self._out_pos = b"", 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:
+        while self._out_pos >= len(self._out):
+            if self._frame is not None and self._frame.eof:
+                # A complete frame: what it did not use starts the next one.
+                self._in, self._in_pos = self._frame.unused_data + self._in[self._in_pos:], 0
+                self._frame = None
+            if self._in_pos >= len(self._in):
+                self._in, self._in_pos = self._raw.read(1 << 20), 0
+                if not self._in:
+                    if self._frame is not None:
+                        raise self._error("the data ends inside a zstd frame (the file is truncated)")
+                    return 0
+            if self._frame is None:
+                self._frame = self._dctx.decompressobj()
+            data = self._in[self._in_pos : self._in_pos + self.FEED]
+            self._in_pos += len(data)
+            self._out, self._out_pos = self._frame.decompress(data), 0
+        n = min(len(b), len(self._out) - self._out_pos)
+        b[:n] = self._out[self._out_pos : self._out_pos + n]
+        self._out_pos += n
+        return n
 
 
 def _iter_jsonl(piece: tuple, text_field: str, stats: SourceStats) -> Iterator:
@@ -436,6 +481,10 @@ def _iter_arrow(path: str, start: int, end: int, text_field: str, stats: SourceS
             for batch in batches:
                 stats.bytes += batch.nbytes
                 batch = batch.select(columns)
+                # IPC batches arrive unchecked: offsets past the data would be read from
+                # outside the buffer (SIGBUS on a memory map). Full validation checks them
+                # and the UTF-8 in one pass over the selected columns.
+                batch.validate(full=True)
                 for i in range(0, batch.num_rows, BATCH_ROWS):
                     yield from _batch_records(batch.slice(i, BATCH_ROWS), columns, stats)
     except _arrow_errors() as e:
