@@ -175,7 +175,8 @@ def _swap_into_place(tmp_dir: str, out_dir: str, old_manifest: dict | None) -> N
 
 def _refuse_inputs_inside(inputs: list[str], out_dir: str) -> None:
     """An input inside the output folder would be read as corpus and then replaced by its own
-    tokens (or deleted with the old data)."""
+    tokens (or deleted with the old data); an output folder inside an input folder would be
+    read as corpus by the next prepare (its manifest.json as a document)."""
     out = os.path.realpath(out_dir)
     for path in inputs:
         if path == STDLIB or loc.is_url(path):
@@ -184,6 +185,9 @@ def _refuse_inputs_inside(inputs: list[str], out_dir: str) -> None:
         if real == out or os.path.commonpath([real, out]) == out:
             raise UserError(f"input {path!r} lies inside the output folder {out_dir!r}; move it out, or choose "
                             f"an --out folder that holds no inputs")
+        if os.path.isdir(real) and os.path.commonpath([real, out]) == real:
+            raise UserError(f"output folder {out_dir!r} lies inside the input folder {path!r}, so a later prepare "
+                            f"would read the prepared data as text; choose an --out folder outside the inputs")
 
 
 # ----------------------------------------------------------------------------- prepare
