@@ -1,0 +1,148 @@
+"""Review of `data prepare` at scale: inputs it misread or refused, and untrusted input that
+crashed it. Each test names the bug it pins."""
+
+import gzip
+import json
+import os
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from slipstream.data.prepare import prepare_dataset
+from slipstream.data.sources import iter_documents
+from slipstream.errors import UserError
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCS = [f"document {i}: " + "abcdefghij"[i % 10] * (20 + i) for i in range(40)]
+
+
+def prepare(inputs, out, **kw):
+    kw.setdefault("progress", False)
+    kw.setdefault("num_workers", 1)
+    return prepare_dataset([str(i) for i in inputs], "byte", str(out), **kw)
+
+
+def all_tokens(out, manifest):
+    return np.concatenate([np.fromfile(os.path.join(out, s["file"]), dtype=manifest["dtype"])
+                           for split in ("train", "val") for s in manifest["splits"][split]["shards"]])
+
+
+def test_dictionary_encoded_text_columns_are_text(tmp_path):
+    """A string column stored dictionary-encoded (pandas categoricals, Arrow dictionary
+    arrays) was refused as "not strings"."""
+    docs = ["alpha beta", None, "gamma", "alpha beta", "delta " * 5]
+    table = pa.table({"text": pa.array(docs).dictionary_encode()})
+    pq.write_table(table, tmp_path / "d.parquet")
+    assert pa.types.is_dictionary(pq.ParquetFile(tmp_path / "d.parquet").schema_arrow.field("text").type)
+    with pa.OSFile(str(tmp_path / "d.arrow"), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table)
+    want = [d for d in docs if d]
+    for name in ("d.parquet", "d.arrow"):
+        assert list(iter_documents([str(tmp_path / name)])) == want
+        m = prepare([tmp_path / name], tmp_path / f"out-{name}", val_fraction=0)
+        assert m["documents"] == 4
+    # A dictionary of integers is still not text.
+    pq.write_table(pa.table({"text": pa.array([1, 2, 1]).dictionary_encode()}), tmp_path / "ints.parquet")
+    with pytest.raises(UserError, match=r"ints\.parquet: column 'text' holds (dictionary<values=)?int64"):
+        prepare([tmp_path / "ints.parquet"], tmp_path / "out-ints")
+
+
+def test_the_same_compressed_input_twice_is_read_twice(tmp_path):
+    """Consecutive pieces of one file were merged when the second started where the first
+    ended; a whole-file piece (.jsonl.gz, .jsonl.zst: start 0, end 0) given twice in a row
+    matched, so the repeated input was read once (and only when both fell in one unit)."""
+    lines = "".join(json.dumps({"text": f"doc {i}"}) + "\n" for i in range(5)).encode()
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(lines))
+    inputs = [tmp_path / "a.jsonl.gz", tmp_path / "a.jsonl.gz"]
+    assert len(list(iter_documents([str(p) for p in inputs]))) == 10
+    m = prepare(inputs, tmp_path / "out", val_fraction=0)
+    assert m["documents"] == 10
+    assert len(all_tokens(tmp_path / "out", m)) == 2 * sum(len(f"doc {i}") + 1 for i in range(5))
+
+
+def _arrow_stream_with_bad_offsets(path):
+    table = pa.table({"text": ["hello world " * 10] * 4})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    data = bytearray(sink.getvalue().to_pybytes())
+    at = bytes(data).find(struct.pack("<5i", 0, 120, 240, 360, 480))
+    assert at > 0
+    struct.pack_into("<i", data, at + 16, 0x7FFF0000)  # the last string "ends" 2 GB past the file
+    path.write_bytes(bytes(data))
+
+
+def test_arrow_file_with_corrupt_offsets_is_a_clear_error_not_a_crash(tmp_path):
+    """Arrow IPC batches were used unvalidated: string offsets pointing past the data made
+    to_pylist read outside the memory map (SIGBUS: the whole process died)."""
+    _arrow_stream_with_bad_offsets(tmp_path / "bad.arrow")
+    script = ("import sys; from slipstream.data.prepare import prepare_dataset\n"
+              "prepare_dataset([sys.argv[1]], 'byte', sys.argv[2], num_workers=1, progress=False)")
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "bad.arrow"), str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+    assert proc.returncode == 1, (proc.returncode, proc.stderr[-2000:])
+    assert "UserError" in proc.stderr and "bad.arrow: not a readable Arrow file" in proc.stderr, proc.stderr[-2000:]
+    assert not (tmp_path / "out").exists()
+
+
+def test_truncated_zstd_jsonl_is_reported_as_truncated(tmp_path):
+    """A .jsonl.zst cut short was read as if it ended there: the documents after the cut
+    vanished silently (cut at a line end) or the last line was blamed as bad JSON."""
+    zstandard = pytest.importorskip("zstandard")
+    lines = [json.dumps({"text": f"document number {i} " * 20}) + "\n" for i in range(2000)]
+    whole = zstandard.ZstdCompressor().compress("".join(lines).encode())
+    # Two frames back to back are one stream; a frame cut short is not.
+    two = whole + zstandard.ZstdCompressor().compress(b'{"text": "after"}\n')
+    (tmp_path / "two.jsonl.zst").write_bytes(two)
+    assert len(list(iter_documents([str(tmp_path / "two.jsonl.zst")]))) == 2001
+    (tmp_path / "cut.jsonl.zst").write_bytes(whole[:-1])
+    with pytest.raises(UserError, match=r"cut\.jsonl\.zst: zstandard data is corrupt or truncated"):
+        list(iter_documents([str(tmp_path / "cut.jsonl.zst")]))
+    # A cut where the decompressed data ends exactly at a line end: nothing hints at it but the frame.
+    one_line = zstandard.ZstdCompressor().compress(b'{"text": "a"}\n' * 5000)
+    for cut in range(len(one_line) - 1, len(one_line) - 12, -1):
+        (tmp_path / "c.jsonl.zst").write_bytes(one_line[:cut])
+        with pytest.raises(UserError, match="truncated"):
+            list(iter_documents([str(tmp_path / "c.jsonl.zst")]))
+
+
+def test_zstd_bomb_reads_in_bounded_memory(tmp_path):
+    """The truncation check must not give up the streaming bound: a tiny .zst that expands
+    to 1 GiB of blank lines (1 MiB each) is read without holding it."""
+    zstandard = pytest.importorskip("zstandard")
+    cctx = zstandard.ZstdCompressor(level=3)
+    with open(tmp_path / "bomb.jsonl.zst", "wb") as f, cctx.stream_writer(f) as w:
+        block = (b" " * ((1 << 20) - 1) + b"\n") * 16
+        for _ in range(64):
+            w.write(block)
+    assert (tmp_path / "bomb.jsonl.zst").stat().st_size < 1 << 20
+    script = ("import sys, resource; from slipstream.data.sources import iter_documents\n"
+              "from slipstream.errors import UserError\n"
+              "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+              "try:\n    list(iter_documents([sys.argv[1]]))\nexcept UserError as e:\n    print('empty' if 'empty corpus' in str(e) else e)\n"
+              "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) >> 10)")
+    proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "bomb.jsonl.zst")], capture_output=True, text=True,
+                          timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said, growth_mib = proc.stdout.split()
+    assert said == "empty" and int(growth_mib) < 200, proc.stdout
+
+
+def test_output_folder_inside_an_input_folder_is_refused(tmp_path):
+    """`--input data --out data/tokens`: the second prepare read the first one's
+    manifest.json as a training document (and the inputs never looked unchanged)."""
+    (tmp_path / "data").mkdir()
+    for i in range(3):
+        (tmp_path / "data" / f"f{i}.txt").write_text(f"hello text file {i}")
+    with pytest.raises(UserError, match=r"output folder .*tokens.* lies inside the input folder .*data.*outside the inputs"):
+        prepare([tmp_path / "data"], tmp_path / "data" / "tokens")
+    assert not (tmp_path / "data" / "tokens").exists()
+    assert sorted(os.listdir(tmp_path / "data")) == ["f0.txt", "f1.txt", "f2.txt"]
+    # Next to it is fine.
+    assert prepare([tmp_path / "data"], tmp_path / "tokens", val_fraction=0)["documents"] == 3
