@@ -69,6 +69,29 @@ def test_all_masked_sequence_has_loss_zero_not_nan():
         assert losses[1] == 0 and torch.isfinite(losses).all()
 
 
+def test_all_masked_micro_batch_trains_with_loss_zero_not_nan():
+    """A micro-batch whose targets are all masked (e.g. a window inside a long prompt of a fine-tuning
+    record) has no loss: 0 with zero gradients, not the mean's 0 / 0 = NaN that stops the run ("loss
+    became nan"), for the plain, fused and pipeline (models.transformer.lm_loss) losses."""
+    from slipstream.models.transformer import lm_loss
+
+    x, _, _, _ = batch()
+    y = torch.full_like(x, IGNORE_INDEX)
+    for fn in (lm_loss_fn, lambda m, b: fused_lm_loss_fn(m, b, chunk_size=7),
+               lambda m, b: lm_loss(m(b[0]), b[1])):
+        model = tiny()
+        loss = fn(model, (x, y))
+        assert loss.item() == 0.0
+        loss.backward()
+        assert all(p.grad is None or (torch.isfinite(p.grad).all() and not p.grad.any()) for p in model.parameters())
+    # A diverged model still reports its NaN: only the no-target case is 0.
+    model = tiny()
+    with torch.no_grad():
+        model.lm_head.weight.fill_(float("nan"))
+    x, y, _, _ = batch()
+    assert lm_loss_fn(model, (x, y)).isnan() and fused_lm_loss_fn(model, (x, y), chunk_size=7).isnan()
+
+
 def pad_collate(sequences: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """How a Python-API collate pads: inputs with any id, targets with -100 (never counted)."""
     T = max(len(s) for s in sequences) - 1

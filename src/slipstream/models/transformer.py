@@ -280,8 +280,19 @@ def materialize(model: Transformer, device: str | torch.device, seed: int,
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy (fp32 for stability under autocast)."""
-    return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1))
+    """Mean next-token cross-entropy (fp32 for stability under autocast) over the targets that are
+    not -100; 0 when every target is -100 (see no_target_loss_is_zero)."""
+    return no_target_loss_is_zero(F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.view(-1)),
+                                  targets)
+
+
+def no_target_loss_is_zero(loss: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """A batch whose targets are all ignored (a window inside a long fine-tuning prompt) has no loss:
+    0 instead of the mean's 0 / 0 = NaN, which would stop the run ("loss became nan"). Its gradient
+    is 0 either way. Without a host sync; a loss-parallel DTensor loss stays one (a scalar
+    condition counts as replicated)."""
+    has_target = (targets != ignore_index).any()
+    return torch.where(has_target, loss, torch.zeros((), dtype=loss.dtype, device=targets.device))
 
 
 @torch.inference_mode()

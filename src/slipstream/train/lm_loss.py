@@ -10,7 +10,9 @@ function that pads sequences of unequal length marks the padded targets with -10
 Normalization: the loss of a batch is the mean over its unmasked targets (per micro-batch,
 as F.cross_entropy's ignore_index does); with gradient accumulation the trainer averages
 the micro-batches' means, so a micro-batch with few unmasked targets weighs each of them
-more. The loss of a sequence is the mean over its unmasked targets (0 when it has none).
+more. A micro-batch without any unmasked target has loss 0 (and zero gradients), not NaN: it
+still counts as one of the averaged micro-batches. The loss of a sequence is the mean over its
+unmasked targets (0 when it has none).
 
 Document packing (data.packing = document): with `eot_id` the loss fns give the model the
 document ids of their inputs, a new document after each end-of-text token, so attention
@@ -49,6 +51,7 @@ def lm_loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
 
 def _fused_head_loss(model: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, chunk_size: int) -> torch.Tensor:
     from slipstream.distributed.data_parallel import unwrap
+    from slipstream.models.transformer import no_target_loss_is_zero
     from slipstream.ops.fused_ce import fused_linear_cross_entropy
 
     # A custom op is outside autocast's reach: cast as autocast would cast a matmul's inputs.
@@ -56,8 +59,9 @@ def _fused_head_loss(model: torch.nn.Module, hidden: torch.Tensor, targets: torc
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
     # DDP wraps the model (FSDP2 shards it in place): the head lives on the wrapped module.
     head = unwrap(model).head_weight()
-    return fused_linear_cross_entropy(hidden.to(dtype), head.to(dtype), targets, chunk_size=chunk_size,
+    loss = fused_linear_cross_entropy(hidden.to(dtype), head.to(dtype), targets, chunk_size=chunk_size,
                                       ignore_index=IGNORE_INDEX)
+    return no_target_loss_is_zero(loss, targets, IGNORE_INDEX)  # all targets masked: 0, not NaN
 
 
 def fused_lm_loss_fn(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
