@@ -39,10 +39,11 @@ def write_shards(folder: Path, shards: int = 3, per_shard: int = 7, extra: bool 
 
 
 def noisy(sample):
-    """An augmentation drawing from torch's and Python's global generators."""
+    """An augmentation drawing from torch's, Python's and numpy's global generators (albumentations
+    and many hand-written pipelines draw from numpy's)."""
     import random
 
-    return torch.tensor([sample["cls"]]), torch.rand(2), torch.tensor([random.random()])
+    return torch.tensor([sample["cls"]]), torch.rand(2), torch.tensor([random.random()]), torch.tensor(np.random.rand(2))
 
 
 def batches(loader, n):
@@ -89,7 +90,10 @@ def test_ranks_disjoint_covering_equal_counts(tmp_path):
 def test_workers_give_the_in_process_batches_augmentations_included(tmp_path):
     write_shards(tmp_path, extra=False)
     data = TarShards(tmp_path, transform=noisy)
+    np.random.seed(5)
+    ours = np.random.get_state()[1].copy()
     ref = batches(TarShardLoader(data, batch_size=4, rank=1, world_size=2, seed=3), 7)  # crosses an epoch
+    assert np.array_equal(np.random.get_state()[1], ours)  # the training process's numpy generator: restored
     multi = TarShardLoader(data, batch_size=4, rank=1, world_size=2, seed=3, num_workers=2, prefetch=1)
     assert_same(batches(multi, 7), ref)
     multi.close()

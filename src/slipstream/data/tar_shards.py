@@ -35,8 +35,8 @@ channel, everything else RGB); decode="pil" hands PIL images (RGB or L) to the t
 decode=False leaves every field as bytes. .npy -> tensor, .cls / .index -> int, .txt -> str,
 .json -> parsed; other fields stay bytes. `transform(sample)` gets the sample dict (fields plus
 `__key__` and `__url__`, the shard path); a field it asks for that the sample lacks is a UserError
-naming the shard and sample. Each sample's transform runs with torch's and Python's global
-generators seeded by (seed, epoch, k) (and the caller's restored afterwards), so random
+naming the shard and sample. Each sample's transform runs with torch's, Python's and numpy's
+global generators seeded by (seed, epoch, k) (and the caller's restored afterwards), so random
 augmentations are the same with any number of workers and after a resume.
 """
 
@@ -288,16 +288,20 @@ def _decode_image(data: bytes, fmt: str, pil: bool) -> Any:
 
 @contextlib.contextmanager
 def seeded_rngs(seed: int, epoch: int, k: int):
-    """torch's and Python's global generators seeded for one sample, the caller's restored after."""
-    py_state = random.getstate()
+    """torch's, Python's and numpy's global generators seeded for one sample, the caller's restored
+    after (numpy's too: augmentation libraries such as albumentations draw from it, and a worker's
+    numpy state is seeded by the DataLoader per worker, so unseeded it differs with num_workers)."""
+    py_state, np_state = random.getstate(), np.random.get_state()
     with torch.random.fork_rng(devices=[]):
         s = int(np.random.SeedSequence([seed_key(seed), epoch, k]).generate_state(1, np.uint64)[0])
         torch.manual_seed(s % 2**63)
         random.seed(s)
+        np.random.seed(s % 2**32)
         try:
             yield
         finally:
             random.setstate(py_state)
+            np.random.set_state(np_state)
 
 
 # --- the dataset ----------------------------------------------------------------------------------------------------
