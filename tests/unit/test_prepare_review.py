@@ -146,3 +146,44 @@ def test_output_folder_inside_an_input_folder_is_refused(tmp_path):
     assert sorted(os.listdir(tmp_path / "data")) == ["f0.txt", "f1.txt", "f2.txt"]
     # Next to it is fine.
     assert prepare([tmp_path / "data"], tmp_path / "tokens", val_fraction=0)["documents"] == 3
+
+
+def test_an_unreachable_store_mid_run_keeps_the_finished_units(tmp_path, monkeypatch):
+    """A read that could not reach its store (network, credentials) after hours of
+    tokenizing deleted the work folder with every finished unit: the inputs had not
+    changed, so running the same command again must resume, not start over."""
+    import slipstream.data.formats as formats
+    import slipstream.data.prepare_units as units_mod
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for i in range(12):
+        pq.write_table(pa.table({"text": [f"file {i} doc {j} " + "x" * (40 + j) for j in range(30)]}), folder / f"{i:02d}.parquet")
+    reference = prepare([folder], tmp_path / "ref")
+    read, calls = formats._iter_parquet, []
+
+    def flaky(path, *args):
+        calls.append(path)
+        if len(calls) == 6:
+            raise ConnectionError("connection reset by peer")
+        yield from read(path, *args)
+
+    monkeypatch.setattr(formats, "_iter_parquet", flaky)
+    with pytest.raises(UserError, match=r"cannot be reached.*finished units are kept.*run the same command again"):
+        prepare([folder], tmp_path / "out")
+    monkeypatch.undo()
+    assert not (tmp_path / "out").exists()
+    (work,) = [p for p in tmp_path.iterdir() if p.name.startswith(".out.prepare-")]
+    assert len((work / "journal.jsonl").read_text().splitlines()) >= 2
+
+    redone = []
+    run_unit = units_mod.run_unit
+    monkeypatch.setattr(units_mod, "run_unit", lambda tok, dtype, w, index, *a: redone.append(index) or run_unit(tok, dtype, w, index, *a))
+    m = prepare([folder], tmp_path / "out")
+    assert len(redone) < m["units"] and not work.exists()
+    assert m["splits"] == reference["splits"]
+    # A bad input is not transient: its work folder goes (the input must change to fix it).
+    (folder / "05.parquet").write_bytes(b"PAR1 not parquet")
+    with pytest.raises(UserError, match="not a readable Parquet") as e:
+        prepare([folder], tmp_path / "out2")
+    assert "kept" not in str(e.value) and [p for p in tmp_path.iterdir() if p.name.startswith(".out2.")] == []

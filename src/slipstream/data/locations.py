@@ -37,7 +37,16 @@ def protocol(url: str) -> str:
 
 def translate(e: BaseException, path: str) -> UserError | None:
     """The UserError for an exception raised while reaching `path`, or None when it is not
-    about reaching it (a bug, Ctrl-C: those go up unchanged)."""
+    about reaching it (a bug, Ctrl-C: those go up unchanged). One that says the store could
+    not be reached, or refused us, has `transient = True`: the input itself may be fine, so
+    work done so far is worth keeping for the run after the cause is fixed."""
+    err = _translate(e, path)
+    if err is not None and not isinstance(e, ImportError) and (not isinstance(e, FileNotFoundError) or _unreachable(e)):
+        err.transient = True
+    return err
+
+
+def _translate(e: BaseException, path: str) -> UserError | None:
     if isinstance(e, UserError) or not isinstance(e, Exception):
         return None
     name = type(e).__name__

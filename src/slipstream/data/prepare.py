@@ -24,7 +24,8 @@ Safety:
     place only once complete, the manifest last; a crash leaves out_dir as it was.
   - resumable: the work folder is named by a hash of (out_dir, inputs, tokenizer, settings)
     and keeps the part files of every finished unit (prepare_units.py): a run interrupted
-    by Ctrl-C or kill -9 and started again redoes only the unfinished units.
+    by Ctrl-C or kill -9, or stopped by a store it could not reach (network, credentials),
+    and started again redoes only the unfinished units.
   - only its own files: re-preparing a folder replaces exactly the files its old manifest
     lists (shards, tokenizer copy, manifest); any other file in it stays untouched, and an
     input inside the output folder is refused.
@@ -256,6 +257,13 @@ def prepare_dataset(
                       markup=False, highlight=False, soft_wrap=True)
         raise
     except BaseException as e:
+        if getattr(e, "transient", False):
+            # The store could not be reached (network, credentials): the inputs did not
+            # change, so the same command, run again once that is fixed, resumes here.
+            kept = len(units_mod.read_journal(work, 1 << 62, dtype.itemsize, settings["dedup"]))
+            if kept:
+                raise UserError(f"{e} (the {kept} finished units are kept in {work}: run the same command again "
+                                f"to resume)") from None
         shutil.rmtree(work, ignore_errors=True)
         # At most one token per input byte (byte-level; subword tokenizers need fewer).
         needed = fingerprint["bytes"] * dtype.itemsize
