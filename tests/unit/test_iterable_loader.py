@@ -76,22 +76,29 @@ def test_workers_give_the_same_batches_as_in_process():
 
 
 class Noisy(Stream):
-    """Augments with torch's and Python's global generators."""
+    """Augments with torch's, Python's and numpy's global generators."""
 
     def __iter__(self):
         import random
 
+        import numpy as np
+
         for x in super().__iter__():
-            yield x + torch.rand(1), torch.tensor([random.random()])
+            yield x + torch.rand(1), torch.tensor([random.random()]), torch.tensor(np.random.rand(1))
 
 
 def test_global_generators_seeded_per_epoch_and_restored():
+    import numpy as np
+
     torch.manual_seed(7)
-    expected = torch.rand(3)
+    np.random.seed(7)
+    expected = torch.rand(3), np.random.rand(3)
     torch.manual_seed(7)
+    np.random.seed(7)
     ref = IterableLoader(Noisy(10), batch_size=2, world_size=2, rank=1, seed=4)
     ref_batches = [next(ref) for _ in range(5)]  # epoch 0 and into epoch 1
-    assert torch.equal(torch.rand(3), expected)  # the training process's generator is left as it was
+    assert torch.equal(torch.rand(3), expected[0])  # the training process's generators are left as they were
+    assert np.array_equal(np.random.rand(3), expected[1])
     multi = IterableLoader(Noisy(10), batch_size=2, world_size=2, rank=1, seed=4, num_workers=2)
     for a, b in zip(ref_batches, [next(multi) for _ in range(5)]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)

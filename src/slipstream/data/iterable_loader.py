@@ -33,9 +33,9 @@ The split of a user's stream (IterableLoader):
     epoch's start and skips the consumed items: the cost of reading (not collating)
     batch x B x W items, once per worker.
   - the stream must be a function of the epoch, or resuming cannot reproduce it: seed its own
-    generators from the epoch, or draw from torch's or Python's global generator, which the loader
-    seeds by (seed, epoch) for the stream (restoring the training process's after each batch), so
-    every worker draws the same numbers. numpy's global generator is not seeded. After a Stateful
+    generators from the epoch, or draw from torch's, Python's or numpy's global generator, which the
+    loader seeds by (seed, epoch) for the stream (restoring the training process's after each batch),
+    so every worker draws the same numbers. After a Stateful
     resume the global generators start from (seed, epoch) again: keep such a stream's randomness
     in its own state.
 """
@@ -220,7 +220,7 @@ class StreamProducer:
         self._epoch = -1
         self._consumed = 0  # items of the epoch's stream read so far
         self._ended_at: int | None = None  # the epoch's batch count, once the stream has ended
-        self._rngs: tuple[torch.Tensor, Any] | None = None  # the stream's torch and Python generator states
+        self._rngs: tuple[torch.Tensor, Any, Any] | None = None  # the stream's torch, Python and numpy generator states
 
     def identity(self) -> dict:
         return {"dataset": type(self.dataset).__name__, "seed": self.seed, "batch_size": self.batch_size,
@@ -243,7 +243,8 @@ class StreamProducer:
 
     def _start(self, epoch: int, j: int) -> None:
         s = int(np.random.SeedSequence([seed_key(self.seed), epoch]).generate_state(1, np.uint64)[0])
-        self._rngs = (torch.Generator().manual_seed(s % 2**63).get_state(), random.Random(s).getstate())
+        self._rngs = (torch.Generator().manual_seed(s % 2**63).get_state(), random.Random(s).getstate(),
+                      np.random.RandomState(s % 2**32).get_state())
         with self._stream_rngs():
             if callable(getattr(self.dataset, "set_epoch", None)):
                 self.dataset.set_epoch(epoch)
@@ -256,18 +257,20 @@ class StreamProducer:
 
     @contextlib.contextmanager
     def _stream_rngs(self):
-        """The stream reads torch's and Python's global generators as its own, seeded by (seed, epoch):
-        every worker (each reading the whole stream) then draws the same numbers for the same items,
-        as the training process does with num_workers=0, whose own generators are restored after."""
-        outer = (torch.get_rng_state(), random.getstate())
+        """The stream reads torch's, Python's and numpy's global generators as its own, seeded by (seed,
+        epoch): every worker (each reading the whole stream) then draws the same numbers for the same
+        items, as the training process does with num_workers=0, whose own generators are restored after."""
+        outer = (torch.get_rng_state(), random.getstate(), np.random.get_state())
         torch.set_rng_state(self._rngs[0])
         random.setstate(self._rngs[1])
+        np.random.set_state(self._rngs[2])
         try:
             yield
         finally:
-            self._rngs = (torch.get_rng_state(), random.getstate())
+            self._rngs = (torch.get_rng_state(), random.getstate(), np.random.get_state())
             torch.set_rng_state(outer[0])
             random.setstate(outer[1])
+            np.random.set_state(outer[2])
 
     def _round(self) -> Any:
         """Read one round (W items); return this rank's item. Raises _Ended if the round is incomplete."""
