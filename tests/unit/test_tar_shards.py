@@ -231,6 +231,42 @@ def test_untrusted_members_are_never_unpickled_or_followed(tmp_path, monkeypatch
         next(iter(TarShards(bomb)))
 
 
+def test_header_records_are_capped_before_they_are_read(tmp_path, monkeypatch):
+    """tarfile reads a pax extended header or a GNU long name whole into memory: a crafted shard
+    could make the index scan hold a record as large as the shard. Such a record is capped like a
+    member (at least 1 MiB, so long names pass under a small member cap)."""
+    shard = tmp_path / "pax.tar"
+    with tarfile.open(shard, "w", format=tarfile.PAX_FORMAT) as tar:
+        for i in range(4):
+            info = tarfile.TarInfo(f"{i:06d}.cls")
+            info.size = 1
+            if i == 2:
+                info.pax_headers = {"comment": "x" * (3 << 20)}
+            tar.addfile(info, io.BytesIO(str(i).encode()))
+    reads = []
+
+    class Recording(io.BufferedReader):
+        def read(self, n=-1):
+            reads.append(n)
+            return super().read(n)
+
+    from slipstream.data import tar_shards
+
+    monkeypatch.setattr(tar_shards, "open", lambda path, mode: Recording(io.FileIO(path, mode)), raising=False)
+    with pytest.raises(UserError, match=r"pax.tar: a tar header record after member '000001.cls'.*is 3[.\d]*MiB, over "
+                                         r"the 2MiB limit.*SLIPSTREAM_MAX_TAR_MEMBER_BYTES"):
+        TarShards(shard, max_member_bytes=2 << 20)
+    assert max(n for n in reads if n is not None) <= 2 << 20  # refused before it was read
+    monkeypatch.undo()
+    assert len(TarShards(shard, max_member_bytes=4 << 20)) == 4  # a genuine one under the cap: read
+    long_name = tmp_path / "long.tar"  # long member names (pax records) pass a small member cap
+    with tarfile.open(long_name, "w", format=tarfile.GNU_FORMAT) as tar:
+        info = tarfile.TarInfo("d" * 300 + "/000000.cls")
+        info.size = 1
+        tar.addfile(info, io.BytesIO(b"7"))
+    assert next(iter(TarShards(long_name, max_member_bytes=16)))["cls"] == 7
+
+
 def test_trainer_takes_tar_shards_as_train_and_val_data(tmp_path):
     from slipstream.train.setup import as_loader
     from slipstream.config.load import load_config

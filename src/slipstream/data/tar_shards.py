@@ -191,13 +191,46 @@ def index_shard(path: Path | str, cap: Cap = TAR_MEMBER) -> Shard:
         return _index(f, path, size, cap, limit)
 
 
+class _HeaderReads(io.RawIOBase):
+    """The shard as tarfile's header scan reads it. tarfile reads a pax extended header or a GNU
+    long name / long link record whole into memory, however large its header says it is: a read
+    over `limit` (the member cap, at least HEADER_FLOOR) is refused before it happens."""
+
+    HEADER_FLOOR = 1 * MiB  # long names and pax records of genuine shards pass a small member cap
+
+    def __init__(self, f, path: Path | str, cap: Cap, limit: int) -> None:
+        self.f, self.path, self.cap = f, path, cap
+        self.limit = max(limit, self.HEADER_FLOOR)
+        self.last_name = "(start of file)"
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return self.f.seek(offset, whence)
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0 or n > self.limit:
+            raise self.cap.with_limit(self.limit).exceeded(
+                f"tar shard {self.path}: a tar header record after member {self.last_name!r} (a pax extended "
+                f"header or GNU long name),", n if n is not None and n >= 0 else None)
+        return self.f.read(n)
+
+
 def _index(f, path: Path | str, size: int, cap: Cap, limit: int) -> Shard:
     samples: list[tuple[str, dict[str, tuple[str, int, int]]]] = []
     last_name = "(start of file)"
+    headers = _HeaderReads(f, path, cap, limit)
     try:
-        with tarfile.open(fileobj=f, mode="r:") as tar:  # "r:": uncompressed only, headers read lazily
+        with tarfile.open(fileobj=headers, mode="r:") as tar:  # "r:": uncompressed only, headers read lazily
             for member in tar:
-                last_name = member.name
+                last_name = headers.last_name = member.name
                 if not member.isfile():
                     continue  # links, folders, devices: never followed
                 split = _split_name(member.name)
