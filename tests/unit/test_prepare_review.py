@@ -187,3 +187,38 @@ def test_an_unreachable_store_mid_run_keeps_the_finished_units(tmp_path, monkeyp
     with pytest.raises(UserError, match="not a readable Parquet") as e:
         prepare([folder], tmp_path / "out2")
     assert "kept" not in str(e.value) and [p for p in tmp_path.iterdir() if p.name.startswith(".out2.")] == []
+
+
+def test_datasets_folders_inside_a_plain_folder_are_read_as_datasets(tmp_path):
+    """A folder holding `datasets` folders (save_to_disk) was walked file by file: each
+    state.json and dataset_info.json became a training document, and a DatasetDict's test
+    split (and any cache-*.arrow that `.map` left) was read as training text."""
+    datasets = pytest.importorskip("datasets")
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "a.txt").write_text("plain text first")
+    datasets.Dataset.from_dict({"text": ["web one", "web two"]}).save_to_disk(str(root / "web"))
+    table = pa.table({"text": ["left by map"]})
+    with pa.OSFile(str(root / "web" / "cache-0123.arrow"), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table)
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["dd train"]}),
+                          "test": datasets.Dataset.from_dict({"text": ["dd test"]})}).save_to_disk(str(root / "wiki"))
+    (root / "z.txt").write_text("plain text last")
+    want = ["plain text first", "web one", "web two", "dd train", "plain text last"]
+    assert list(iter_documents([str(root)])) == want
+    m = prepare([root], tmp_path / "out", val_fraction=0)
+    assert m["documents"] == 5
+    tokens = all_tokens(tmp_path / "out", m)
+    assert tokens.tolist() == [t for w in want for t in list(w.encode()) + [256]]
+
+
+def test_a_state_json_that_is_not_a_datasets_file_is_text(tmp_path):
+    """A code corpus has its own state.json files: only one with the datasets library's
+    fields makes a folder a `datasets` folder (an invalid one crashed with a JSON error)."""
+    root = tmp_path / "code"
+    (root / "app").mkdir(parents=True)
+    (root / "state.json").write_text('{"theme": "dark"}')
+    (root / "app" / "state.json").write_text("{not json")
+    (root / "app" / "main.py").write_text("print('hi')")
+    docs = list(iter_documents([str(root)]))
+    assert docs == ["print('hi')", "{not json", '{"theme": "dark"}']

@@ -13,7 +13,9 @@ completion) from a record with string fields `prompt` and `completion` and no te
 
 Hugging Face `datasets` folders (save_to_disk) are read with pyarrow, never with the
 `datasets` library: state.json lists the .arrow data files (Arrow IPC streams); a
-DatasetDict folder (dataset_dict.json) is read through its "train" split.
+DatasetDict folder (dataset_dict.json) is read through its "train" split. Such a folder
+inside a plain folder is read the same way (not its JSON metadata, other splits or cache
+files); a state.json without the library's `_data_files` is just a file.
 """
 
 from __future__ import annotations
@@ -96,9 +98,22 @@ def hf_dataset_files(folder: str) -> list[str] | None:
             raise HF_JSON.exceeded(path)
         return loads_bounded(data, path)
 
-    if loc.exists(loc.join(folder, "dataset_dict.json")):
-        spec = load("dataset_dict.json")
-        splits = spec.get("splits") if isinstance(spec, dict) else None
+    def load_if_ours(name: str, key: str):
+        # A JSON file of that name that is not the datasets library's (a code corpus has
+        # its own state.json files) leaves the folder a plain folder.
+        if not loc.exists(loc.join(folder, name)):
+            return None
+        try:
+            spec = load(name)
+        except (UserError, ValueError) as e:
+            if getattr(e, "transient", False):  # the store, not the file: say so
+                raise
+            return None
+        return spec if isinstance(spec, dict) and key in spec else None
+
+    spec = load_if_ours("dataset_dict.json", "splits")
+    if spec is not None:
+        splits = spec.get("splits")
         if not isinstance(splits, list) or "train" not in splits:
             raise UserError(f"{folder} is a Hugging Face DatasetDict with splits {splits} and no 'train' split; "
                             f"pass the split folder to read as the input, e.g. {loc.join(folder, str((splits or ['NAME'])[0]))}")
@@ -107,10 +122,10 @@ def hf_dataset_files(folder: str) -> list[str] | None:
             raise UserError(f"{loc.join(folder, 'train')} has no state.json: the DatasetDict in {folder} is incomplete; "
                             f"save it again with save_to_disk")
         return files
-    if not loc.exists(loc.join(folder, "state.json")):
+    state = load_if_ours("state.json", "_data_files")
+    if state is None:
         return None
-    state = load("state.json")
-    files = state.get("_data_files") if isinstance(state, dict) else None
+    files = state.get("_data_files")
     if not isinstance(files, list) or not files:
         raise UserError(f"{loc.join(folder, 'state.json')} lists no data files; save the dataset again with save_to_disk")
     names = [f.get("filename") if isinstance(f, dict) else None for f in files]
@@ -128,8 +143,43 @@ def expand_input(path: str, stdlib_files) -> list[str]:
         return stdlib_files()
     if loc.isdir(path):
         hf = hf_dataset_files(path)
-        return hf if hf is not None else loc.walk_files(path)
+        return hf if hf is not None else _walk_with_datasets(path)
     return [path]
+
+
+def _parent(path: str) -> str:
+    return path.rsplit("/", 1)[0] if loc.is_url(path) else os.path.dirname(path)
+
+
+def _walk_with_datasets(root: str) -> list[str]:
+    """The files below root in order, where a `datasets` folder inside it (a state.json or
+    dataset_dict.json) stands for its data files, read as expand_input reads such a folder,
+    not for its JSON metadata, other splits or cache files."""
+    files = loc.walk_files(root)
+    datasets = sorted({_parent(f) for f in files if f[len(_parent(f)) + 1:] in ("state.json", "dataset_dict.json")},
+                      key=len)
+    datasets = [d for d in datasets if hf_dataset_files(d) is not None]
+    # A DatasetDict's split folders are inside it: the outermost folder decides.
+    outer: list[str] = []
+    for d in datasets:
+        if not any(_inside(d, o) for o in outer):
+            outer.append(d)
+    if not outer:
+        return files
+    out, placed = [], set()
+    for f in files:
+        home = next((d for d in outer if _inside(_parent(f), d)), None)
+        if home is None:
+            out.append(f)
+        elif home not in placed:  # the dataset's files go where its first file was
+            placed.add(home)
+            out.extend(hf_dataset_files(home) or [])
+    return out
+
+
+def _inside(path: str, folder: str) -> bool:
+    sep = "/" if loc.is_url(folder) else os.sep
+    return path == folder or path.startswith(folder.rstrip(sep) + sep)
 
 
 def plan_pieces(files: list[str], text_field: str, range_bytes: int) -> list[tuple]:
