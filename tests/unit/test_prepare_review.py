@@ -222,3 +222,21 @@ def test_a_state_json_that_is_not_a_datasets_file_is_text(tmp_path):
     (root / "app" / "main.py").write_text("print('hi')")
     docs = list(iter_documents([str(root)]))
     assert docs == ["print('hi')", "{not json", '{"theme": "dark"}']
+
+
+def test_a_line_over_the_cap_in_a_later_byte_range_names_where_it_is(tmp_path, monkeypatch):
+    """A JSONL cut into byte ranges counts lines from the range's start: a too-long line in
+    a later range was reported as "line 1" (or some small number) of the file."""
+    from slipstream.data.formats import SourceStats, iter_piece, plan_pieces
+
+    monkeypatch.setenv("SLIPSTREAM_MAX_DOCUMENT_BYTES", "4096")
+    small = "".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(200))
+    big = json.dumps({"text": "x" * 10000}) + "\n"
+    (tmp_path / "a.jsonl").write_text(small + big)
+    pieces = plan_pieces([str(tmp_path / "a.jsonl")], "text", range_bytes=1024)
+    assert len(pieces) > 2
+    with pytest.raises(UserError, match=rf"a\.jsonl, the line at byte {len(small)} is longer than the 4KiB limit"):
+        for p in pieces:
+            list(iter_piece(p, "text", SourceStats()))
+    with pytest.raises(UserError, match=rf"a\.jsonl, line 201 is longer than"):
+        list(iter_piece(plan_pieces([str(tmp_path / "a.jsonl")], "text", range_bytes=1 << 20)[0], "text", SourceStats()))

@@ -438,6 +438,11 @@ def _iter_jsonl(piece: tuple, text_field: str, stats: SourceStats) -> Iterator:
             try:
                 # One line is one document: a line over the document cap is refused before it is read whole.
                 line = read_line_capped(f, DOCUMENT, path, line_no)
+            except UserError:
+                if start == 0:
+                    raise
+                # Lines are counted from the range's start: name the line by its offset instead.
+                raise DOCUMENT.exceeded(where, problem="is longer than") from None
             except (EOFError, zlib.error, gzip.BadGzipFile) as e:
                 raise UserError(f"{path}: compressed data is corrupt or truncated ({e}); re-create the file") from None
             except Exception as e:
