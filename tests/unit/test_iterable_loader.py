@@ -199,6 +199,44 @@ def test_empty_and_bad_inputs():
     IterableLoader(Stream(8), batch_size=1, world_size=2).load_state_dict(other)
 
 
+class Failing(Stream):
+    """Raises after a few items: a UserError (the data's fault, named) or any other error."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(100)
+        self.error = error
+
+    def __iter__(self):
+        for i, x in enumerate(super().__iter__()):
+            if i == 5:
+                raise self.error
+            yield x
+
+
+def test_a_worker_error_reaches_the_step_and_close_stops_the_workers():
+    import gc
+
+    message = "shard 7 is damaged:\nline two of the message; re-create it"
+    gc.disable()  # close() itself must stop the workers, not a later garbage collection
+    try:
+        for workers in (0, 2):
+            loader = IterableLoader(Failing(UserError(message)), batch_size=1, num_workers=workers)
+            with pytest.raises(UserError) as caught:
+                take(loader, 10)
+            assert str(caught.value) == message  # the message as raised, not a worker's traceback around it
+            processes = list(loader._loader._iterator._workers) if workers else []
+            loader.close()
+            for p in processes:
+                p.join(timeout=10)
+            assert not any(p.is_alive() for p in processes)
+        loader = IterableLoader(Failing(ValueError("boom")), batch_size=1, num_workers=1)
+        with pytest.raises(ValueError, match="(?s)DataLoader worker process 0.*boom"):  # others keep the traceback
+            take(loader, 10)
+        loader.close()
+    finally:
+        gc.enable()
+
+
 def test_as_loader_splits_over_the_data_parallel_ranks():
     from types import SimpleNamespace
 

@@ -46,6 +46,7 @@ import contextlib
 import copy
 import json
 import random
+import re
 from typing import Any, Callable
 
 import numpy as np
@@ -137,7 +138,10 @@ class ProducerLoader:
             if self._it is None:
                 self._keys.epoch, self._keys.start = self._epoch, self._batch_in_epoch
                 self._it = iter(self._loader)
-            epoch, j, batch, state = next(self._it)
+            try:
+                epoch, j, batch, state = next(self._it)
+            except UserError as e:
+                raise type(e)(_raised_message(e)) from None
             if isinstance(batch, str) and batch == END:
                 if j == 0:
                     raise UserError(self.producer.empty_message(epoch))
@@ -155,8 +159,16 @@ class ProducerLoader:
 
     def close(self) -> None:
         """Stop DataLoader worker processes now (dropping the loader does it too). Iterating restarts them."""
+        # Persistent workers live on the DataLoader's cached iterator. Shut them down explicitly: after
+        # a worker's error the iterator sits in a reference cycle (the re-raised exception's traceback),
+        # so dropping it left the workers running until a garbage collection (and forked processes
+        # inherited it, whose collection then tried to stop workers that are not theirs).
+        for it in {id(x): x for x in (self._it, self._loader._iterator) if x is not None}.values():
+            shutdown = getattr(it, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
         self._it = None
-        self._loader._iterator = None  # persistent workers live on the DataLoader's cached iterator
+        self._loader._iterator = None
 
     def state_dict(self) -> dict:
         """JSON-serialisable position; ranks are in lockstep, so any rank's (epoch, batch) fits all."""
@@ -186,6 +198,19 @@ class ProducerLoader:
         if self.producer.set_resume(self._epoch, self._batch_in_epoch, self._dataset_state):
             self.close()  # the workers hold copies of the producer: new ones pick the resume point up
         self._it = None  # the next __next__ restarts the keys at the saved batch
+
+
+def _raised_message(error: UserError) -> str:
+    """The message a UserError was raised with in a DataLoader worker. torch re-raises it in the main
+    process with the worker's traceback as its message ("Caught UserError in DataLoader worker process
+    0. Original Traceback ..."); the user needs what the data's error says, as without workers."""
+    text = str(error)
+    if not text.startswith("Caught "):
+        return text
+    marker = f"{type(error).__module__}.{type(error).__qualname__}: "
+    last = text[text.rfind("Traceback (most recent call last):"):]  # the last one: a chained error's own
+    found = re.search("^" + re.escape(marker), last, re.MULTILINE)  # frames are indented; the error's line is not
+    return last[found.end():].rstrip("\n") if found else text
 
 
 class _Ended(Exception):
