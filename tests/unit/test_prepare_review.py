@@ -240,3 +240,21 @@ def test_a_line_over_the_cap_in_a_later_byte_range_names_where_it_is(tmp_path, m
             list(iter_piece(p, "text", SourceStats()))
     with pytest.raises(UserError, match=rf"a\.jsonl, line 201 is longer than"):
         list(iter_piece(plan_pieces([str(tmp_path / "a.jsonl")], "text", range_bytes=1 << 20)[0], "text", SourceStats()))
+
+
+def test_invalid_utf8_in_a_string_column_is_replaced_and_counted(tmp_path):
+    """Parquet/Arrow string columns are not checked for UTF-8 when read: a bad byte raised a
+    bare UnicodeDecodeError (a traceback naming no file). Text files and JSONL replace such
+    bytes with U+FFFD and count them; columns now do the same."""
+    arr = pa.array([b"ok text", b"bad \xff\xfe bytes", None], pa.binary()).view(pa.string())
+    table = pa.table({"text": arr})
+    pq.write_table(table, tmp_path / "bad.parquet")
+    with pa.OSFile(str(tmp_path / "bad.arrow"), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+        w.write_table(table)
+    pq.write_table(pa.table({"prompt": arr, "completion": arr}), tmp_path / "sft.parquet")
+    for name in ("bad.parquet", "bad.arrow"):
+        assert list(iter_documents([str(tmp_path / name)])) == ["ok text", "bad \ufffd\ufffd bytes"]
+        m = prepare([tmp_path / name], tmp_path / f"out-{name}", val_fraction=0)
+        assert m["documents"] == 2 and m["replaced_chars"] == 2
+    m = prepare([tmp_path / "sft.parquet"], tmp_path / "out-sft", val_fraction=0)
+    assert m["documents"] == 2 and m["replaced_chars"] == 4 and m["loss_mask"]

@@ -483,13 +483,38 @@ def _jsonl_record(raw: bytes, where: str, text_field: str, stats: SourceStats) -
     yield replace_surrogates(text, stats)
 
 
+def _strings(column, stats: SourceStats) -> list:
+    """A string column's values. Parquet and Arrow readers do not check the UTF-8: bytes
+    that are not UTF-8 become U+FFFD and are counted, as in text files and JSONL."""
+    try:
+        return column.to_pylist()
+    except UnicodeDecodeError:
+        import pyarrow as pa
+
+        if pa.types.is_dictionary(column.type):
+            column = column.dictionary_decode()
+        return [None if b is None else decode(b, stats) for b in column.cast(pa.large_binary()).to_pylist()]
+
+
 def _batch_records(batch, columns: list[str], stats: SourceStats) -> Iterator:
     if len(columns) == 1:
-        for text in batch.column(0).to_pylist():
+        for text in _strings(batch.column(0), stats):
             yield replace_surrogates(text, stats) if text else ""
     else:
-        for prompt, completion in zip(batch.column(0).to_pylist(), batch.column(1).to_pylist()):
+        for prompt, completion in zip(_strings(batch.column(0), stats), _strings(batch.column(1), stats)):
             yield (replace_surrogates(prompt or "", stats), replace_surrogates(completion or "", stats))
+
+
+def _validate_offsets(batch) -> None:
+    """IPC batches arrive unchecked: offsets past the data would be read from outside the
+    buffer (SIGBUS on a memory map). Full validation of the columns' bytes (viewed as
+    binary, so bad UTF-8 is left to _strings to replace) checks every offset."""
+    import pyarrow as pa
+
+    for column in batch.columns:
+        t = column.type
+        as_bytes = pa.binary() if pa.types.is_string(t) else pa.large_binary() if pa.types.is_large_string(t) else None
+        (column.view(as_bytes) if as_bytes is not None else column).validate(full=True)
 
 
 def _iter_parquet(path: str, start: int, end: int, text_field: str, stats: SourceStats) -> Iterator:
@@ -536,10 +561,7 @@ def _iter_arrow(path: str, start: int, end: int, text_field: str, stats: SourceS
             for batch in batches:
                 stats.bytes += batch.nbytes
                 batch = batch.select(columns)
-                # IPC batches arrive unchecked: offsets past the data would be read from
-                # outside the buffer (SIGBUS on a memory map). Full validation checks them
-                # and the UTF-8 in one pass over the selected columns.
-                batch.validate(full=True)
+                _validate_offsets(batch)
                 for i in range(0, batch.num_rows, BATCH_ROWS):
                     yield from _batch_records(batch.slice(i, BATCH_ROWS), columns, stats)
     except _arrow_errors() as e:
