@@ -258,3 +258,34 @@ def test_invalid_utf8_in_a_string_column_is_replaced_and_counted(tmp_path):
         assert m["documents"] == 2 and m["replaced_chars"] == 2
     m = prepare([tmp_path / "sft.parquet"], tmp_path / "out-sft", val_fraction=0)
     assert m["documents"] == 2 and m["replaced_chars"] == 4 and m["loss_mask"]
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm") or os.stat("/dev/shm").st_dev == os.stat("/tmp").st_dev,
+                    reason="needs /dev/shm on another filesystem than /tmp")
+def test_an_output_folder_that_is_a_symlink_to_another_filesystem(tmp_path):
+    """The work folder was made next to the symlink, not next to the folder it points to:
+    moving the finished shards in crossed filesystems (EXDEV, a bare OSError)."""
+    import tempfile
+
+    (tmp_path / "a.txt").write_text("some text to prepare " * 20)
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as target:
+        (tmp_path / "out").symlink_to(target)
+        m = prepare([tmp_path / "a.txt"], tmp_path / "out")
+        assert (Path(target) / "manifest.json").exists() and m["documents"] == 1
+        m = prepare([tmp_path / "a.txt"], tmp_path / "out", dedup=True)  # re-prepared in place
+        assert m["dedup"] and (tmp_path / "out").is_symlink()
+        assert [p for p in os.listdir(tmp_path) if p.startswith(".")] == []
+        assert [p for p in os.listdir("/dev/shm") if ".prepare-" in p] == []
+
+
+def test_only_work_folders_of_this_output_are_removed_as_stale(tmp_path):
+    """Stale work folders were found by the prefix `.NAME.prepare-`: a folder of the user's
+    (or another output's work folder, `.NAME.prepare-x.prepare-<hash>`) was deleted too."""
+    (tmp_path / "a.txt").write_text("some text to prepare " * 20)
+    keep = [tmp_path / ".out.prepare-notes", tmp_path / ".out.prepare-x.prepare-0123456789abcdef"]
+    for folder in keep:
+        folder.mkdir()
+        (folder / "mine.txt").write_text("do not delete")
+    prepare([tmp_path / "a.txt"], tmp_path / "out")
+    for folder in keep:
+        assert (folder / "mine.txt").read_text() == "do not delete" and not (folder / ".lock").exists()

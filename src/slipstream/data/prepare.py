@@ -295,7 +295,7 @@ def _work_dir(out_dir: str, fingerprint: dict, tok: Tokenizer, dtype: np.dtype, 
     of the same prepare finds the units an interrupted one finished."""
     key = json.dumps([os.path.abspath(out_dir), fingerprint["sha256"], tok.spec, tok.fingerprint, dtype.name,
                       settings["text_field"], settings["dedup"], unit_bytes, FORMAT_VERSION])
-    parent, name = os.path.split(os.path.abspath(out_dir))
+    parent, name = _work_parent(out_dir)
     work = os.path.join(parent, f".{name}.prepare-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
     try:
         os.makedirs(work, exist_ok=True)
@@ -304,14 +304,24 @@ def _work_dir(out_dir: str, fingerprint: dict, tok: Tokenizer, dtype: np.dtype, 
     return work
 
 
+def _work_parent(out_dir: str) -> tuple[str, str]:
+    """(folder, name) where out_dir's data really lives: its work folder goes next to that,
+    so the finished files are renamed into place on one filesystem even when out_dir is a
+    symlink to another."""
+    return os.path.split(os.path.realpath(out_dir))
+
+
 def _remove_stale_work(out_dir: str) -> None:
     """Work folders of earlier interrupted prepares of out_dir with other inputs or settings:
     out_dir now holds newer data, so their units would only take disk space. One that is
     locked belongs to a prepare still running and stays."""
-    parent, name = os.path.split(os.path.abspath(out_dir))
+    import re
+
+    parent, name = _work_parent(out_dir)
+    ours = re.compile(re.escape(f".{name}.prepare-") + "[0-9a-f]{16}")  # exactly what _work_dir names
     for entry in os.listdir(parent):
         path = os.path.join(parent, entry)
-        if not entry.startswith(f".{name}.prepare-") or not os.path.isdir(path):
+        if not ours.fullmatch(entry) or not os.path.isdir(path) or os.path.islink(path):
             continue
         try:
             lock = _lock(path, out_dir)
