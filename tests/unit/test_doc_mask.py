@@ -144,6 +144,29 @@ def test_loss_fns_pass_doc_ids():
     assert torch.allclose(lm_sequence_losses(model, x, y, fused_chunk=16, eot_id=EOT), per_row, atol=1e-5)
 
 
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_generation_sees_only_the_current_document(kind):
+    """A document-packed model was trained with attention inside each document and positions from 0
+    at each: generation after an end-of-text token must continue the new document as if it were
+    alone, as training saw it (no earlier document attended to, positions restarted)."""
+    from slipstream.models.transformer import generate
+
+    model = tiny(kind, init_std=0.5)  # large weights: the context decides the samples, not the prior
+    earlier = torch.randint(0, EOT, (1, 12), generator=torch.Generator().manual_seed(5))
+    prompt = torch.tensor([[3, 14, 15, 9]])
+    packed = torch.cat([earlier, torch.tensor([[EOT]]), prompt], dim=1)
+    alone = generate(model, prompt, 8, temperature=0, eot_id=EOT)
+    assert torch.equal(generate(model, packed, 8, temperature=0, eot_id=EOT)[:, 13:], alone)
+    assert not torch.equal(generate(model, packed, 8, temperature=0)[:, 13:], generate(model, prompt, 8, temperature=0))
+    # The logits behind each choice are those of the document alone (without the mask they are not).
+    with torch.no_grad():
+        doc = model(packed, doc_ids=doc_ids_after(packed, EOT))[:, 13:, :VOCAB]
+        assert (doc - model(prompt)[..., :VOCAB]).abs().max() < 1e-5
+        assert (model(packed)[:, 13:, :VOCAB] - model(prompt)[..., :VOCAB]).abs().max() > 1e-3
+    sampled = generate(model, packed, 8, eot_id=EOT, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(sampled[:, 13:], generate(model, prompt, 8, eot_id=EOT, generator=torch.Generator().manual_seed(0)))
+
+
 @pytest.fixture(scope="module")
 def many_docs_dir(tmp_path_factory):
     """A byte-level corpus of many short documents (JSONL), so every 32-token window crosses some."""
@@ -185,6 +208,24 @@ def test_train_cli_document_packing(many_docs_dir, tmp_path):
         summary = json.loads((tmp_path / packing / "summary.json").read_text())
         scored = evaluate_checkpoint(str(tmp_path / packing), max_tokens=256, device="cpu")
         assert scored["loss"] == pytest.approx(summary["val_loss"], abs=1e-5), packing
+    # `slipstream generate` continues the current document alone, as training saw documents.
+    import slipstream.models.transformer as transformer
+    from slipstream.train.lm import generate_text
+
+    seen = []
+    real = transformer.generate
+
+    def recording(*args, **kwargs):
+        seen.append(kwargs.get("eot_id"))
+        return real(*args, **kwargs)
+
+    transformer.generate = recording
+    try:
+        for packing in ("eos", "document"):
+            generate_text(str(tmp_path / packing), "alpha beta", max_new_tokens=3, temperature=0, device="cpu")
+    finally:
+        transformer.generate = real
+    assert seen == [None] * 3 + [256] * 3  # the byte tokenizer's end-of-text id
 
 
 def test_tensor_parallel_document_packing_equals_one_process(many_docs_dir, tmp_path):

@@ -297,22 +297,31 @@ def no_target_loss_is_zero(loss: torch.Tensor, targets: torch.Tensor, ignore_ind
 
 @torch.inference_mode()
 def generate(model: Transformer, idx: torch.Tensor, max_new_tokens: int, temperature: float = 1.0,
-             top_k: int | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+             top_k: int | None = None, generator: torch.Generator | None = None,
+             eot_id: int | None = None) -> torch.Tensor:
     """Sample continuations of `idx` (B, T). temperature 0 = greedy. Padded vocab rows are never sampled.
-    `generator` must live on the model's device."""
+    `generator` must live on the model's device. eot_id: for a model trained with document packing
+    (data.packing = document), a new document starts after each end-of-text token, as in training:
+    attention stays inside it and positions restart (models/doc_mask.py)."""
     was_training = model.training
     model.eval()
     try:
-        return _sample(model, idx, max_new_tokens, temperature, top_k, generator)
+        return _sample(model, idx, max_new_tokens, temperature, top_k, generator, eot_id)
     finally:
         model.train(was_training)
 
 
-def _sample(model, idx, max_new_tokens, temperature, top_k, generator):
+def _sample(model, idx, max_new_tokens, temperature, top_k, generator, eot_id=None):
+    from slipstream.models.doc_mask import doc_ids_after
+
     vocab = model.cfg.vocab_size
     for _ in range(max_new_tokens):
         context = idx[:, -model.cfg.max_seq_len:]
-        logits = model(context)[:, -1, :vocab].float()
+        if eot_id is None:
+            logits = model(context)[:, -1, :vocab].float()
+        else:  # dense: the context grows by a token per call, a shape a compiled flex kernel would recompile for
+            logits = model(context, doc_ids=DocumentMask(doc_ids_after(context, eot_id), kernel="dense"))
+            logits = logits[:, -1, :vocab].float()
         if temperature <= 0:
             next_id = logits.argmax(dim=-1, keepdim=True)
         else:

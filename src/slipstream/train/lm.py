@@ -320,7 +320,7 @@ def generate_text(checkpoint: str, prompt: str, max_new_tokens: int = 200, tempe
     if top_k is not None and top_k < 1:
         raise UserError(f"--top-k must be >= 1, got {top_k}")
     check_prompt(prompt)
-    model, tokenizer, _cfg = load_lm_from_checkpoint(checkpoint, device)
+    model, tokenizer, cfg = load_lm_from_checkpoint(checkpoint, device)
     ids = tokenizer.encode(prompt)
     start = 0
     if not ids:  # an empty prompt starts a new document: after the end-of-text token, which we don't print
@@ -336,8 +336,12 @@ def generate_text(checkpoint: str, prompt: str, max_new_tokens: int = 200, tempe
     # with memory bounded by the context instead of growing with the output.
     window = torch.tensor([ids[-context:]], dtype=torch.long, device=device_)
     gen = torch.Generator(device=device_).manual_seed(seed)
+    # A document-packed model continues the document after the last end-of-text token as training
+    # saw documents: alone (attention inside it, positions from 0).
+    eot_id = tokenizer.eot_id if cfg.data.packing == "document" else None
     for _ in range(max_new_tokens):
-        window = generate(model, window, 1, temperature=temperature, top_k=top_k, generator=gen)[:, -context:]
+        window = generate(model, window, 1, temperature=temperature, top_k=top_k, generator=gen,
+                          eot_id=eot_id)[:, -context:]
         stream.feed([window[0, -1].item()])  # the sync streaming needs: the token goes to the screen now
     stream.close()
     return stream.text
