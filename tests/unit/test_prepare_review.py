@@ -289,3 +289,36 @@ def test_only_work_folders_of_this_output_are_removed_as_stale(tmp_path):
     prepare([tmp_path / "a.txt"], tmp_path / "out")
     for folder in keep:
         assert (folder / "mine.txt").read_text() == "do not delete" and not (folder / ".lock").exists()
+
+
+def test_dedup_masks_and_the_val_split_against_a_reference(tmp_path):
+    """Tokens and loss masks of a mixed SFT/plain corpus with many duplicates, deduplicated,
+    cut into train/val over several units and shards, equal what a direct computation
+    gives, the val split starts on a document boundary, whatever the number of workers."""
+    rng = np.random.default_rng(0)
+    records = []
+    for _ in range(300):
+        j = int(rng.integers(50))
+        records.append({"prompt": f"Q{j}: " + "p" * (j % 7), "completion": f" A{j}" + "c" * (j % 5)}
+                       if rng.random() < 0.5 else {"text": f"plain {j} " + "t" * (j % 9)})
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    seen, want_tokens, want_mask, starts = set(), [], [], []
+    for r in records:
+        key = json.dumps(r, sort_keys=True)
+        if key in seen:
+            continue
+        seen.add(key)
+        starts.append(len(want_tokens))
+        prompt, target = (r["prompt"], r["completion"]) if "prompt" in r else ("", r["text"])
+        want_tokens += list(prompt.encode()) + list(target.encode()) + [256]
+        want_mask += [0] * len(prompt.encode()) + [1] * (len(target.encode()) + 1)
+    for workers in (1, 2):
+        out = tmp_path / f"w{workers}"
+        m = prepare([tmp_path / "a.jsonl"], out, num_workers=workers, dedup=True, shard_tokens=333, val_fraction=0.2)
+        assert m["units"] > 4 and m["dropped_duplicates"] == len(records) - len(seen)
+        shards = [s for split in ("train", "val") for s in m["splits"][split]["shards"]]
+        tokens = np.concatenate([np.fromfile(out / s["file"], dtype=np.uint16) for s in shards])
+        mask = np.concatenate([np.fromfile(out / s["mask_file"], dtype=np.uint8) for s in shards])
+        assert tokens.tolist() == want_tokens and mask.tolist() == want_mask
+        train = m["splits"]["train"]["tokens"]
+        assert train in starts and m["splits"]["val"]["documents"] == len(starts) - starts.index(train) > 0
