@@ -251,6 +251,9 @@ def prepare_dataset(
     try:
         manifest = _build(inputs, tok, dtype, work, out_dir, settings, unit_bytes, num_workers, fingerprint, progress, console)
         _swap_into_place(os.path.join(work, "out"), out_dir, existing)
+        # Still under the lock: a prepare of the same data started now must not find this
+        # folder's finished journal while its unit files are being deleted.
+        shutil.rmtree(work, ignore_errors=True)
     except KeyboardInterrupt:
         # Finished units stay in the work folder: the next run with the same inputs resumes.
         console.print(f"[data] interrupted: finished units kept in {work}; run the same command again to resume",
@@ -275,7 +278,6 @@ def prepare_dataset(
         raise
     finally:
         lock.close()
-    shutil.rmtree(work, ignore_errors=True)
     _remove_stale_work(out_dir)
     s = manifest["splits"]
     dropped = f", {manifest['dropped_duplicates']:,} duplicates dropped" if dedup else ""
