@@ -12,7 +12,8 @@ fetches the headers in 256 KiB blocks, each sample its own members.
 
 Reading data from elsewhere, so: members are located by one scan of the tar headers (never
 extracted, their paths never used as paths; links, directories and devices are skipped), every
-member is capped (SLIPSTREAM_MAX_TAR_MEMBER_BYTES, 64 MiB by default) before it is read, nothing
+member is capped (SLIPSTREAM_MAX_TAR_MEMBER_BYTES, 64 MiB by default; pax and long-name header records
+too, at least 1 MiB) before it is read, nothing
 is unpickled (.npy with allow_pickle=False; .pyd/.pickle stay bytes), images open with PIL's
 decompression-bomb limit as an error and only in the format their extension names, JSON is
 depth-bounded. Compressed tars are refused: random access needs the plain member offsets (and
