@@ -322,3 +322,25 @@ def test_dedup_masks_and_the_val_split_against_a_reference(tmp_path):
         assert tokens.tolist() == want_tokens and mask.tolist() == want_mask
         train = m["splits"]["train"]["tokens"]
         assert train in starts and m["splits"]["val"]["documents"] == len(starts) - starts.index(train) > 0
+
+
+def test_a_glob_url_reads_the_files_it_matches(tmp_path):
+    """`hf://datasets/.../data/*.parquet`, `s3://bucket/prefix/part-*.jsonl.gz`: how remote
+    corpora are named; a glob URL was taken as a literal name ("does not exist")."""
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    try:
+        for i in (2, 0, 1):
+            fs.pipe(f"/globbed/data/part-{i}.jsonl", (json.dumps({"text": f"doc {i}"}) + "\n").encode())
+        fs.pipe("/globbed/data/README.md", b"not a part")
+        fs.pipe("/globbed/data/sub/part-9.jsonl", b'{"text": "deeper"}\n')
+        url = "memory://globbed/data/part-*.jsonl"
+        assert list(iter_documents([url])) == ["doc 0", "doc 1", "doc 2"]
+        m = prepare([url], tmp_path / "out", val_fraction=0)
+        assert m["documents"] == 3 and m["inputs"]["inputs"][0]["files"] == 3
+        assert list(iter_documents(["memory://globbed/data/**/*.jsonl"]))[-1] == "deeper"
+        with pytest.raises(UserError, match=r"memory://globbed/data/\*\.parquet.* matches no file"):
+            prepare(["memory://globbed/data/*.parquet"], tmp_path / "none")
+    finally:
+        fs.rm("/globbed", recursive=True)

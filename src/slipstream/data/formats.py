@@ -141,6 +141,8 @@ def expand_input(path: str, stdlib_files) -> list[str]:
     """The files one input stands for, in reading order."""
     if path == "stdlib":
         return stdlib_files()
+    if loc.is_glob(path):
+        return [url for url, _info in loc.walk_url(path)]
     if loc.isdir(path):
         hf = hf_dataset_files(path)
         return hf if hf is not None else _walk_with_datasets(path)

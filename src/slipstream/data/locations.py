@@ -35,6 +35,11 @@ def protocol(url: str) -> str:
     return url.split("://", 1)[0].lower()
 
 
+def is_glob(path: str) -> bool:
+    """A URL with a pattern (`*`, `?`, `[`) in its path: it stands for the files it matches."""
+    return is_url(path) and any(c in path.split("://", 1)[1] for c in "*?[")
+
+
 def translate(e: BaseException, path: str) -> UserError | None:
     """The UserError for an exception raised while reaching `path`, or None when it is not
     about reaching it (a bug, Ctrl-C: those go up unchanged). One that says the store could
@@ -102,6 +107,8 @@ def _fs(url: str):
 def exists(path: str) -> bool:
     if not is_url(path):
         return os.path.exists(path)
+    if is_glob(path):
+        return bool(walk_url(path))
     fs, p = _fs(path)
     # info, not fs.exists: exists answers False when the store cannot be reached at all,
     # which would blame the spelling for a network or credentials problem.
@@ -118,6 +125,8 @@ def exists(path: str) -> bool:
 def isdir(path: str) -> bool:
     if not is_url(path):
         return os.path.isdir(path)
+    if is_glob(path):
+        return False
     fs, p = _fs(path)
     with reaching(path):
         return fs.isdir(p)
@@ -176,12 +185,21 @@ def walk_files(root: str, skip_dirs: frozenset[str] | set[str] = frozenset(), su
 
 def walk_url(root: str, suffix: str | None = None) -> list[tuple[str, dict]]:
     """(url, info) of every file below a URL prefix, sorted by relative path; a URL naming a
-    file gives just that file."""
-    fs, base = _fs(root)
-    with reaching(root):
-        if not fs.isdir(base):
-            return [(root, fs.info(base))]
-        listing = fs.find(base, detail=True)
+    file gives just that file; a glob URL the files it matches."""
+    if is_glob(root):
+        # The files are named from the folder above the first pattern, as the user spelled it.
+        scheme, rest = root.split("://", 1)
+        cut = min(rest.find(c) for c in "*?[" if c in rest)
+        root = f"{scheme}://{rest[:rest.rfind('/', 0, cut) + 1]}".rstrip("/")
+        fs, base = _fs(root)
+        with reaching(root):
+            listing = fs.glob(fs._strip_protocol(f"{scheme}://{rest}"), detail=True)
+    else:
+        fs, base = _fs(root)
+        with reaching(root):
+            if not fs.isdir(base):
+                return [(root, fs.info(base))]
+            listing = fs.find(base, detail=True)
     out = []
     for p, info in listing.items():
         rel = p[len(base):].lstrip("/") if p.startswith(base) else p

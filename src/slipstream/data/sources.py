@@ -17,7 +17,8 @@ Inputs (formats.py reads each kind; locations.py reaches local paths and URLs al
                                   skipping hidden files/folders and binaries (a NUL byte in
                                   the first 8 KiB); the formats above are read as such
   - an fsspec URL (`://`)      -> a file or a folder (prefix) as above: file://, memory://,
-                                  s3://, gs://, hf://, with credentials from the environment
+                                  s3://, gs://, hf://, with credentials from the environment;
+                                  a glob URL (s3://b/data/*.parquet) the files it matches
   - the word `stdlib`          -> the running interpreter's standard library `.py` files
 """
 
@@ -57,6 +58,8 @@ def _check_inputs(inputs: list[str]) -> None:
     if not inputs:
         raise UserError("no inputs given: pass at least one file, folder, URL, .jsonl/.parquet file or `stdlib`")
     for path in inputs:
+        if path != STDLIB and loc.is_glob(path) and not loc.exists(path):
+            raise UserError(f"input {path!r} matches no file; check the pattern and the prefix before it")
         if path != STDLIB and not loc.exists(path):
             raise UserError(f"input path does not exist: {path!r}; check the spelling or use `stdlib` for the built-in corpus")
 
