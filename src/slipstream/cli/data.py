@@ -60,7 +60,8 @@ def add_commands(sub) -> None:
     p = data.add_parser("prepare", help="tokenize inputs into token shards + manifest")
     p.add_argument("--input", nargs="+", required=True,
                    help="text files, folders, .jsonl/.jsonl.gz/.jsonl.zst, .parquet, .arrow, Hugging Face `datasets` "
-                        "folders (save_to_disk), fsspec URLs (s3://, gs://, hf://, file://) or `stdlib`")
+                        "folders (save_to_disk), fsspec URLs (s3://, gs://, hf://, file://; globs such as s3://b/data/*.parquet) "
+                        "or `stdlib`")
     p.add_argument("--tokenizer", default="byte", help="byte | bpe:FILE | tiktoken:NAME")
     p.add_argument("--out", required=True, help="output folder")
     p.add_argument("--text-field", default="text",
