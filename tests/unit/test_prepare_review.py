@@ -344,3 +344,37 @@ def test_a_glob_url_reads_the_files_it_matches(tmp_path):
             prepare(["memory://globbed/data/*.parquet"], tmp_path / "none")
     finally:
         fs.rm("/globbed", recursive=True)
+
+
+def test_a_torn_journal_line_does_not_swallow_the_next_entry(tmp_path, monkeypatch):
+    """kill -9 mid-append leaves a journal line without its newline; the next run's first
+    entry was appended onto it, so that unit was lost (redone) at every later resume."""
+    import slipstream.data.prepare_units as units_mod
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for i in range(10):
+        (folder / f"{i}.txt").write_text(f"text file {i} " * 200)  # one unit each
+    run_unit = units_mod.run_unit
+
+    def stop_after(n):
+        ran = []
+
+        def run(tok, dtype, work, index, *args):
+            if len(ran) == n:
+                raise KeyboardInterrupt
+            ran.append(index)
+            return run_unit(tok, dtype, work, index, *args)
+        return run
+
+    monkeypatch.setattr(units_mod, "run_unit", stop_after(3))
+    with pytest.raises(KeyboardInterrupt):
+        prepare([folder], tmp_path / "out")
+    (work,) = [p for p in tmp_path.iterdir() if p.name.startswith(".out.prepare-")]
+    with open(work / "journal.jsonl", "a") as f:
+        f.write('{"unit": 7, "tok')  # torn by a kill
+    monkeypatch.setattr(units_mod, "run_unit", stop_after(2))
+    with pytest.raises(KeyboardInterrupt):
+        prepare([folder], tmp_path / "out")
+    itemsize, n_units = 2, 10
+    assert len(units_mod.read_journal(str(work), n_units, itemsize, False)) == 5

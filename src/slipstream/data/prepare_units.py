@@ -163,6 +163,7 @@ def read_journal(work: str, n_units: int, itemsize: int, dedup: bool) -> dict[in
     path = os.path.join(work, JOURNAL)
     if not os.path.exists(path):
         return done
+    line = b"\n"
     with open(path, "rb") as f:
         for line in f:
             try:
@@ -172,6 +173,11 @@ def read_journal(work: str, n_units: int, itemsize: int, dedup: bool) -> dict[in
                 continue
             if isinstance(index, int) and 0 <= index < n_units and _intact(work, entry, itemsize, dedup):
                 done[index] = entry
+    if not line.endswith(b"\n"):
+        # A line torn by a kill: end it, or the next entry appended would join it and be lost.
+        with open(path, "ab") as f:
+            f.write(b"\n")
+            fsync_close(f)
     return done
 
 
