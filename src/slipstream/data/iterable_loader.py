@@ -141,7 +141,10 @@ class ProducerLoader:
             try:
                 epoch, j, batch, state = next(self._it)
             except UserError as e:
-                raise type(e)(_raised_message(e)) from None
+                message = _raised_message(e)
+                if message is None:  # raised in this process: as it is
+                    raise
+                raise type(e)(message) from None
             if isinstance(batch, str) and batch == END:
                 if j == 0:
                     raise UserError(self.producer.empty_message(epoch))
@@ -200,13 +203,14 @@ class ProducerLoader:
         self._it = None  # the next __next__ restarts the keys at the saved batch
 
 
-def _raised_message(error: UserError) -> str:
-    """The message a UserError was raised with in a DataLoader worker. torch re-raises it in the main
-    process with the worker's traceback as its message ("Caught UserError in DataLoader worker process
-    0. Original Traceback ..."); the user needs what the data's error says, as without workers."""
+def _raised_message(error: UserError) -> str | None:
+    """The message a UserError was raised with in a DataLoader worker (None: not from a worker). torch
+    re-raises it in the main process with the worker's traceback as its message ("Caught UserError in
+    DataLoader worker process 0. Original Traceback ..."); the user needs what the data's error says,
+    as without workers."""
     text = str(error)
-    if not text.startswith("Caught "):
-        return text
+    if not text.startswith("Caught ") or " in DataLoader worker process " not in text.split("\n", 1)[0]:
+        return None
     marker = f"{type(error).__module__}.{type(error).__qualname__}: "
     last = text[text.rfind("Traceback (most recent call last):"):]  # the last one: a chained error's own
     found = re.search("^" + re.escape(marker), last, re.MULTILINE)  # frames are indented; the error's line is not
