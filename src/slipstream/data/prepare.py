@@ -296,7 +296,7 @@ def _work_dir(out_dir: str, fingerprint: dict, tok: Tokenizer, dtype: np.dtype, 
     """The work folder next to out_dir, named by what decides the units' contents, so a rerun
     of the same prepare finds the units an interrupted one finished."""
     key = json.dumps([os.path.abspath(out_dir), fingerprint["sha256"], tok.spec, tok.fingerprint, dtype.name,
-                      settings["text_field"], settings["dedup"], unit_bytes, FORMAT_VERSION])
+                      settings["text_field"], settings["dedup"], unit_bytes, FORMAT_VERSION, units_mod.UNITS_VERSION])
     parent, name = _work_parent(out_dir)
     work = os.path.join(parent, f".{name}.prepare-{hashlib.sha256(key.encode()).hexdigest()[:16]}")
     try:

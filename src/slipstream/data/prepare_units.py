@@ -36,6 +36,11 @@ from slipstream.data.formats import TEXT, SourceStats, iter_piece
 UNIT_BYTES = 64 << 20  # input bytes per unit: enough to amortize a task, small enough to balance 2..64 workers
 COPY_TOKENS = 1 << 20  # tokens per read while assembling
 JOURNAL = "journal.jsonl"
+# Part of the work folder's name: bump it when what a unit holds for the same inputs changes
+# (how inputs are planned into pieces, or read into records), so a prepare interrupted
+# under older code is not resumed with its units. 2: datasets folders inside folders,
+# bad UTF-8 in columns replaced, repeated inputs read again.
+UNITS_VERSION = 2
 HASH_BYTES = 16
 
 
