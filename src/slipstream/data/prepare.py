@@ -188,7 +188,8 @@ def _refuse_inputs_inside(inputs: list[str], out_dir: str) -> None:
                             f"an --out folder that holds no inputs")
         if os.path.isdir(real) and os.path.commonpath([real, out]) == real:
             raise UserError(f"output folder {out_dir!r} lies inside the input folder {path!r}, so a later prepare "
-                            f"would read the prepared data as text; choose an --out folder outside the inputs")
+                            f"would read the prepared data as text; choose an --out folder outside the inputs "
+                            f"(`slipstream train` prepares into ./data/: keep data.inputs out of it)")
 
 
 # ----------------------------------------------------------------------------- prepare
