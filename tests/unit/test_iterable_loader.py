@@ -75,6 +75,26 @@ def test_workers_give_the_same_batches_as_in_process():
     multi.close()
 
 
+class SplitsOverWorkers(Stream):
+    """Splits itself over DataLoader workers as webdataset's and datasets' IterableDatasets do by
+    default (each worker reads every num_workers-th item)."""
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        for i, x in enumerate(super().__iter__()):
+            if info is None or i % info.num_workers == info.id:
+                yield x
+
+
+def test_a_dataset_that_splits_itself_over_workers_still_gives_the_in_process_batches():
+    """The loader decides which worker builds a batch: a stream that splits itself over workers
+    would hand each worker part of the stream, and the batches would lose and repeat items."""
+    ref = take(IterableLoader(SplitsOverWorkers(23), batch_size=3, rank=1, world_size=2), 9)
+    multi = IterableLoader(SplitsOverWorkers(23), batch_size=3, rank=1, world_size=2, num_workers=2, prefetch=1)
+    assert take(multi, 9) == ref
+    multi.close()
+
+
 class Noisy(Stream):
     """Augments with torch's, Python's and numpy's global generators."""
 

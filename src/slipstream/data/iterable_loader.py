@@ -20,9 +20,10 @@ The split of a user's stream (IterableLoader):
     can split itself cheaply exposes `set_rank(rank, world_size)`: the loader calls it once and
     then takes the dataset's stream as this rank's alone (it must then yield the same count on
     every rank, e.g. dropping the remainder as DistributedSampler does, or the ranks fall out of
-    lockstep). A dataset must NOT split itself by reading torch.utils.data.get_worker_info():
-    which worker builds a batch is the loader's rule, and a self-split stream would lose the
-    items the other workers hold.
+    lockstep). Which worker builds a batch is the loader's rule: while the stream is read,
+    torch.utils.data.get_worker_info() returns None (as in the training process), so a dataset
+    that would split itself over workers (webdataset's, datasets' IterableDataset) reads the
+    whole stream in each.
   - `set_epoch(epoch)` is called on the dataset (in every worker) before each epoch's stream;
     a finite stream ends the epoch and starts the next; a stream with no full batch is an error.
   - resume: a dataset with torchdata's Stateful protocol (state_dict / load_state_dict) is
@@ -217,6 +218,22 @@ def _raised_message(error: UserError) -> str | None:
     return last[found.end():].rstrip("\n") if found else text
 
 
+@contextlib.contextmanager
+def _no_worker_info():
+    """torch.utils.data.get_worker_info() returns None while the stream is read in a worker, as in the
+    training process: a dataset that splits itself over workers (webdataset's and datasets'
+    IterableDatasets do by default) then reads the whole stream, as the loader's rule needs (which
+    worker builds a batch is the loader's choice; a self-split stream lost and repeated items)."""
+    from torch.utils.data._utils import worker
+
+    info = worker._worker_info
+    worker._worker_info = None
+    try:
+        yield
+    finally:
+        worker._worker_info = info
+
+
 class _Ended(Exception):
     """The stream ended inside a round."""
 
@@ -294,7 +311,8 @@ class StreamProducer:
         random.setstate(self._rngs[1])
         np.random.set_state(self._rngs[2])
         try:
-            yield
+            with _no_worker_info():
+                yield
         finally:
             self._rngs = (torch.get_rng_state(), random.getstate(), np.random.get_state())
             torch.set_rng_state(outer[0])
