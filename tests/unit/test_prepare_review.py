@@ -378,3 +378,16 @@ def test_a_torn_journal_line_does_not_swallow_the_next_entry(tmp_path, monkeypat
         prepare([folder], tmp_path / "out")
     itemsize, n_units = 2, 10
     assert len(units_mod.read_journal(str(work), n_units, itemsize, False)) == 5
+
+
+def test_a_jsonl_file_starting_with_a_utf8_bom(tmp_path):
+    """Windows tools (PowerShell's Out-File, Notepad) start UTF-8 files with a BOM: line 1
+    was refused as "not valid JSON". A BOM at the start of the file is not part of it."""
+    lines = b'\xef\xbb\xbf{"text": "bom first"}\n{"text": "second"}\n'
+    (tmp_path / "a.jsonl").write_bytes(lines)
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(lines))
+    for name in ("a.jsonl", "b.jsonl.gz"):
+        assert list(iter_documents([str(tmp_path / name)])) == ["bom first", "second"]
+    (tmp_path / "c.jsonl").write_bytes(b'{"text": "x"}\n\xef\xbb\xbf{"text": "y"}\n')  # not at the start: still an error
+    with pytest.raises(UserError, match=r"c\.jsonl, line 2: not valid JSON"):
+        list(iter_documents([str(tmp_path / "c.jsonl")]))

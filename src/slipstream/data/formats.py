@@ -39,6 +39,7 @@ BINARY_SNIFF_BYTES = 8192
 BATCH_ROWS = 256  # rows per Parquet/Arrow record batch: bounds memory by rows, not by row-group size
 REPLACEMENT_CHAR = "\ufffd"
 REPLACEMENT_BYTES = REPLACEMENT_CHAR.encode("utf-8")
+UTF8_BOM = b"\xef\xbb\xbf"
 SFT_FIELDS = ("prompt", "completion")
 _COLUMNAR_ERRORS: tuple = ()
 
@@ -455,6 +456,8 @@ def _iter_jsonl(piece: tuple, text_field: str, stats: SourceStats) -> Iterator:
                 break
             pos += len(line)
             stats.bytes += len(line) if kind == JSONL else 0
+            if line_no == 1 and start == 0 and line.startswith(UTF8_BOM):
+                line = line[len(UTF8_BOM):]  # Windows tools start UTF-8 files with one
             yield from _jsonl_record(line, where, text_field, stats)
         if kind != JSONL:
             stats.bytes += loc.size(path)
