@@ -391,3 +391,38 @@ def test_a_jsonl_file_starting_with_a_utf8_bom(tmp_path):
     (tmp_path / "c.jsonl").write_bytes(b'{"text": "x"}\n\xef\xbb\xbf{"text": "y"}\n')  # not at the start: still an error
     with pytest.raises(UserError, match=r"c\.jsonl, line 2: not valid JSON"):
         list(iter_documents([str(tmp_path / "c.jsonl")]))
+
+
+def test_a_journal_entry_whose_part_files_are_damaged_is_redone(tmp_path, monkeypatch):
+    """Resume keeps a journaled unit only with all its part files at the recorded sizes: a
+    truncated .tok, a missing .len or a missing .mask (fine-tuning records) means redo it."""
+    import slipstream.data.prepare_units as units_mod
+
+    folder = tmp_path / "in"
+    folder.mkdir()
+    for i in range(8):
+        rows = [{"prompt": f"q{i}.{j} " * 20, "completion": f"a{i}.{j} " * 20} for j in range(8)]
+        (folder / f"{i}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reference = prepare([folder], tmp_path / "ref")
+    run_unit, ran = units_mod.run_unit, []
+
+    def stop_after_four(tok, dtype, work, index, *args):
+        if len(ran) == 4:
+            raise KeyboardInterrupt
+        ran.append(index)
+        return run_unit(tok, dtype, work, index, *args)
+
+    monkeypatch.setattr(units_mod, "run_unit", stop_after_four)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([folder], tmp_path / "out")
+    (work,) = [p for p in tmp_path.iterdir() if p.name.startswith(".out.prepare-")]
+    a, b, c, d = ran
+    tok = work / f"unit_{a:06d}.tok"
+    tok.write_bytes(tok.read_bytes()[:-2])
+    (work / f"unit_{b:06d}.len").unlink()
+    (work / f"unit_{c:06d}.mask").unlink()
+    redone = []
+    monkeypatch.setattr(units_mod, "run_unit", lambda tok, dtype, w, index, *x: redone.append(index) or run_unit(tok, dtype, w, index, *x))
+    m = prepare([folder], tmp_path / "out")
+    assert sorted(redone) == sorted(set(range(m["units"])) - {d})
+    assert m["splits"] == reference["splits"] and m["loss_mask"]
