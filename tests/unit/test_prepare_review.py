@@ -21,6 +21,10 @@ from slipstream.errors import UserError
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = [f"document {i}: " + "abcdefghij"[i % 10] * (20 + i) for i in range(40)]
 
+# Peak memory of this process in KiB. Not ru_maxrss: a child started from a big pytest
+# process inherits its parent's high-water mark there; VmHWM starts afresh at exec.
+HWM = "def hwm():\n    return int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1])\n"
+
 
 def prepare(inputs, out, **kw):
     kw.setdefault("progress", False)
@@ -122,11 +126,11 @@ def test_zstd_bomb_reads_in_bounded_memory(tmp_path):
         for _ in range(64):
             w.write(block)
     assert (tmp_path / "bomb.jsonl.zst").stat().st_size < 1 << 20
-    script = ("import sys, resource; from slipstream.data.sources import iter_documents\n"
+    script = (HWM + "import sys; from slipstream.data.sources import iter_documents\n"
               "from slipstream.errors import UserError\n"
-              "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+              "base = hwm()\n"
               "try:\n    list(iter_documents([sys.argv[1]]))\nexcept UserError as e:\n    print('empty' if 'empty corpus' in str(e) else e)\n"
-              "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base) >> 10)")
+              "print((hwm() - base) >> 10)")
     proc = subprocess.run([sys.executable, "-c", script, str(tmp_path / "bomb.jsonl.zst")], capture_output=True, text=True,
                           timeout=300, env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -426,3 +430,43 @@ def test_a_journal_entry_whose_part_files_are_damaged_is_redone(tmp_path, monkey
     m = prepare([folder], tmp_path / "out")
     assert sorted(redone) == sorted(set(range(m["units"])) - {d})
     assert m["splits"] == reference["splits"] and m["loss_mask"]
+
+
+BIG_ROWS = HWM + """
+import sys, tracemalloc
+from slipstream.data.formats import SourceStats, iter_piece, plan_pieces
+pieces = plan_pieces([sys.argv[1]], "text", 1 << 30)
+base = hwm()
+tracemalloc.start()
+n = 0
+for piece in pieces:
+    for record in iter_piece(piece, "text", SourceStats()):
+        n += len(record)
+print(n, (hwm() - base) >> 10, tracemalloc.get_traced_memory()[1] >> 20)
+"""
+
+
+@pytest.mark.parametrize("kind", ["parquet", "arrow"])
+def test_big_rows_are_read_a_few_at_a_time(tmp_path, kind):
+    """Records were read BATCH_ROWS (256) rows at a time whatever their size: a row group of
+    4 MiB documents (books, whole repositories) put 256 of them (1 GiB, twice over as Python
+    strings) in memory at once. Batches are now bounded in bytes too."""
+    rng = np.random.default_rng(0)
+    doc = rng.integers(97, 123, size=4 << 20, dtype=np.uint8).tobytes().decode()
+    table = pa.table({"text": [doc[i:] + doc[:i] for i in range(64)]})  # 256 MiB in one row group
+    path = tmp_path / f"big.{kind}"
+    if kind == "parquet":
+        # One page per document (a writer that puts all in one page or dictionary leaves any reader no choice).
+        pq.write_table(table, path, row_group_size=64, compression="none", use_dictionary=False, write_batch_size=1)
+    else:
+        with pa.OSFile(str(path), "wb") as f, pa.ipc.new_stream(f, table.schema) as w:
+            w.write_table(table)
+    del table, doc
+    proc = subprocess.run([sys.executable, "-c", BIG_ROWS, str(path)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    chars, growth_mib, python_peak_mib = map(int, proc.stdout.split())
+    assert chars == 64 * (4 << 20), proc.stdout
+    # The Python strings (tracemalloc) at most a few documents; for Parquet also the whole
+    # process (the Arrow file is memory-mapped: the pages it touches count as resident).
+    assert python_peak_mib < 64 and (kind == "arrow" or growth_mib < 160), proc.stdout

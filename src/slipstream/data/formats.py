@@ -37,6 +37,7 @@ from slipstream.safe_read import DOCUMENT, HF_JSON, loads_bounded, read_line_cap
 TEXT, JSONL, JSONL_GZ, JSONL_ZST, PARQUET, ARROW = "text", "jsonl", "jsonl.gz", "jsonl.zst", "parquet", "arrow"
 BINARY_SNIFF_BYTES = 8192
 BATCH_ROWS = 256  # rows per Parquet/Arrow record batch: bounds memory by rows, not by row-group size
+BATCH_BYTES = 8 << 20  # ... and by bytes: fewer rows per batch when documents are big (books, repositories)
 REPLACEMENT_CHAR = "\ufffd"
 REPLACEMENT_BYTES = REPLACEMENT_CHAR.encode("utf-8")
 UTF8_BOM = b"\xef\xbb\xbf"
@@ -488,6 +489,14 @@ def _jsonl_record(raw: bytes, where: str, text_field: str, stats: SourceStats) -
     yield replace_surrogates(text, stats)
 
 
+def _rows_per_batch(rows: int, nbytes: int) -> int:
+    """Rows to read at once: BATCH_ROWS, fewer when that many would hold over BATCH_BYTES
+    (from the average row), never less than one."""
+    if rows <= 0 or nbytes <= 0:
+        return BATCH_ROWS
+    return max(1, min(BATCH_ROWS, BATCH_BYTES * rows // nbytes))
+
+
 def _strings(column, stats: SourceStats) -> list:
     """A string column's values. Parquet and Arrow readers do not check the UTF-8: bytes
     that are not UTF-8 become U+FFFD and are counted, as in text files and JSONL."""
@@ -538,7 +547,11 @@ def _iter_parquet(path: str, start: int, end: int, text_field: str, stats: Sourc
                 return
             meta = pf.metadata
             for rg in range(start, end):
-                for batch in pf.iter_batches(batch_size=BATCH_ROWS, row_groups=[rg], columns=columns, use_threads=False):
+                group = meta.row_group(rg)
+                text_bytes = sum(group.column(c).total_uncompressed_size for c in range(group.num_columns)
+                                 if group.column(c).path_in_schema in columns)
+                rows = _rows_per_batch(group.num_rows, text_bytes)
+                for batch in pf.iter_batches(batch_size=rows, row_groups=[rg], columns=columns, use_threads=False):
                     yield from _batch_records(batch, columns, stats)
                 stats.bytes += sum(meta.row_group(rg).column(c).total_compressed_size
                                    for c in range(meta.row_group(rg).num_columns))
@@ -567,7 +580,8 @@ def _iter_arrow(path: str, start: int, end: int, text_field: str, stats: SourceS
                 stats.bytes += batch.nbytes
                 batch = batch.select(columns)
                 _validate_offsets(batch)
-                for i in range(0, batch.num_rows, BATCH_ROWS):
-                    yield from _batch_records(batch.slice(i, BATCH_ROWS), columns, stats)
+                rows = _rows_per_batch(batch.num_rows, batch.nbytes)
+                for i in range(0, batch.num_rows, rows):
+                    yield from _batch_records(batch.slice(i, rows), columns, stats)
     except _arrow_errors() as e:
         raise corrupt(path, "Arrow", e) from None
