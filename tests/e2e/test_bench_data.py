@@ -17,7 +17,7 @@ def test_bench_data_ci_measures_every_reader(tmp_path):
                             "streaming, HTTP server", "streaming, S3 (moto)"}
     for row in readers.values():
         assert "skipped" not in row, row
-        assert row["tokens_per_s"] > 0 and 0 <= row["wait_share_gpt2"] < 1
+        assert row["tokens_per_s"] > 0 and 0 <= row["wait_share_gpt2"] < 1 and 0 <= row["wait_share_gpt2_no_handoff_thread"] < 1
     assert [p["input"] for p in result["prepare"]] == ["parquet", "jsonl"]
     assert result["prepare"][0]["tokens"] == result["prepare"][1]["tokens"]  # the same documents either way
     assert len(result["default_job"]) == 3 and all(r["step_time_s"] > 0 for r in result["default_job"])

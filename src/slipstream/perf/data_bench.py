@@ -61,8 +61,10 @@ def run_data_bench(out: str = "", size: str = "default", data_dir: str = "") -> 
               "gpt2_shape": {"micro_batch": GPT2_BATCH, "seq_len": GPT2_SEQ, "planned_step_s_h100_bf16": step_gpt2,
                              "consumed_tokens_per_s": GPT2_BATCH * GPT2_SEQ / step_gpt2},
               "measured": "readers: tokens/s pulling GPT-2 batches back to back after 2 warm-up batches; "
-                          "wait_share_gpt2: time blocked in next() / (that + the sleeps standing in for the planned "
-                          "H100 step); default_job: real training on this CPU, data_wait_s / step_time_s from "
+                          "wait_share_gpt2: time the training thread blocks for a batch / (that + the sleeps standing "
+                          "in for the planned H100 step), with the handoff thread CUDA runs (TokenLoader's prefetch "
+                          "thread, the DataLoader's pin-memory thread) emulated; *_no_handoff_thread: next() on the "
+                          "training thread as on a CPU-only machine; default_job: real training on this CPU, data_wait_s / step_time_s from "
                           "metrics.jsonl (steps >= 3); prepare: input tokens / prepare seconds",
               "readers": readers, "prepare": prepare, "default_job": default_job,
               "load_average": {"before": list(load_before), "after": list(os.getloadavg())}, "env": collect_env()}
@@ -129,8 +131,45 @@ def measure_readers(corpus: str, tmp: Path, batches: int, emulated_steps: int, s
     return rows
 
 
+class _HandoffThread:
+    """What CUDA adds between a reader and the step: a thread that takes each batch off the
+    reader (TokenLoader's prefetch thread in process; the DataLoader's pin-memory thread with
+    workers) and queues it, two deep, so the training thread only dequeues. Used to emulate the
+    H100 step on this CPU-only machine, where those threads do not start."""
+
+    def __init__(self, loader, depth: int = 2) -> None:
+        import queue
+        import threading
+
+        self.loader, self.queue, self.stop = loader, queue.Queue(maxsize=depth), threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True, name="bench-handoff")
+        self.thread.start()
+
+    def _run(self) -> None:
+        import queue
+
+        while not self.stop.is_set():
+            item = next(self.loader)
+            while not self.stop.is_set():
+                try:
+                    self.queue.put(item, timeout=0.1)  # blocks while two batches wait: the reader stays ahead
+                    break
+                except queue.Full:
+                    continue
+
+    def __next__(self):
+        return self.queue.get()  # the training thread's only wait: the next batch is (almost) always there
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.loader.close()
+
+
 def _measure(name: str, make, batches: int, emulated_steps: int, step_s: float) -> dict[str, Any]:
-    """Back-to-back throughput, then the data wait of a loop whose 'step' sleeps step_s."""
+    """Back-to-back throughput, then the data wait of a loop whose 'step' sleeps step_s: with the
+    handoff thread CUDA has (the emulated H100 step) and, for reference, without it (next() on
+    the training thread, as on a CPU-only machine)."""
     loader = make()
     try:
         for _ in range(2):  # warm-up: workers start, the first chunks arrive
@@ -141,20 +180,23 @@ def _measure(name: str, make, batches: int, emulated_steps: int, step_s: float) 
         elapsed = time.perf_counter() - t0
     finally:
         loader.close()
-    loader = make()
-    waited = 0.0
-    try:
-        for _ in range(2):
-            next(loader)
-        for _ in range(emulated_steps):
-            t0 = time.perf_counter()
-            next(loader)
-            waited += time.perf_counter() - t0
-            time.sleep(step_s)  # stands in for the GPU step: the loader's threads and workers run meanwhile
-    finally:
-        loader.close()
+    shares = {}
+    for key, wrap in (("wait_share_gpt2", _HandoffThread), ("wait_share_gpt2_no_handoff_thread", lambda x: x)):
+        loader = wrap(make())
+        waited = 0.0
+        try:
+            for _ in range(2):
+                next(loader)
+            for _ in range(emulated_steps):
+                t0 = time.perf_counter()
+                next(loader)
+                waited += time.perf_counter() - t0
+                time.sleep(step_s)  # stands in for the GPU step: the loader's threads and workers run meanwhile
+        finally:
+            loader.close()
+        shares[key] = waited / (waited + emulated_steps * step_s)
     return {"reader": name, "tokens_per_s": batches * GPT2_BATCH * GPT2_SEQ / elapsed,
-            "batch_s": elapsed / batches, "wait_share_gpt2": waited / (waited + emulated_steps * step_s)}
+            "batch_s": elapsed / batches, **shares}
 
 
 # ----------------------------------------------------------------------------------------------- prepare
@@ -234,14 +276,14 @@ def _print_table(result: dict[str, Any]) -> None:
     g = result["gpt2_shape"]
     table = Table(title=f"readers, GPT-2 batches ({g['micro_batch']} x {g['seq_len']}); an H100 step consumes "
                         f"{g['consumed_tokens_per_s']:,.0f} tokens/s")
-    for col in ("reader", "tokens/s", "x consumption", "data wait (emulated H100 step)"):
+    for col in ("reader", "tokens/s", "x consumption", "data wait, H100 step", "without handoff thread"):
         table.add_column(col)
     for r in result["readers"]:
         if "skipped" in r:
-            table.add_row(r["reader"], "skipped", "", r["skipped"])
+            table.add_row(r["reader"], "skipped", "", r["skipped"], "")
             continue
         table.add_row(r["reader"], f"{r['tokens_per_s']:,.0f}", f"{r['tokens_per_s'] / g['consumed_tokens_per_s']:.1f}",
-                      f"{100 * r['wait_share_gpt2']:.2f} %")
+                      f"{100 * r['wait_share_gpt2']:.2f} %", f"{100 * r['wait_share_gpt2_no_handoff_thread']:.2f} %")
     console = Console()
     console.print(table)
     jobs = Table(title="default job on this CPU: data wait / step")
