@@ -104,7 +104,16 @@ def same(a, b) -> bool:
 
 
 def chunk_files(folder: Path) -> dict[str, int]:
-    return {p.name: p.stat().st_size for p in folder.iterdir() if p.name.endswith(".chunk")}  # temp files too
+    """Chunk files and their sizes, temp files too; a temp file renamed while we list is skipped
+    (the download threads run meanwhile)."""
+    sizes = {}
+    for p in folder.iterdir():
+        if p.name.endswith(".chunk"):
+            try:
+                sizes[p.name] = p.stat().st_size
+            except FileNotFoundError:
+                continue
+    return sizes
 
 
 # -- order, determinism, resume
