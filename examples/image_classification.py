@@ -40,6 +40,7 @@ from PIL import Image, ImageDraw, ImageEnhance, ImageFilter
 
 from slipstream import Trainer, load_config
 from slipstream.data.tar_shards import TarShards
+from slipstream.train.rundir import MARKER as RUN_MARKER
 
 CLASSES = 10
 SIZE = 64  # stored images; the network sees 32x32 crops
@@ -174,8 +175,8 @@ def train(shards: Path, run_dir: Path, workers: int, steps: int, batch: int = 64
         f"--data.num_workers={workers}", f"--data.prefetch={prefetch}", "--logging.log_interval=10",
         "--train.eval_interval=0", "--train.eval_steps=2", "--logging.progress=false",
         f"--checkpoint.resume={resume}", *overrides])
-    if resume == "none" and run_dir.exists():
-        shutil.rmtree(run_dir)  # this example's own run folder under --out: a fresh run starts clean
+    if resume == "none" and (run_dir / RUN_MARKER).is_file():
+        shutil.rmtree(run_dir)  # a run folder slipstream wrote (its marker says so): a fresh run starts clean
     torch.manual_seed(cfg.train.seed)
     model = make_model()
     train_data = TarShards(sorted(shards.glob("train-*.tar")), decode="pil", transform=augment)
