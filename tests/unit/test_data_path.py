@@ -64,3 +64,15 @@ def test_a_url_without_streaming_names_the_switch():
 
     with pytest.raises(UserError, match="--data.streaming=true"):
         ensure_data(load_config(None, ["--data.dir=s3://bucket/prepared"]))
+
+
+def test_ranks_that_read_different_manifests_stop():
+    from slipstream.data.train_data import TrainData, check_same_data
+
+    data = TrainData("s3://bucket/prepared", {"splits": {"train": {"tokens": 10}}}, "byte")
+    check_same_data(data, lambda mine: mine)  # rank 0, or a rank that read what rank 0 read
+    reupload = TrainData("s3://bucket/prepared", {"splits": {"train": {"tokens": 11}}}, "byte")
+    rank0 = []
+    check_same_data(reupload, lambda mine: rank0.append(mine) or mine)
+    with pytest.raises(UserError, match="another manifest"):
+        check_same_data(data, lambda mine: rank0[0])

@@ -9,12 +9,15 @@ model-parallel group (tp, cp, pp, ep) pass the same (dp_rank, dp) and so read th
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from slipstream.config.schema import Config
+from slipstream.errors import UserError
 
 
 @dataclass
@@ -51,6 +54,19 @@ def open_train_data(cfg: Config, check: bool = True) -> TrainData:
 
     data_dir, manifest = ensure_data(cfg, check=check)
     return TrainData(str(data_dir), manifest, tokenizer_spec_for(str(data_dir), manifest), str(data_dir))
+
+
+def check_same_data(data: TrainData, broadcast: Callable[[str], str]) -> None:
+    """Every rank must read the same data. Each rank opens it on its own (a streamed manifest is
+    fetched per process), so a manifest re-uploaded while the job starts, or node-local folders
+    that differ, would give the ranks different chunk lists: overlapping or missing data, ranks
+    out of step. broadcast(value) returns rank 0's value on every rank."""
+    digest = hashlib.sha256(json.dumps(data.manifest, sort_keys=True).encode()).hexdigest()
+    first = broadcast(digest)  # a collective: every rank calls it once, at start-up
+    if first != digest:
+        raise UserError(f"this rank read another manifest for {data.location} than rank 0 (sha256 {digest[:12]} vs "
+                        f"{first[:12]}): the data changed while the job started, or the nodes' copies differ; make "
+                        "every node read the same prepared folder and start again")
 
 
 def make_train_loader(cfg: Config, data: TrainData, rank: int, world_size: int, device: torch.device):

@@ -52,7 +52,7 @@ def describe_model(cfg: Config) -> str:
 def build_lm_trainer(cfg: Config):
     """Everything `slipstream train` needs, assembled in the one documented order."""
     from slipstream.data import get_tokenizer
-    from slipstream.data.train_data import make_train_loader, make_val_windows, open_train_data
+    from slipstream.data.train_data import check_same_data, make_train_loader, make_val_windows, open_train_data
     from slipstream.distributed.data_parallel import materialize_sharded
     from slipstream.distributed.mesh import init_parallel
     from slipstream.distributed.tensor_parallel import check_model_splits
@@ -81,6 +81,7 @@ def build_lm_trainer(cfg: Config):
     data = open_train_data(cfg, check=par.env.local_rank == 0)
     if par.env.local_rank == 0:
         par.barrier()
+    check_same_data(data, par.broadcast)
     data_dir, manifest, tokenizer = data.location, data.manifest, data.tokenizer
     # A missing tokenizer file fails now, not when the first checkpoint is saved.
     check_tokenizer_vocab(get_tokenizer(tokenizer), manifest, data_dir)
