@@ -308,16 +308,22 @@ def test_missing_data_and_bad_manifests(chunked, tmp_path):
         open_stream_url(str(short), cfg, True)
 
 
-def test_open_stream_copies_a_bpe_tokenizer_into_the_cache(chunked, tmp_path):
-    data = tmp_path / "data"
-    shutil.copytree(chunked, data)
+def with_bpe_tokenizer(data: Path, cache_dir: Path) -> Config:
+    """Give the prepared folder a (dummy) bpe tokenizer file in its manifest; return a streaming
+    config reading it through cache_dir."""
     (data / "tokenizer.json").write_text('{"model": {}}')
     m = json.loads((data / "manifest.json").read_text())
     m["tokenizer_file"] = "tokenizer.json"
     (data / "manifest.json").write_text(json.dumps(m))
     cfg = Config()
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, streaming=True, dir=str(data),
-                                                            cache_dir=str(tmp_path / "c")))
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, streaming=True, dir=str(data),
+                                                             cache_dir=str(cache_dir)))
+
+
+def test_open_stream_copies_a_bpe_tokenizer_into_the_cache(chunked, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(chunked, data)
+    cfg = with_bpe_tokenizer(data, tmp_path / "c")
     opened = open_stream(cfg, True)
     assert opened.location == str(data) and opened.local_dir is None
     assert opened.tokenizer.startswith("bpe:" + str(tmp_path / "c"))

@@ -4,8 +4,6 @@ root's marker. The corpora, fixtures and helpers are test_streaming.py's."""
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import os
 import shutil
 import time
@@ -14,14 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from slipstream.config import Config
 from slipstream.data import remote as remote_mod
 from slipstream.data.stream_cache import MARKER
 from slipstream.data.eval_windows import EvalWindows
 from slipstream.data.streaming import StreamingEvalWindows, open_stream
 from slipstream.errors import UserError
 from test_streaming import (B, T, _fast_backoff, chunk_files, chunked, corpus, loader, prepared,  # noqa: F401 (fixtures)
-                            same, take)
+                            same, take, with_bpe_tokenizer)
 
 # -- review: concurrent users of one cache folder, close, retries, eval reads
 
@@ -210,13 +207,7 @@ def test_the_cache_root_is_marked_before_any_folder_in_it(chunked, tmp_path):
     stream.close()
     root = Path(stream.cache.folder).parent
     assert (root / MARKER).is_file()
-    (data / "tokenizer.json").write_text('{"model": {}}')
-    m = json.loads((data / "manifest.json").read_text())
-    m["tokenizer_file"] = "tokenizer.json"
-    (data / "manifest.json").write_text(json.dumps(m))
-    cfg = Config()
-    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, streaming=True, dir=str(data),
-                                                            cache_dir=str(tmp_path / "cache")))
+    cfg = with_bpe_tokenizer(data, tmp_path / "cache")
     assert open_stream(cfg, False).tokenizer.startswith(f"bpe:{root}")
 
 
