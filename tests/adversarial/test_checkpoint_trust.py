@@ -363,6 +363,6 @@ def test_genuine_checkpoint_loads_with_its_optimizer_values(genuine):
 
 
 def test_tune_system_never_resumes_a_checkpoint():
-    from slipstream.plan.tune import TRIAL_SETTINGS
+    from slipstream.tune.system import TRIAL_SETTINGS
 
     assert TRIAL_SETTINGS["checkpoint.resume"] == "none"

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from slipstream.cli.plan import add_tune_arguments, cmd_tune_system
+from slipstream.cli.tune import add_tune_arguments, cmd_tune_system
 from slipstream.config.load import load_config
-from slipstream.plan.tune import format_report
+from slipstream.tune.system import format_report
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -11,8 +11,8 @@ The layers of DESIGN.md ("Layers (imports point down only)"), lowest first:
                                                                      metrics, loggers, profiler
     3 services    checkpoint/, resilience/                           save/load/reshard; guards
     4 train       train/                                             the Trainer, the LM job, resume
-    5 tools       perf/, plan.tune, plan.accuracy, plan.render,      tools that run the trainer
-                  plan.report                                        (or only serve the CLI)
+    5 tools       perf/, tune/, report/, plan.accuracy,              tools that run the trainer
+                  plan.render, plan.report                           (or read its run dirs for the CLI)
     6 cli         cli/, slipstream.__main__, slipstream (the package facade that exports Trainer;
                   `from slipstream import __version__` is metadata any layer may read)
 
@@ -40,14 +40,13 @@ PACKAGE_LAYERS = {
     "distributed": "components", "optimize": "components", "observe": "components", "ops": "components",
     "checkpoint": "services", "resilience": "services",
     "train": "train",
-    "perf": "tools",
+    "perf": "tools", "tune": "tools", "report": "tools",
     "cli": "cli", "__main__": "cli",
 }
 
 # Modules whose layer is not their package's (most specific name wins).
 MODULE_LAYERS = {
     "slipstream": "cli",               # the package facade: lazy `slipstream.Trainer`
-    "slipstream.plan.tune": "tools",   # runs trial trainings
     "slipstream.plan.accuracy": "tools",  # measures real steps against the estimators
     "slipstream.plan.render": "tools",  # tables and files of `slipstream plan`; only the CLI uses it
     "slipstream.plan.report": "tools",  # calibration against published runs and finished run dirs (CLI)

@@ -20,7 +20,7 @@ from slipstream.plan.search import evaluate, layouts, plan
 from slipstream.plan.space import (PP_SCHEDULES, SCHEDULE_VIRTUAL, PlanModel, Strategy, Workload,
                                    strategy_from_config, strategy_overrides)
 from slipstream.plan.timing import estimate_time
-from slipstream.plan.tune import stop_trial
+from slipstream.tune.system import stop_trial
 
 
 def test_written_config_trains_exactly_the_planned_model(tmp_path, capsys):

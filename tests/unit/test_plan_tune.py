@@ -12,9 +12,9 @@ import pytest
 
 from slipstream.config.load import load_config
 from slipstream.errors import UserError
-from slipstream.cli.plan import add_tune_arguments, cmd_tune_system
+from slipstream.cli.tune import add_tune_arguments, cmd_tune_system
 from slipstream.plan.timing import DEFAULT_EFFICIENCY
-from slipstream.plan.tune import (MIN_TRIAL_S, failure_reason, format_report, gpu_short_name, matches, read_trial,
+from slipstream.tune.system import (MIN_TRIAL_S, failure_reason, format_report, gpu_short_name, matches, read_trial,
                                   subprocess_trials, trainer_refusal, tune_system, write_winner_config)
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -323,7 +323,7 @@ def test_requested_layouts_survive_a_short_budget_and_top_0_runs_only_them():
 
 
 def test_cli_layouts_split_on_commas_and_the_winner_runs_under_launch(tmp_path, capsys, monkeypatch):
-    import slipstream.plan.tune as tune
+    import slipstream.tune.system as tune
 
     seen = {}
 

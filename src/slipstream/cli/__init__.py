@@ -26,7 +26,9 @@ Command groups (each module has `add_commands(subparsers)` and its `cmd_*` handl
     cli/data.py        data prepare|verify|train-tokenizer
     cli/config.py      config show|reference
     cli/bench.py       bench overhead|ladder|sharding|checkpoint|fused-ce|planner|gpu
-    cli/plan.py        plan, cost, tune system
+    cli/plan.py        plan, cost
+    cli/tune.py        tune system (+ tune hparams from cli/tune_hparams.py, tune lr|batch from cli/tune_finders.py)
+    cli/report.py      report, compare
 
 A handler is `cmd_x(args, extra) -> exit code`; `extra` holds the arguments the parser did not
 know (config overrides `--section.key=value` where the command takes them). Library modules
@@ -48,12 +50,12 @@ EXIT_USER_ERROR = 2
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from slipstream.cli import bench, checkpoint, config, data, launch, perf, plan, train
+    from slipstream.cli import bench, checkpoint, config, data, launch, perf, plan, report, train, tune
 
     parser = argparse.ArgumentParser(prog="slipstream", description="PyTorch-native high-performance training.")
     sub = parser.add_subparsers(dest="command", required=True)
     # The order is the order of `slipstream --help` and of launch's list of commands.
-    for group in (train, perf, launch, checkpoint, data, config, bench, plan):
+    for group in (train, perf, launch, checkpoint, data, config, bench, plan, tune, report):
         group.add_commands(sub)
     return parser
 

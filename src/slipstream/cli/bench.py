@@ -157,7 +157,7 @@ def _bench_planner_on_device(device: str, out: str) -> int:
     from slipstream.plan.accuracy import run_device_accuracy
     from slipstream.plan.memory import GIB
     from slipstream.plan.timing import DEFAULT_EFFICIENCY
-    from slipstream.plan.tune import gpu_short_name
+    from slipstream.tune.system import gpu_short_name
 
     if not device.startswith("cuda") or not torch.cuda.is_available():
         raise UserError(f"bench planner --device {device}: needs a CUDA GPU here (or --device cpu)")

@@ -72,6 +72,11 @@ def _field_types(section_cls: type) -> dict[str, Any]:
 
 def _parse_override_value(text: str, typ: Any, key: str) -> Any:
     """Turn the string of `--section.key=value` into the field's type."""
+    if typ is Any:  # a free-form table entry (tune.space): a TOML value, else the text itself
+        try:
+            return tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            return text
     if typ is bool:
         lowered = text.strip().lower()
         if lowered in ("true", "1", "yes", "on"):
@@ -174,6 +179,8 @@ def parse_overrides(overrides: list[str]) -> dict[str, dict[str, Any]]:
 
 
 def _check_type(value: Any, typ: Any, where: str) -> Any:
+    if typ is Any:  # checked by its user (tune.space: slipstream.tune.space)
+        return value
     if typ is bool:
         if not isinstance(value, bool):
             raise UserError(f"{where} = {value!r}: expected true or false")
@@ -326,6 +333,9 @@ def check_consistency(cfg: Config) -> None:
                         f"lower train.seq_len or raise model.max_seq_len")
     if o.min_lr > o.lr:
         raise UserError(f"optim.min_lr = {o.min_lr} is larger than optim.lr = {o.lr}")
+    if o.schedule == "range_test" and o.min_lr <= 0:
+        raise UserError("optim.schedule = range_test sweeps exponentially from optim.min_lr to optim.lr: "
+                        "set optim.min_lr > 0 (e.g. 1e-7)")
     check_training_rules(cfg)
     check_data_rules(cfg)
     check_pipeline_config(cfg)

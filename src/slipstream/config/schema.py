@@ -128,6 +128,8 @@ class TrainConfig:
     fused_loss: bool = option(False, "Language models: chunked fused linear + cross-entropy (slipstream::fused_linear_cross_entropy), never materializing all logits.")
     fused_loss_chunk: int = option(4096, "fused_loss: tokens per chunk; peak extra memory is about chunk x vocabulary logits.", min=1)
     threads: int = option(0, "CPU threads for torch (torch.set_num_threads); 0 = torch's default (all cores).", min=0, max=1024)
+    early_stop_patience: int = option(0, "Stop training when the val loss has not improved by early_stop_min_delta for this many evaluations in a row (the summary says why and at which step; the final checkpoint is written as usual). 0 = never stop early.", min=0)
+    early_stop_min_delta: float = option(0.0, "Early stopping: the least decrease of the val loss, from the best so far, that counts as an improvement.", min=0.0)
     preflight_memory: bool = option(True, "Before preparing data or building the model, refuse a run whose planned step memory (slipstream plan's estimate, per process) exceeds what this machine has: CPU MemAvailable (or the container's limit) shared by the local ranks, or the GPU's memory. false: start anyway (e.g. when the plan over-states an unusual setup).")
 
 
@@ -142,8 +144,8 @@ class OptimConfig:
     beta2: float = option(0.95, "AdamW beta2.", min=0.0, max=0.999999)
     eps: float = option(1e-8, "AdamW epsilon.", min=0.0, min_exclusive=True)
     grad_clip: float = option(1.0, "Clip the global gradient norm to this; 0 = no clipping (norm still logged).", min=0.0)
-    schedule: str = option("cosine", "LR schedule after warmup: cosine, wsd (warmup-stable-decay) or constant.",
-                           choices=("cosine", "wsd", "constant"))
+    schedule: str = option("cosine", "LR schedule after warmup: cosine, wsd (warmup-stable-decay), constant, or range_test (the learning-rate range test of `slipstream tune lr`: exponential from min_lr at the first step to lr at the last, no warmup).",
+                           choices=("cosine", "wsd", "constant", "range_test"))
     warmup_steps: int = option(50, "Linear warmup steps from 0 to lr.", min=0)
     decay_fraction: float = option(0.2, "wsd: fraction of max_steps spent in the final linear decay.", min=0.0, max=1.0)
     implementation: str = option("auto", "AdamW implementation: auto (fused where possible), fused, foreach or for-loop.",
@@ -291,6 +293,23 @@ class MetricsConfig:
 
 
 @dataclass
+class TuneConfig:
+    """`slipstream tune hparams`: the search space, objective and study (training ignores this section)."""
+
+    space: dict[str, Any] = option({}, "Search space: config key -> range, e.g. optim.lr = {log_uniform = [1e-4, 1e-2]}, optim.weight_decay = {uniform = [0.0, 0.2]}, train.micro_batch_size = {choices = [8, 16, 32]}, optim.warmup_steps = {int = [0, 100], step = 10}; a conditional one adds when = {\"optim.schedule\" = \"wsd\"} (sampled only when that key has that value). Empty: optim.lr log-uniform over [lr / 10, lr x 10] and optim.weight_decay uniform over [0, 0.2].")
+    objective: str = option("val_loss", "What a trial scores: val_loss (at the end, minimized), best_val_loss (lowest of the evaluations), tokens_per_s (maximized), or val_loss,tokens_per_s (both: a multi-objective study with a Pareto front; no pruning).",
+                            choices=("val_loss", "best_val_loss", "tokens_per_s", "val_loss,tokens_per_s"))
+    sampler: str = option("tpe", "Optuna sampler: tpe, random, grid (every combination; float ranges take tune.grid_points values) or cmaes.", choices=("tpe", "random", "grid", "cmaes"))
+    pruner: str = option("median", "Stop unpromising trials on the val loss they report at each evaluation: median, halving (successive halving), hyperband, or none.", choices=("median", "halving", "hyperband", "none"))
+    prune_warmup_evals: int = option(1, "Evaluations a trial reports before the pruner may stop it.", min=0)
+    grid_points: int = option(3, "sampler = grid: values per float range (log-spaced for log ranges).", min=2)
+    seed: int = option(0, "Seed of the sampler (trials' own training seed is train.seed).", min=0, max=2**32 - 1)
+    study_name: str = option("", "Optuna study name; empty: the run name (run.name).")
+    storage: str = option("", "Where the study lives: an SQLAlchemy URL (sqlite:///path/study.db, postgresql://...) or journal:PATH (Optuna's journal file, for file systems without SQLite locking). Empty: sqlite in the study folder.")
+    dir: str = option("", "Study folder (the trials' run directories, the database, the results). Empty: runs/tune-<study name>.")
+
+
+@dataclass
 class ProfileConfig:
     """torch.profiler over a few training steps: chrome traces and a top-ops table."""
 
@@ -323,6 +342,7 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     profile: ProfileConfig = field(default_factory=ProfileConfig)
+    tune: TuneConfig = field(default_factory=TuneConfig)
 
 
 def sections() -> dict[str, type]:

@@ -163,7 +163,7 @@ def efficiency_from_runs(run_dirs: list[str], cluster) -> tuple[float, list[dict
     from slipstream.plan.hardware import canonical_gpu_name
     from slipstream.plan.space import strategy_from_config
     from slipstream.plan.timing import DEFAULT_EFFICIENCY
-    from slipstream.plan.tune import read_trial
+    from slipstream.tune.system import read_trial
 
     rows = []
     for run_dir in map(Path, run_dirs):

@@ -13,6 +13,8 @@ from slipstream.config.schema import OptimConfig
 def lr_multiplier(step: int, cfg: OptimConfig, max_steps: int) -> float:
     """lr(step) / peak lr for the step about to be taken (step counts from 0)."""
     floor = cfg.min_lr / cfg.lr
+    if cfg.schedule == "range_test":  # min_lr at the first step, lr at the last, equal ratios between
+        return floor ** (1.0 - min(1.0, step / max(1, max_steps - 1)))
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.schedule == "constant":

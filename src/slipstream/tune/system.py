@@ -26,13 +26,11 @@ it never stops the tuner.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import re
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -41,6 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from slipstream.errors import UserError
+from slipstream.tune.process import failure_reason, stop_trial, train_command, train_env
 
 # A trial is a fresh process: importing torch and building the model takes seconds before any step.
 MIN_TRIAL_S = 15.0
@@ -122,85 +121,19 @@ def read_trial(run_dir: Path) -> dict:
     return {"tokens_per_s": tokens_per_s, "peak_bytes": peak}
 
 
-def failure_reason(stderr: str, code: int) -> str:
-    """The line of a failed trial's stderr that says why: slipstream's `error: ...`, else the last
-    exception line of a rank (under torchrun the last lines are its own report and "=====" rules,
-    not the cause), else the last line."""
-    lines = [line.strip() for line in stderr.splitlines() if line.strip(" =-\t")]
-    for line in reversed(lines):
-        if line.startswith("error: "):
-            return line
-    for line in reversed(lines):
-        if re.match(r"[\w.]*(Error|Exception)\b", line) and "ChildFailedError" not in line:
-            return line
-    return lines[-1] if lines else f"exit code {code}"
-
-
-# Seconds a stopped trial gets to shut its ranks down before they are killed.
-TRIAL_GRACE_S = 10.0
-
-
-def _descendants(pid: int) -> dict[int, str]:
-    """Every process below `pid`, with its start time (Linux /proc; empty elsewhere). torchrun
-    starts its ranks in their own sessions, so killing the trial's process group misses them."""
-    children: dict[int, list[tuple[int, str]]] = {}
-    for entry in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = entry.read_text().rsplit(")", 1)[1].split()
-            # fields[1] is the parent pid, fields[19] the start time (stat fields 4 and 22)
-            children.setdefault(int(fields[1]), []).append((int(entry.parent.name), fields[19]))
-    found: dict[int, str] = {}
-    todo = [pid]
-    while todo:
-        for child, started in children.get(todo.pop(), []):
-            found[child] = started
-            todo.append(child)
-    return found
-
-
-def _same_process(pid: int, started: str) -> bool:
-    """The pid still names the process we saw (not a new one that reused the number)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19] == started
-    except (OSError, IndexError):
-        return False
-
-
-def stop_trial(proc: subprocess.Popen, grace_s: float = TRIAL_GRACE_S) -> None:
-    """Stop a trial and everything it started: SIGTERM first (the launcher forwards it and
-    torchrun tears its ranks down), SIGKILL to whatever is left after `grace_s`. Only
-    processes still alive as the ones seen are killed, never a reused pid."""
-    family = _descendants(proc.pid)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        family.update(_descendants(proc.pid))
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(proc.pid, signal.SIGKILL)   # proc is not reaped yet: its pid and group are still ours
-        proc.wait()
-    for pid, started in family.items():
-        if _same_process(pid, started):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(pid, signal.SIGKILL)
-
-
 def subprocess_trials(config_path: str, overrides: list[str], nproc: int, steps: int, work_dir: Path) -> RunTrial:
     """A run_trial that trains each layout in a `slipstream train` subprocess under `work_dir`."""
     counter = iter(range(1_000_000))
-    src = str(Path(__file__).resolve().parents[2])  # so the child imports this same slipstream
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in (src, os.environ.get("PYTHONPATH")) if p)}
+    env = train_env()
 
     def run_trial(layout: dict, timeout_s: float) -> dict:
         run_dir = work_dir / f"trial{next(counter)}"
         settings = {**layout, **TRIAL_SETTINGS, "train.max_steps": steps, "run.dir": run_dir}
-        train = ["train", "--config", config_path, *overrides, *(_arg(k, v) for k, v in settings.items())]
-        launch = ["launch", "local", "--nproc", str(nproc), "--"] if nproc > 1 else []
+        command = train_command(["--config", config_path, *overrides, *(_arg(k, v) for k, v in settings.items())], nproc)
         err_path = work_dir / f"{run_dir.name}.stderr"
         with open(work_dir / f"{run_dir.name}.stdout", "wb") as out, open(err_path, "wb") as err:
             # Its own process group: on timeout, torchrun's workers die with it.
-            proc = subprocess.Popen([sys.executable, "-m", "slipstream", *launch, *train], stdout=out, stderr=err,
+            proc = subprocess.Popen(command, stdout=out, stderr=err,
                                     env=env, start_new_session=True)
             try:
                 code = proc.wait(timeout=timeout_s)

@@ -1,0 +1,5 @@
+"""`slipstream tune hparams` (being written)."""
+
+
+def add_commands(group) -> None:
+    pass
