@@ -336,6 +336,10 @@ def check_consistency(cfg: Config) -> None:
     if o.schedule == "range_test" and o.min_lr <= 0:
         raise UserError("optim.schedule = range_test sweeps exponentially from optim.min_lr to optim.lr: "
                         "set optim.min_lr > 0 (e.g. 1e-7)")
+    if t.early_stop_patience and not (t.eval_interval and t.eval_steps and t.eval_tokens):
+        raise UserError(f"train.early_stop_patience = {t.early_stop_patience} watches the val loss of each "
+                        "evaluation, but evaluation is off or only at the end (train.eval_interval, eval_steps and "
+                        "eval_tokens must all be > 0); set them, or train.early_stop_patience = 0")
     check_training_rules(cfg)
     check_data_rules(cfg)
     check_pipeline_config(cfg)

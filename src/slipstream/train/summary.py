@@ -31,6 +31,8 @@ def run_summary(trainer, loggers: RunLoggers, start_step: int, wall_start: float
         "val_tokens": last_eval.tokens if last_eval else None, "steps": trainer.step,
         "steps_this_run": trainer.step - start_step, "tokens": trainer.tokens_seen,
     }
+    if (stopped := trainer.early_stop.summary()) is not None:
+        summary["stopped_early"] = stopped
     if trainer.scaler is not None:
         summary["skipped_steps"] = int(trainer.skipped_steps.item())  # host sync, once
     summary.update({

@@ -49,6 +49,7 @@ from slipstream.observe.memory import peak_memory_bytes, reset_peak_memory
 from slipstream.optimize.optimizers import torch_optimizers
 from slipstream.optimize.precision import autocast_context, make_grad_scaler
 from slipstream.runtime import configure_runtime
+from slipstream.train.early_stop import EarlyStopping
 from slipstream.train.evaluate import format_eval
 from slipstream.train.lm_loss import lm_loss_fn
 from slipstream.train.memory_probe import MemoryProbe
@@ -157,6 +158,7 @@ class Trainer:
         self.scaler = make_grad_scaler(self.device, self.cfg.precision)
         self.skipped_steps = torch.zeros((), dtype=torch.int64, device=self.device)  # fp16 overflow skips
         self.meter = IntervalMeter(self.device, self.parallel)
+        self.early_stop = EarlyStopping(self.cfg.train)
         self.evaluator = None
         if self.val_loader is not None and self.cfg.train.eval_steps:
             from slipstream.train.evaluate import Evaluator
@@ -198,6 +200,7 @@ class Trainer:
             "grad_scaler": self.scaler.state_dict() if self.scaler is not None else None,
             "skipped_steps": int(self.skipped_steps.item()),  # host sync (only at a save)
             "resilience": self.resilience.state_dict() if self.resilience is not None else None,
+            "early_stop": self.early_stop.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any], keep_data_position: bool = False) -> None:
@@ -213,6 +216,7 @@ class Trainer:
             if self.resilience is not None:
                 self.resilience.load_state_dict(state.get("resilience"))
             self.meter.load_state_dict(state.get("interval"))
+            self.early_stop.load_state_dict(state.get("early_stop"))
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         if self.scaler is not None and state.get("grad_scaler"):
@@ -291,7 +295,7 @@ class Trainer:
         with TrainProgress(cfg.train.max_steps, start_step=self.step, enabled=cfg.logging.progress,
                            silent=not self.parallel.is_main) as progress, \
                 profiling, self.resilience, self._commit_pending_on_error():
-            while self.step < cfg.train.max_steps:
+            while self.step < cfg.train.max_steps and not self.early_stop.stopped:
                 self.memory.before_step(self.step)
                 run_step = self._measured_train_step if self.memory.measures(self.step + 1) else self.train_step
                 with self.comm.counting(self.step + 1):
@@ -310,11 +314,13 @@ class Trainer:
                     if (cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0) or last:
                         last_eval = self._evaluate_and_log(loggers, progress) or last_eval
                     with self.resilience.paused():  # a long eval or save is not a hang
-                        self._checkpoint_if_due(verdict, last, loggers, progress)
+                        self._checkpoint_if_due(verdict, last or self.early_stop.stopped, loggers, progress)
                     if self.profiler is not None and not last:
                         # Ends this iteration's ProfilerStep range; after the last step, leaving
                         # the `profiling` context stops the profiler instead.
                         self.profiler.step()
+                if self.early_stop.stopped and not last and self.step % cfg.logging.log_interval:
+                    self._log_interval(grad_norm, loggers, progress)  # the interval that ends here
         return self.summarize(loggers, start_step, wall_start, last_eval, resume_from)
 
     def _start(self) -> Path | None:
@@ -386,6 +392,8 @@ class Trainer:
         if result is not None:
             loggers.log({"step": self.step, **result.as_record()})
             progress.print_line(f"step {self.step}: val_loss {format_eval(result)}")
+            if self.early_stop.update(result.loss, self.step):
+                progress.print_line(f"stopping early at step {self.step}: {self.early_stop.reason()}")
         return result
 
     def _checkpoint_if_due(self, verdict, last: bool, loggers: RunLoggers, progress) -> None:
