@@ -47,7 +47,8 @@ def make_study(folder: Path, trials: list[dict], multi: bool = False, journal: b
         study.add_trial(optuna.trial.create_trial(
             state=states[spec["state"]], params=spec["params"], values=values,
             distributions={k: distributions[k] for k in spec["params"]},
-            intermediate_values={2 * (i + 1): loss for i, loss in enumerate(curve)}))
+            intermediate_values={2 * (i + 1): loss for i, loss in enumerate(curve)},
+            user_attrs=spec.get("user_attrs", {})))
         run_dir = folder / "trials" / f"trial_{number:04d}"
         run_dir.mkdir(parents=True)
         (run_dir / "trial.json").write_text(json.dumps({"number": number, "state": spec["state"], "values": values,
@@ -173,12 +174,15 @@ def test_missing_or_foreign_storage_is_a_user_error_and_creates_nothing(tmp_path
 
 
 def test_damaged_trial_json_is_named_in_its_row_and_markup_is_escaped(tmp_path):
-    folder = make_study(tmp_path / "s", PRUNED_STUDY[:3])
+    interrupted = {"params": {"optim.lr": 2e-3}, "state": "fail", "user_attrs": {"fail_reason": "interrupted"}}
+    folder = make_study(tmp_path / "s", PRUNED_STUDY[:3] + [interrupted])
     (folder / "trials" / "trial_0001" / "trial.json").write_text("{")
     (folder / "trials" / "trial_0002" / "trial.json").write_text(json.dumps({"reason": "<b>pruned</b>"}))
+    (folder / "trials" / "trial_0003" / "trial.json").unlink()  # the reason kept in the study is shown instead
     trials = _html(study_sections(folder))["study-trials"]
     assert "trial.json unreadable" in trials
     assert "&lt;b&gt;pruned&lt;/b&gt;" in trials and "<b>" not in trials
+    assert "<td>interrupted</td>" in trials
 
 
 # ---------------------------------------------------------------------------- ladders

@@ -224,8 +224,9 @@ def _trials_section(prefix: str, study, names: list[str], reasons: dict[int, str
             step = max(t.intermediate_values)
             last = f"{t.intermediate_values[step]:.4g} at step {step}"
         duration = t.duration.total_seconds() if t.duration is not None else None
-        rows.append([t.number, state, *(t.params.get(p) for p in params), *values, last, duration,
-                     reasons.get(t.number, "")])
+        # trial.json's reason, else the one `tune hparams` keeps with the trial (e.g. "interrupted").
+        reason = reasons.get(t.number) or str(t.user_attrs.get("fail_reason") or "")
+        rows.append([t.number, state, *(t.params.get(p) for p in params), *values, last, duration, reason])
     section = Section(f"{prefix}-trials", "Trials")
     if not rows:
         return section.add(paragraph("The study has no trials yet.", "note"))
