@@ -43,7 +43,7 @@ def test_report_of_two_real_runs(two_runs, tmp_path, capsys):
             assert page.figures[key], f"section {key} has no figure"
     assert not page.figures["ranks"] and not page.figures["experts"]
     assert "lr-1e-3 train" in section_html(html, "loss") and "lr-3e-3 val" in section_html(html, "loss")
-    assert "checkpoint save" in section_html(html, "loss")  # the final save, as a marker
+    assert ">checkpoint save</text>" in section_html(html, "loss")  # the final save, as a marker (legend)
     diff = section_html(html, "config-diff")
     assert "optim.lr" in diff and "profile.enabled" in diff
     assert "lr sweep" in html and "lr-3e-3" in section_html(html, "doctor")

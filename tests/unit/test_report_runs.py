@@ -169,7 +169,7 @@ def test_overlay_names_both_runs_and_diffs_the_changed_key(two_run_page):
 
 def test_events_are_markers_on_the_loss_plot_and_rows_in_the_table(two_run_page):
     loss = section_html(two_run_page, "loss")
-    assert "stability event" in loss and "checkpoint save" in loss  # legend entries of the markers
+    assert ">stability event</text>" in loss and ">checkpoint save</text>" in loss  # the markers' legend entries
     events = section_html(two_run_page, "events")
     assert "stability: spike" in events and "skip" in events and "training stalled 0.25 s" in events
 

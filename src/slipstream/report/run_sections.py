@@ -14,7 +14,7 @@ from typing import Callable
 
 from slipstream.report.page import Section, figure, paragraph, table
 from slipstream.report.run_plots import color, human_bytes, label, panels, style
-from slipstream.report.runs import RunData, run_numbers
+from slipstream.report.runs import RunData, run_numbers, short_text
 
 SECTION_KEYS = ("runs", "loss", "lr", "grad-norm", "throughput", "data-wait", "memory", "planned", "ranks", "events",
                 "experts", "doctor", "environment", "config-diff", "config")
@@ -66,8 +66,8 @@ def overview_section(runs: list[RunData]) -> Section:
     for run in runs:
         stopped = run.summary.get("stopped_early")
         if isinstance(stopped, dict):
-            section.add(paragraph(f"{run.name}: stopped early at step {stopped.get('step', '?')} "
-                                  f"({stopped.get('reason', '')})", "note"))
+            section.add(paragraph(f"{run.name}: stopped early at step {short_text(stopped.get('step', '?'), 20)} "
+                                  f"({short_text(stopped.get('reason', ''))})", "note"))
         for note in run.notes:
             section.add(paragraph(f"{run.name}: {note}", "note"))
     return section

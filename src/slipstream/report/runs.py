@@ -128,6 +128,9 @@ def read_run(path: str | Path, name: str | None = None) -> RunData:
     _read_metrics(folder / "metrics.jsonl", run)
     _read_rank_logs(folder / "logs", run)
     run.trace_files = _trace_files(folder, run)
+    if (folder / "history").is_dir():
+        run.note("history/ holds the results of earlier runs in this folder; only the latest run is shown "
+                 "(give history/<n> to report an earlier one)")
     return run
 
 
