@@ -57,7 +57,8 @@ def doctor_section(runs: list[RunData]) -> Section:
             left = [a + b for a, b in zip(left, values)]
         ax.set_yticks(range(len(bars)), [name for name, _ in bars], fontsize=8)
         ax.invert_yaxis()
-        style(ax, "% of step time", "", "where the profiled steps' time goes")
+        style(ax, "% of step time", "", "where the profiled steps' time goes", legend=False)
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=4)
         section.add(figure(fig, "doctor", "From the run's profiler traces (traces/), one bar per rank, as "
                                           "`slipstream doctor --trace` measures them."))
         section.add(table(["run", "rank", "steps", "step (ms)", *[n for n, _, _ in SPLIT], "data wait"], traces,
