@@ -7,16 +7,13 @@ browser's own list of fetched resources)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from slipstream.report.ladder import ladder_sections
-from slipstream.report.page import render_page, write_page
-from slipstream.report.study import study_sections
 from tests.browser import full_page_screenshot, requested_urls, start_chromium
 from tests.unit.test_report_study import PRUNED_STUDY, make_study
 
@@ -80,20 +77,60 @@ def check_in_browser(driver, path: Path, shot: Path) -> list[str]:
     return expected
 
 
-def test_ladder_report_in_the_browser(browser, tmp_path):
-    sections = (ladder_sections(ROOT / "benchmarks" / "ladder-memory-cpu-tiny.json")
-                + ladder_sections(ROOT / "benchmarks" / "ladder-speed-cpu-tiny.json"))
-    path = write_page(tmp_path / "ladder.html", render_page("ladders", sections))
-    keys = check_in_browser(browser, path, tmp_path / "ladder.png")
-    assert keys == ["ladder-memory-cpu-tiny", "ladder-speed-cpu-tiny"]
+def _slipstream(*argv: str) -> str:
+    """`slipstream ARGV` in this process (a tune trial is still a real subprocess); its stdout."""
+    from slipstream.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(argv))
+    assert code == 0, err.getvalue()[-3000:]
+    return out.getvalue()
 
 
-def test_study_report_in_the_browser(browser, tmp_path):
-    folder = make_study(tmp_path / "tune-demo", PRUNED_STUDY)
-    path = write_page(tmp_path / "study.html", render_page("study", study_sections(folder)))
-    keys = check_in_browser(browser, path, tmp_path / "study.png")
+def _report(tmp_path: Path, name: str, inputs: list[Path]) -> Path:
+    """`slipstream report INPUTS --out tmp/NAME.html`: the page a user opens."""
+    out = tmp_path / f"{name}.html"
+    _slipstream("report", *map(str, inputs), "--out", str(out))
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_run_report_of_a_real_training_in_the_browser(browser, tmp_path, data_dir):
+    run_dir = tmp_path / "run"
+    _slipstream("train", "--config", str(ROOT / "configs" / "tiny.toml"), f"--run.dir={run_dir}",
+                f"--data.dir={data_dir}", "--train.eval_tokens=4096", "--logging.progress=false")
+    keys = check_in_browser(browser, _report(tmp_path, "run", [run_dir]), tmp_path / "run.png")
+    assert {"runs", "loss", "lr", "throughput", "memory", "environment", "config"} <= set(keys)
+
+
+@pytest.mark.timeout(180)
+def test_study_report_of_a_real_tune_hparams_study_in_the_browser(browser, tmp_path, data_dir, monkeypatch):
+    """A 2-trial `slipstream tune hparams` study of 6-step trainings (each trial reports its val
+    loss at steps 3 and 6), opened as `slipstream report STUDY_DIR` shows it."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the trial processes inherit it: no more threads than cores
+    folder = tmp_path / "tune-tiny"
+    _slipstream("tune", "hparams", "--config", str(ROOT / "configs" / "tiny.toml"), "--trials", "2",
+                "--train.max_steps=6", "--train.eval_interval=3", "--train.eval_tokens=2048",
+                "--logging.tensorboard=false", f"--data.dir={data_dir}", f"--tune.dir={folder}")
+    page = _report(tmp_path, "study", [folder])
+    keys = check_in_browser(browser, page, tmp_path / "study.png")
     assert keys == ["study", "study-trials", "study-history", "study-intermediate", "study-parallel",
                     "study-importance"]
+    html = page.read_text(encoding="utf-8")
+    assert html.count("at step 6</td>") == 2  # both trials' last val loss, read from the study
+
+
+def test_study_with_pruned_and_failed_trials_in_the_browser(browser, tmp_path):
+    folder = make_study(tmp_path / "tune-demo", PRUNED_STUDY)
+    keys = check_in_browser(browser, _report(tmp_path, "pruned", [folder]), tmp_path / "pruned.png")
+    assert "study-intermediate" in keys and "study-importance" in keys
+
+
+def test_ladder_report_in_the_browser(browser, tmp_path):
+    ladders = [ROOT / "benchmarks" / "ladder-memory-cpu-tiny.json", ROOT / "benchmarks" / "ladder-speed-cpu-tiny.json"]
+    keys = check_in_browser(browser, _report(tmp_path, "ladder", ladders), tmp_path / "ladder.png")
+    assert keys == ["ladder-memory-cpu-tiny", "ladder-speed-cpu-tiny"]
 
 
 def test_the_checks_catch_a_page_that_fetches_errs_or_is_empty(browser, tmp_path):
