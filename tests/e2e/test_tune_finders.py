@@ -57,6 +57,14 @@ def test_tune_lr_sweeps_the_lm_job_and_plots_it(tiny_overrides, one_thread, tmp_
     code = main(["tune", "lr", "--config", TINY, "--steps", "20", "--plot", str(plot), *tiny_overrides])
     assert code == 2 and "already exists" in capsys.readouterr().err  # never overwritten without --force
 
+    # Again in the same run directory: only the new sweep's steps are read, not the earlier
+    # run's metrics.jsonl (which the new run moves into history/).
+    code = main(["tune", "lr", "--config", TINY, "--steps", "12", "--min-lr", "1e-4", "--max-lr", "1e-3", "--json",
+                 *tiny_overrides, *one_thread])
+    again = json.loads(capsys.readouterr().out)
+    assert code == 0 and again["steps_run"] == 12 and again["lrs"][0] == pytest.approx(1e-4)
+    assert (tmp_path / "run" / "history" / "1" / "metrics.jsonl").is_file()
+
 
 @pytest.mark.timeout(240)
 def test_tune_batch_confirms_the_planned_micro_batch_and_measures_the_noise_scale(tiny_overrides, one_thread, capsys):

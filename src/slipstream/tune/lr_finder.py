@@ -293,6 +293,13 @@ def _arg(key: str, value: object) -> str:
     return f"--{key}={text}"
 
 
+def _inode(path: Path) -> int | None:
+    try:
+        return path.stat().st_ino
+    except FileNotFoundError:
+        return None
+
+
 def _new_records(path: Path, offset: int) -> tuple[list[dict], int]:
     """The whole lines appended to metrics.jsonl since `offset`, parsed, and the new offset."""
     try:
@@ -330,6 +337,8 @@ def tune_lr(config_path: str, overrides: list[str], steps: int = 200, min_lr: fl
     stopped, failed = "", ""
     err_path = work / "train.stderr"
     with open(work / "train.stdout", "wb") as out, open(err_path, "wb") as err:
+        metrics = run_dir / "metrics.jsonl"
+        stale = _inode(metrics)  # an earlier run's file in a given run.dir, until the run moves it to history/
         # Its own session: stopping it stops every rank it started.
         proc = subprocess.Popen(train_command(args, nproc), stdout=out, stderr=err, env=train_env(),
                                 start_new_session=True)
@@ -337,7 +346,7 @@ def tune_lr(config_path: str, overrides: list[str], steps: int = 200, min_lr: fl
         try:
             while True:
                 running = proc.poll() is None
-                records, offset = _new_records(run_dir / "metrics.jsonl", offset)
+                records, offset = _new_records(metrics, offset) if _inode(metrics) != stale else ([], 0)
                 for record in records:
                     if "loss" not in record or "val_loss" in record:
                         continue  # eval or checkpoint records
