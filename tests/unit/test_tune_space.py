@@ -133,6 +133,23 @@ def test_grid_sampler_visits_every_combination_once():
     assert sorted(seen) == sorted((lr, s) for lr in grid["optim.lr"] for s in grid["optim.schedule"])
 
 
+def test_samplers_and_pruners_are_optunas_seeded():
+    space = _space({"optim.lr": {"log_uniform": [1e-4, 1e-2]}, "optim.warmup_steps": {"int": [0, 10]}})
+    kinds = {"tpe": optuna.samplers.TPESampler, "random": optuna.samplers.RandomSampler,
+             "grid": optuna.samplers.GridSampler, "cmaes": optuna.samplers.CmaEsSampler}
+    for name, cls in kinds.items():
+        firsts = []
+        for _ in range(2):  # the same seed: the same first point
+            study = optuna.create_study(sampler=studies.make_sampler(name, 7, space, 3))
+            firsts.append(suggest(study.ask(), space, load_config(TINY)))
+        assert isinstance(study.sampler, cls) and firsts[0] == firsts[1]
+    assert studies.seed_for_trial(7, 1) != studies.seed_for_trial(7, 2)
+    pruners = {"median": optuna.pruners.MedianPruner, "halving": optuna.pruners.SuccessiveHalvingPruner,
+               "hyperband": optuna.pruners.HyperbandPruner, "none": optuna.pruners.NopPruner}
+    for name, cls in pruners.items():
+        assert isinstance(studies.make_pruner(name), cls)
+
+
 @pytest.mark.parametrize("space, fragments", [
     ({"optim.lrr": {"uniform": [0.1, 0.2]}}, ["tune.space.optim.lrr", "no key 'optim.lrr'", "e.g."]),
     ({"optimizer.lr": {"uniform": [0.1, 0.2]}}, ["tune.space.optimizer.lr", "not a config key", "e.g."]),

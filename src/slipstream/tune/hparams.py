@@ -78,9 +78,12 @@ def _prepare_trial_dir(run_dir: Path) -> str:
 
 
 def _write_trial_json(run_dir: Path, number: int, outcome: Outcome, params: dict, study_name: str, url: str) -> None:
+    """The tuner's record of a trial in its run directory (only one the tuner made: marked)."""
     from slipstream.observe.env import write_json_atomic
+    from slipstream.train.rundir import MARKER
 
-    run_dir.mkdir(parents=True, exist_ok=True)
+    if not (run_dir / MARKER).is_file():
+        return
     write_json_atomic(run_dir / "trial.json", {
         "number": number, "state": outcome.state, "params": params, "values": outcome.values,
         "reason": outcome.reason, "study_name": study_name, "storage": url, "run_dir": str(run_dir.resolve()),
@@ -106,11 +109,24 @@ class Tuner:
     prune: bool
     log: Callable[[str], None]
 
+    def _recover(self) -> None:
+        """Fail and requeue the trials a dead worker of this host left running (under the lock)."""
+        recovered = studies.recover_interrupted(self.storage, self.study)
+        by_number = {t.number: t for t in self.study.get_trials(deepcopy=False)}
+        for number in recovered:
+            _write_trial_json(self.folder / "trials" / f"trial_{number:04d}", number,
+                              Outcome("failed", reason="interrupted"), by_number[number].params,
+                              self.study.study_name, self.url)
+        if recovered:
+            self.log(f"note: trial(s) {', '.join(map(str, recovered))} were left running by a worker that is gone: "
+                     "failed as interrupted, their parameters queued again")
+
     def _ask(self):
         """Under the study lock: the next trial and its parameters, or None when the study has
         its trials (finished ones that count, and those other workers are running)."""
         cfg = self.cfg
         with studies.study_lock(self.folder):
+            self._recover()  # at start-up, and whenever a worker beside this one died meanwhile
             counted, running = studies.counted_and_running(self.study)
             if counted + running >= self.target:
                 return None
@@ -141,11 +157,12 @@ class Tuner:
         args = [*self.base_overrides, *(override_arg(k, v) for k, v in params.items()),
                 *(override_arg(k, v) for k, v in {**TRIAL_SETTINGS, "run.dir": str(run_dir)}.items())]
         started = time.monotonic()
-        try:
-            load_config(self.config_path, args)  # the combination must pass the config's own validation
-            refused = _prepare_trial_dir(run_dir)
-        except UserError as e:
-            refused = f"the config refuses these values: {e}"
+        refused = _prepare_trial_dir(run_dir)
+        if not refused:
+            try:
+                load_config(self.config_path, args)  # the combination must pass the config's own validation
+            except UserError as e:
+                refused = f"the config refuses these values: {e}"
         try:
             if refused:
                 outcome = Outcome("failed", reason=refused)
@@ -189,6 +206,7 @@ def tune_hparams(config_path: str, overrides: list[str], trials: int = 20, budge
     from slipstream.config import load_config
     from slipstream.data.ensure import ensure_data
 
+    deadline = None if budget_s is None else time.monotonic() + budget_s
     if not config_path:
         raise UserError("tune hparams needs --config FILE: the training config whose hyper-parameters to tune")
     if trials < 1 or nproc < 1:
@@ -235,20 +253,10 @@ def tune_hparams(config_path: str, overrides: list[str], trials: int = 20, budge
     study, opened = studies.open_study(store, url, name, directions, studies.make_sampler(
         tune.sampler, tune.seed, space, tune.grid_points), studies.make_pruner(tune.pruner), resume, meta)
     notes += opened
-    with studies.study_lock(folder):
-        recovered = studies.recover_interrupted(store, study)
-    by_number = {t.number: t for t in study.get_trials(deepcopy=False)}
-    for number in recovered:
-        _write_trial_json(folder / "trials" / f"trial_{number:04d}", number, Outcome("failed", reason="interrupted"),
-                          by_number[number].params, name, url)
-    if recovered:
-        notes.append(f"trial(s) {', '.join(map(str, recovered))} were left running by a worker that is gone: failed "
-                     "as interrupted, their parameters queued again")
     for note in notes:
         log(f"note: {note}")
     tuner = Tuner(study, store, url, folder, str(config_path), [*overrides, f"--data.dir={Path(data_dir).resolve()}"],
-                  cfg, space, tune.objective, target, None if budget_s is None else time.monotonic() + budget_s, nproc,
-                  prune, log)
+                  cfg, space, tune.objective, target, deadline, nproc, prune, log)
     ran = 0
     while tuner.run_one():
         ran += 1

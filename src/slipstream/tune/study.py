@@ -17,6 +17,7 @@ import fcntl
 import os
 import signal
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -53,8 +54,6 @@ def storage_url(storage: str, folder: Path) -> str:
 def prepare_study_dir(folder: Path) -> None:
     """Create (or check) the study folder: a non-empty folder without slipstream's study marker
     is someone else's and is refused, so no file of theirs is overwritten."""
-    from slipstream.observe.env import write_text_atomic
-
     if folder.exists() and not folder.is_dir():
         raise UserError(f"study folder '{folder}' exists and is not a folder; choose another --tune.dir")
     if folder.is_dir() and not (folder / STUDY_MARKER).is_file() and any(folder.iterdir()):
@@ -62,8 +61,10 @@ def prepare_study_dir(folder: Path) -> None:
                         "choose a new or empty --tune.dir (or another --tune.study_name)")
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        if not (folder / STUDY_MARKER).is_file():
-            write_text_atomic(folder / STUDY_MARKER, "A study folder of `slipstream tune hparams`.\n")
+        # Created in one step (no temp file beside it: a second worker starting now must see
+        # either an empty folder or the marker); its content does not matter.
+        with contextlib.suppress(FileExistsError), open(folder / STUDY_MARKER, "x", encoding="utf-8") as f:
+            f.write("A study folder of `slipstream tune hparams`.\n")
     except OSError as e:
         raise UserError(f"cannot create the study folder '{folder}' ({e.strerror}); choose another --tune.dir") from None
 
@@ -75,6 +76,14 @@ def _shown(url: str) -> str:
 
         return make_url(url).render_as_string(hide_password=True)
     return url
+
+
+def _creation_race(error: Exception) -> bool:
+    """An error of two processes creating one database's tables at once (a duplicate row or
+    table, a lock), which a second try gets past."""
+    text = str(error).lower()
+    return type(error).__name__ in ("IntegrityError", "OperationalError") and any(
+        word in text for word in ("unique constraint", "already exists", "locked", "duplicate"))
 
 
 def open_storage(url: str):
@@ -94,7 +103,13 @@ def open_storage(url: str):
             raise UserError(f"storage '{url}' cannot be opened ({e.strerror}); choose a writable journal:PATH") from None
     engine_kwargs = {"connect_args": {"timeout": SQLITE_TIMEOUT_S}} if url.startswith("sqlite") else None
     try:
-        return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
+        try:
+            return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
+        except Exception as e:  # noqa: BLE001 - see below
+            if not _creation_race(e):
+                raise
+            time.sleep(1.0)  # workers started together race to create the tables: the other one won
+            return optuna.storages.RDBStorage(url, engine_kwargs=engine_kwargs)
     except Exception as e:  # noqa: BLE001 - bad scheme, missing driver, refused connection, unwritable file...
         reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UserError(f"cannot open the study storage '{_shown(url)}' ({type(e).__name__}: {reason[:300]}); give a "
