@@ -58,9 +58,12 @@ def test_report_of_two_real_runs(two_runs, tmp_path, capsys):
     assert "data-section" in out.read_text()
 
 
-def test_compare_two_real_runs(two_runs, capsys):
-    assert main(["compare", *map(str, two_runs)]) == 0
+def test_compare_two_real_runs(two_runs, tmp_path, capsys):
+    latest = tmp_path / "latest"
+    latest.symlink_to(two_runs[1], target_is_directory=True)  # runs/latest is a link to the newest run
+    assert main(["compare", str(two_runs[0]), str(latest)]) == 0
     text = capsys.readouterr().out
+    assert "B: lr-3e-3" in text  # named after the run the link points to
     assert "optim.lr" in text and "0.001" in text and "0.003" in text and "B/A" in text
     assert main(["compare", *map(str, two_runs), "--json"]) == 0
     result = json.loads(capsys.readouterr().out)

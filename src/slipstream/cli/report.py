@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 
 from slipstream.cli._common import add_force, no_extra
 
@@ -42,9 +41,9 @@ def cmd_report(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_compare(args: argparse.Namespace, extra: list[str]) -> int:
-    from slipstream.report.compare import compare_runs, format_comparison
+    from slipstream.report.compare import compare_runs, comparison_json, format_comparison
 
     no_extra(extra)
     result = compare_runs(args.run_a, args.run_b)
-    print(json.dumps(result, indent=2, default=str) if args.json else format_comparison(result))
+    print(comparison_json(result) if args.json else format_comparison(result))
     return 0

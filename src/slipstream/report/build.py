@@ -12,6 +12,7 @@ argument order. Anything else is a UserError naming the path and what was expect
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from slipstream.errors import UserError
@@ -115,8 +116,21 @@ def write_report(paths: list[str | Path], out: str | Path, force: bool = False, 
     from slipstream.outputs import refuse_existing
 
     out = Path(out)
-    refuse_existing(out, force)
-    _inputs_protected(out, list(paths))
-    if not out.expanduser().parent.is_dir():
-        raise UserError(f"--out '{out}': the folder '{out.parent}' does not exist; create it or choose another --out")
-    return write_page(out.expanduser(), build_report(paths, title))
+    with _out_errors(out):
+        refuse_existing(out, force)
+        _inputs_protected(out, list(paths))
+        if not out.expanduser().parent.is_dir():
+            raise UserError(f"--out '{out}': the folder '{out.parent}' does not exist; create it or choose another "
+                            "--out")
+    page = build_report(paths, title)
+    with _out_errors(out):
+        return write_page(out.expanduser(), page)
+
+
+@contextlib.contextmanager
+def _out_errors(out: Path):
+    """An OSError about --out (a name too long, a read-only or full disk) as a UserError naming it."""
+    try:
+        yield
+    except OSError as e:
+        raise UserError(f"--out '{out}' could not be written ({e.strerror or e}); choose another --out") from None

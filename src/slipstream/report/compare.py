@@ -2,20 +2,23 @@
 
 What changed (the config keys whose values differ, as dotted names) and what it did (final loss,
 final val loss, tokens/s, MFU, step time, peak memory: A, B, B - A and B / A). The numbers are
-the report's (runs.run_numbers), so the terminal and the page never disagree.
+the report's (runs.run_numbers), so the terminal and the page never disagree. A run that stopped
+early says where and why; a run that diverged has the final loss nan, and no delta or ratio.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
-from slipstream.report.runs import config_differences, read_runs, run_numbers, short_text
+from slipstream.report.runs import RunData, config_differences, read_runs, run_numbers, short_text, stopped_early
 
 # (key of run_numbers, what the row is called, how its values are written)
 METRICS = (("final_loss", "final loss", "number"), ("final_val_loss", "final val loss", "number"),
-           ("tokens_per_s", "tokens/s", "number"), ("mfu", "MFU", "percent"),
+           ("tokens_per_s", "tokens/s (all processes)", "number"),
+           ("tokens_per_s_per_device", "tokens/s per device", "number"), ("mfu", "MFU", "percent"),
            ("step_time_s", "step time (s, median)", "number"), ("step_peak_bytes", "step peak memory", "bytes"),
            ("mem_peak_bytes", "device peak memory", "bytes"))
 
@@ -28,21 +31,42 @@ def compare_runs(run_a: str | Path, run_b: str | Path) -> dict[str, Any]:
     rows = []
     for key, name, kind in METRICS:
         va, vb = numbers_a[key], numbers_b[key]
+        both = va is not None and vb is not None and math.isfinite(va) and math.isfinite(vb)
         rows.append({"metric": key, "name": name, "kind": kind, "a": va, "b": vb,
-                     "delta": vb - va if va is not None and vb is not None else None,
-                     "ratio": vb / va if va and vb is not None else None})
+                     "delta": vb - va if both else None, "ratio": vb / va if both and va != 0 else None})
     if a.config and b.config:
         differences = [{"key": key, "a": va, "b": vb} for key, (va, vb) in config_differences([a.config, b.config])]
     else:
         differences = None  # unknown: a run has no readable config.toml
-    return {"a": {"name": a.name, "path": str(a.path), "notes": a.notes},
-            "b": {"name": b.name, "path": str(b.path), "notes": b.notes},
-            "config_differences": differences, "metrics": rows}
+    return {"a": _side(a), "b": _side(b), "config_differences": differences, "metrics": rows}
+
+
+def _side(run: RunData) -> dict[str, Any]:
+    stop = stopped_early(run)
+    stopped = {"step": stop[0], "reason": stop[1]} if stop else None
+    return {"name": run.name, "path": str(run.path), "stopped_early": stopped, "notes": run.notes}
+
+
+def comparison_json(result: dict[str, Any]) -> str:
+    """The comparison as strict JSON (what --json prints): a non-finite number (a diverged run's
+    final loss) is written as the string "nan" or "inf", which every JSON reader accepts."""
+    def plain(value: Any) -> Any:
+        if isinstance(value, float) and not math.isfinite(value):
+            return str(value)
+        if isinstance(value, dict):
+            return {k: plain(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [plain(v) for v in value]
+        return value
+
+    return json.dumps(plain(result), indent=2, default=str, allow_nan=False)
 
 
 def _format(value: float | None, kind: str, signed: bool = False) -> str:
     if value is None:
         return "-"
+    if not math.isfinite(value):
+        return str(value)
     sign = "+" if signed and value > 0 else ""
     if kind == "percent":
         return f"{sign}{100 * value:.2f}%"
@@ -79,6 +103,11 @@ def format_comparison(result: dict[str, Any]) -> str:
         table.append([row["name"], _format(row["a"], row["kind"]), _format(row["b"], row["kind"]),
                       _format(row["delta"], row["kind"], signed=True), ratio])
     lines += _columns(table)
+    for side in ("a", "b"):
+        stopped = result[side].get("stopped_early")
+        if stopped:
+            at = f" at step {stopped['step']:g}" if stopped["step"] is not None else ""
+            lines.append(_printable(f"{side.upper()} stopped early{at}: {stopped['reason']}"))
     for side in ("a", "b"):
         for note in result[side]["notes"]:
             lines.append(_printable(f"note ({result[side]['name']}): {note}"))

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import statistics
-
 from slipstream.report.page import Section, figure, paragraph, table
 from slipstream.report.run_plots import color, human_bytes, label, mib, panels, style
-from slipstream.report.runs import RunData, memory_summary, number, rank_entries, run_numbers
+from slipstream.report.runs import RunData, median_steady, memory_summary, number, rank_entries, run_numbers
 from slipstream.report.run_sections import lacking
 
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "other")
@@ -128,7 +126,8 @@ def planned_section(runs: list[RunData]) -> Section:
 
 
 def _ratio_text(a: float | None, b: float | None) -> str:
-    return f"{a / b:.2f}x" if a is not None and b else "-"
+    # Three significant digits: a planner 200x off on a tiny CPU run must not read "0.00x".
+    return f"{a / b:.3g}x" if a is not None and b else "-"
 
 
 def _paired_bars(ax, items: list[tuple[int, RunData, float, float]], scale: float) -> None:
@@ -145,28 +144,25 @@ def _rank_speed(run: RunData) -> dict[int, tuple[float | None, float | None]]:
     for rank, records in sorted(run.rank_logs.items()):
         speed = [r["tokens_per_s"] for r in records if "tokens_per_s" in r]
         step = [r["step_time_s"] for r in records if "step_time_s" in r]
-        out[rank] = (_steady(speed), _steady(step))
+        out[rank] = (median_steady(speed), median_steady(step))
     return out
 
 
-def _steady(values: list[float]) -> float | None:
-    values = values[1:] if len(values) > 1 else values
-    return statistics.median(values) if values else None
-
-
-def _rank_memory(run: RunData) -> dict[int, float]:
-    """rank -> the peak of one training step on it (summary.json "ranks"), else the device peak."""
+def _rank_memory(run: RunData) -> tuple[dict[int, float], str]:
+    """(rank -> bytes, which peak): the peak of one training step on each rank (summary.json
+    "ranks") where every rank has one, else each rank's device peak (its resident set on CPU).
+    One kind for all ranks: a step peak beside a device peak would look like an imbalance."""
+    entries = rank_entries(run)
+    for key, kind in (("step_peak_bytes", "step peak"), ("mem_peak_bytes", "device peak")):
+        out = {int(e["rank"]): v for e in entries if (v := number(e.get(key))) is not None}
+        if out and len(out) == len(entries):
+            return out, kind
     out = {}
-    for entry in rank_entries(run):
-        peak = number(entry.get("step_peak_bytes")) or number(entry.get("mem_peak_bytes"))
-        if peak is not None:
-            out[int(entry["rank"])] = peak
-    if not out:
-        for rank, records in run.rank_logs.items():
-            peaks = [r["mem_peak_bytes"] for r in records if "mem_peak_bytes" in r]
-            if peaks:
-                out[rank] = max(peaks)
-    return out
+    for rank, records in run.rank_logs.items():
+        peaks = [r["mem_peak_bytes"] for r in records if "mem_peak_bytes" in r]
+        if peaks:
+            out[rank] = max(peaks)
+    return out, "device peak"
 
 
 def _spread(values: list[float]) -> str:
@@ -181,14 +177,15 @@ def ranks_section(runs: list[RunData]) -> Section:
         section.add(paragraph(("This is a single-process run" if len(runs) == 1 else "These are single-process runs")
                               + ": there are no ranks to compare.", "note"))
         return section
-    have = [r for r in distributed if _rank_speed(r) or _rank_memory(r)]
+    have = [r for r in distributed if _rank_speed(r) or _rank_memory(r)[0]]
     if lacking(section, distributed, have, "per-rank numbers (summary.json \"ranks\" or logs/rank<R>.jsonl)"):
         return section
     fig, (speed_ax, mem_ax) = panels(2)
     width = 0.8 / len(have)
-    rows = []
+    rows, kinds = [], set()
     for slot, run in enumerate(have):
-        speed, memory = _rank_speed(run), _rank_memory(run)
+        speed, (memory, kind) = _rank_speed(run), _rank_memory(run)
+        kinds |= {kind} if memory else set()
         offset = (slot - (len(have) - 1) / 2) * width
         index = runs.index(run)
         if speed:
@@ -203,7 +200,7 @@ def ranks_section(runs: list[RunData]) -> Section:
     for ax in (speed_ax, mem_ax):
         ax.xaxis.get_major_locator().set_params(integer=True)
     style(speed_ax, "rank", "tokens/s of the process", "speed per rank (logs/rank<R>.jsonl)")
-    style(mem_ax, "rank", "MiB", "step peak memory per rank")
+    style(mem_ax, "rank", "MiB", f"{' / '.join(sorted(kinds)) or 'peak'} memory per rank")
     section.add(figure(fig, "ranks", "Medians over the logging intervals after the first. A slow rank holds "
                                      "every rank back at the next collective."))
     section.add(table(["run", "processes", "tokens/s max/min", "step time max/min", "memory max/min",

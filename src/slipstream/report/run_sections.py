@@ -14,7 +14,7 @@ from typing import Callable
 
 from slipstream.report.page import Section, figure, paragraph, table
 from slipstream.report.run_plots import color, human_bytes, label, panels, style
-from slipstream.report.runs import RunData, run_numbers, short_text
+from slipstream.report.runs import RunData, run_numbers, stopped_early
 
 SECTION_KEYS = ("runs", "loss", "lr", "grad-norm", "throughput", "data-wait", "memory", "planned", "ranks", "events",
                 "experts", "doctor", "environment", "config-diff", "config")
@@ -35,7 +35,9 @@ def run_sections(runs: list[RunData]) -> list[Section]:
 def lacking(section: Section, runs: list[RunData], have: list[RunData], what: str) -> bool:
     """Say in one line which runs lack `what`; True when none has it (the section is done)."""
     if not have:
-        section.add(paragraph(f"{_these(runs)} no {what}.", "note"))
+        # "None of these runs has no X" said the opposite; a one-run page keeps "This run has no X".
+        text = f"This run has no {what}." if len(runs) == 1 else f"No {what} in any of these runs."
+        section.add(paragraph(text, "note"))
         return True
     missing = [r.name for r in runs if r not in have]
     if missing:
@@ -43,13 +45,9 @@ def lacking(section: Section, runs: list[RunData], have: list[RunData], what: st
     return False
 
 
-def _these(runs: list[RunData]) -> str:
-    return "This run has" if len(runs) == 1 else "None of these runs has"
-
-
 def overview_section(runs: list[RunData]) -> Section:
     section = Section("runs", "Runs")
-    header = ["run", "folder", "steps", "tokens", "final loss", "final val loss", "tokens/s", "MFU",
+    header = ["run", "folder", "steps", "tokens", "final loss", "final val loss", "tokens/s (all processes)", "MFU",
               "step time (ms)", "step peak memory", "device peak memory", "wall time (s)", "device", "processes"]
     rows = []
     for run in runs:
@@ -60,14 +58,15 @@ def overview_section(runs: list[RunData]) -> Section:
                      human_bytes(n["step_peak_bytes"]), human_bytes(n["mem_peak_bytes"]), n["wall_time_s"],
                      str(run.summary.get("device", "-"))[:40], run.world_size])
     section.add(table(header, rows, "runs"))
-    section.add(paragraph("Step time: the median over the logging intervals after the first (warm-up). Step peak "
-                          "memory: one training step measured by slipstream's memory probe (the largest rank's); "
-                          "device peak memory: on CPU the process's resident set, on CUDA the peak allocated.", "note"))
+    section.add(paragraph("tokens/s: the whole run's tokens over its training time (eval and checkpoints "
+                          "excluded); MFU: at that speed per device. Step time: the median over the logging "
+                          "intervals after the first (warm-up). Step peak memory: one training step measured by "
+                          "slipstream's memory probe; device peak memory: on CPU the process's resident set, on "
+                          "CUDA the peak allocated (both the largest rank's).", "note"))
     for run in runs:
-        stopped = run.summary.get("stopped_early")
-        if isinstance(stopped, dict):
-            section.add(paragraph(f"{run.name}: stopped early at step {short_text(stopped.get('step', '?'), 20)} "
-                                  f"({short_text(stopped.get('reason', ''))})", "note"))
+        if stop := stopped_early(run):
+            at = f" at step {stop[0]:g}" if stop[0] is not None else ""
+            section.add(paragraph(f"{run.name}: stopped early{at} ({stop[1]})", "note"))
         for note in run.notes:
             section.add(paragraph(f"{run.name}: {note}", "note"))
     return section
@@ -87,7 +86,12 @@ def _plot_series(ax, runs: list[RunData], key: str, scale: float = 1.0, linestyl
         steps, values = transform(run) if transform else run.series(key)
         if steps:
             ax.plot(steps, [v * scale for v in values], color=color(i), linestyle=linestyle,
-                    marker="." if len(steps) < 50 else None, label=label(run.name + suffix))
+                    marker=_marker(steps), label=label(run.name + suffix))
+
+
+def _marker(points: list) -> str | None:
+    """Dots on a short curve: a run that logged one interval is otherwise an invisible line."""
+    return "." if len(points) < 50 else None
 
 
 def loss_section(runs: list[RunData]) -> Section:
@@ -96,12 +100,12 @@ def loss_section(runs: list[RunData]) -> Section:
     if lacking(section, runs, have, "training or validation loss (metrics.jsonl has no records)"):
         return section
     fig, (by_step, by_tokens) = panels(2)
-    events = stalls = False
+    events = stalls = stops = False
     for i, run in enumerate(runs):
         steps, losses = run.series("loss")
         name = label(run.name)
         if steps:
-            by_step.plot(steps, losses, color=color(i), label=f"{name} train")
+            by_step.plot(steps, losses, color=color(i), marker=_marker(steps), label=f"{name} train")
         evals = [(e["step"], e["val_loss"]) for e in run.evals if "val_loss" in e]
         if evals:
             by_step.plot(*zip(*evals), color=color(i), linestyle="--", marker="o", markersize=3, label=f"{name} val")
@@ -109,17 +113,20 @@ def loss_section(runs: list[RunData]) -> Section:
         if tokens_at is not None:
             points = [(r["tokens"], r["loss"]) for r in run.intervals if "tokens" in r and "loss" in r]
             if points:
-                by_tokens.plot(*zip(*points), color=color(i), label=f"{name} train")
+                by_tokens.plot(*zip(*points), color=color(i), marker=_marker(points), label=f"{name} train")
             if evals:
                 by_tokens.plot([tokens_at(s) for s, _ in evals], [v for _, v in evals], color=color(i),
                                linestyle="--", marker="o", markersize=3, label=f"{name} val")
         events |= _mark_events(by_step, run, i, first=not events)
         stalls |= _mark_stalls(by_step, run, i, first=not stalls)
+        stops |= _mark_early_stop(by_step, run, i, first=not stops)
     style(by_step, "step", "loss", "loss vs step")
     style(by_tokens, "tokens", "loss", "loss vs tokens")
     caption = "Solid: training loss (mean over each logging interval); dashed: validation loss."
     if events or stalls:
         caption += " Markers on the left plot: X a stability event (guard), ▼ a checkpoint save (stalls in Events)."
+    if stops:
+        caption += " Dotted vertical line: where early stopping ended the run (the reason is under Runs)."
     section.add(figure(fig, "loss", caption))
     if not any(_tokens_at_step(r) for r in runs):
         section.add(paragraph("No run logged its token count, so the loss vs tokens plot is empty.", "note"))
@@ -169,6 +176,15 @@ def _mark_stalls(ax, run: RunData, index: int, first: bool) -> bool:
     return True
 
 
+def _mark_early_stop(ax, run: RunData, index: int, first: bool) -> bool:
+    """The step where early stopping ended the run, as a dotted vertical line."""
+    stop = stopped_early(run)
+    if stop is None or stop[0] is None:
+        return False
+    ax.axvline(stop[0], color=color(index), linestyle=":", linewidth=1.5, label="stopped early" if first else None)
+    return True
+
+
 def lr_section(runs: list[RunData]) -> Section:
     section = Section("lr", "Learning rate")
     have = _with(runs, "lr")
@@ -177,7 +193,11 @@ def lr_section(runs: list[RunData]) -> Section:
     fig, (ax,) = panels(1, width=7)
     _plot_series(ax, runs, "lr")
     style(ax, "step", "learning rate", "learning rate at the end of each logging interval")
-    ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+    peaks = [max(r.series("lr")[1]) for r in have]
+    if min(peaks) > 0 and max(peaks) > 30 * min(peaks):  # runs orders of magnitude apart: the lower ones flat
+        ax.set_yscale("log")
+    else:
+        ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     section.add(figure(fig, "lr", "The schedule's learning rate (first parameter group)."))
     return section
 
@@ -255,10 +275,11 @@ def events_section(runs: list[RunData]) -> Section:
         section.add(paragraph(f"{len(rows)} events; the first {MAX_EVENT_ROWS} are listed.", "note"))
     section.add(table(["run", "step", "event", "action", "details"], rows[:MAX_EVENT_ROWS], "events"))
     for run in have:
-        stalls = [s for _, s in run.stalls]
-        if stalls:
-            section.add(paragraph(f"{run.name}: {len(stalls)} checkpoint save(s), the training stalled "
-                                  f"{sum(stalls):.3g} s in all (longest {max(stalls):.3g} s).", "note"))
+        count, total, longest = run.stall_totals  # every save, also those a long run's list thins out
+        if count:
+            shown = f"; {len(run.stalls)} of them are listed" if count > len(run.stalls) else ""
+            section.add(paragraph(f"{run.name}: {count} checkpoint save(s), the training stalled {total:.3g} s in "
+                                  f"all (longest {longest:.3g} s){shown}.", "note"))
     return section
 
 

@@ -5,7 +5,10 @@ run that crashed, was copied half-way, or was edited by hand, so every file is r
 defensively: sizes are capped, a missing file or a line that does not parse is skipped with a
 note that the page shows, and only the fields the report draws are kept, as plain numbers and
 short strings. Reading a run never runs code (TOML and JSON only) and its memory is bounded
-whatever the length of the run: interval records beyond MAX_POINTS are thinned evenly.
+whatever the length of the run: interval records beyond MAX_POINTS are thinned evenly (the last
+one always kept: it holds the final loss, step and tokens). Only files that really lie in the run
+folder are read: a file there that links elsewhere (a config.toml linked to a credentials file)
+would put that file's text on a page meant to be shared.
 
 What a run directory holds (see README "Run directory"):
 
@@ -37,9 +40,10 @@ RUN_JSON = Cap("run JSON file (summary.json, env.json)", 64 * MiB, "SLIPSTREAM_M
 RUN_CONFIG = Cap("run config.toml", 16 * MiB, "SLIPSTREAM_MAX_RUN_CONFIG_BYTES")
 METRICS_LINE = Cap("metrics.jsonl line", 16 * MiB, "SLIPSTREAM_MAX_METRICS_LINE_BYTES")
 
-MAX_POINTS = 20_000  # interval records kept per run (and per rank log); a longer run is thinned evenly
-MAX_EVENTS = 2_000  # eval records, checkpoint stalls, guard events kept per run
+MAX_POINTS = 20_000  # interval records kept per run; a longer run is thinned evenly
+MAX_EVENTS = 2_000  # eval records and checkpoint stalls kept per run (thinned), guard events (the first)
 MAX_RANK_LOGS = 256
+MAX_RANK_POINTS = 2_000  # records kept per rank log: only their medians and peak are shown
 MAX_TRACES = 64
 MAX_MOE_LAYERS = 256
 MAX_EXPERTS = 4_096
@@ -49,6 +53,7 @@ MAX_TEXT = 200  # characters of a string from a run file shown on the page
 # The fields of an interval record the report draws (the rest: MoE, mixture, memory detail).
 INTERVAL_KEYS = ("step", "loss", "lr", "grad_norm", "grad_norm_clipped", "step_time_s", "data_wait_s",
                  "tokens_per_s", "tokens_per_s_per_device", "mfu", "mem_peak_bytes", "tokens")
+RANK_KEYS = ("step", "step_time_s", "tokens_per_s", "mem_peak_bytes")  # what the per-rank section draws
 GUARD_KEYS = ("loss", "grad_norm", "median")
 _MOE_KEY = re.compile(r"moe/(.{1,100})/(load|imbalance)")
 _RANK_LOG = re.compile(r"rank(\d{1,6})\.jsonl")
@@ -80,6 +85,8 @@ class RunData:
     intervals: list[dict[str, float]] = field(default_factory=list)  # INTERVAL_KEYS present as numbers
     evals: list[dict[str, float]] = field(default_factory=list)  # step, val_loss, val_loss_stderr
     stalls: list[tuple[float, float]] = field(default_factory=list)  # (step, checkpoint stall seconds)
+    stall_totals: tuple[int, float, float] = (0, 0.0, 0.0)  # every stall, also the thinned: count, sum, max
+    last_loss: float | None = None  # of the last interval that logged one; NaN where the run diverged
     guard_events: list[dict[str, Any]] = field(default_factory=list)  # step, kind, action, loss, grad_norm
     moe_loads: dict[str, list[float]] = field(default_factory=dict)  # layer -> last per-expert load
     moe_load_step: float | None = None
@@ -122,12 +129,15 @@ def read_run(path: str | Path, name: str | None = None) -> RunData:
                         "--run.dir of a `slipstream train` run, e.g. runs/latest")
     folder = given.resolve()
     run = RunData(folder, name or folder.name)
-    run.config_text, run.config = _read_config(folder / "config.toml", run)
-    run.env = _read_json_object(folder / "env.json", run)
-    run.summary = _read_json_object(folder / "summary.json", run)
-    _read_metrics(folder / "metrics.jsonl", run)
-    _read_rank_logs(folder / "logs", run)
-    run.trace_files = _trace_files(folder, run)
+    try:  # each reader turns a damaged file into a note; this is for a folder that cannot be listed
+        run.config_text, run.config = _read_config(folder / "config.toml", run)
+        run.env = _read_json_object(folder / "env.json", run)
+        run.summary = _read_json_object(folder / "summary.json", run)
+        _read_metrics(folder / "metrics.jsonl", run)
+        _read_rank_logs(folder / "logs", run)
+        run.trace_files = _trace_files(folder, run)
+    except OSError as e:
+        raise UserError(f"'{given}' could not be read ({e.strerror or e}); check its permissions") from None
     if (folder / "history").is_dir():
         run.note("history/ holds the results of earlier runs in this folder; only the latest run is shown "
                  "(give history/<n> to report an earlier one)")
@@ -154,9 +164,25 @@ def unique_names(paths: list[Path]) -> list[str]:
 # ---------------------------------------------------------------------------- files
 
 
-def _read_config(path: Path, run: RunData) -> tuple[str | None, dict[str, Any]]:
+def _own_file(path: Path, run: RunData) -> bool:
+    """Whether `path` is a file that really lies in the run folder (run.path, resolved); a link
+    to a file elsewhere is noted and not read."""
     if not path.is_file():
-        run.note("config.toml is missing: no resolved config, config differences or planned step time")
+        return False
+    try:
+        inside = path.resolve().is_relative_to(run.path)
+    except (OSError, RuntimeError):  # a link loop
+        inside = False
+    if not inside:
+        run.note(f"{path.relative_to(run.path)} links to a file outside the run directory; it is not read "
+                 "(a report shows only the run's own files)")
+    return inside
+
+
+def _read_config(path: Path, run: RunData) -> tuple[str | None, dict[str, Any]]:
+    if not _own_file(path, run):
+        if not path.is_file():
+            run.note("config.toml is missing: no resolved config, config differences or planned step time")
         return None, {}
     try:
         text = read_bytes_capped(path, RUN_CONFIG).decode("utf-8")
@@ -167,8 +193,9 @@ def _read_config(path: Path, run: RunData) -> tuple[str | None, dict[str, Any]]:
 
 
 def _read_json_object(path: Path, run: RunData) -> dict[str, Any]:
-    if not path.is_file():
-        run.note(f"{path.name} is missing" + (" (the run did not finish?)" if path.name == "summary.json" else ""))
+    if not _own_file(path, run):
+        if not path.is_file():
+            run.note(f"{path.name} is missing" + (" (the run did not finish?)" if path.name == "summary.json" else ""))
         return {}
     try:
         value = load_json_capped(path, RUN_JSON)
@@ -213,45 +240,70 @@ def jsonl_records(path: Path, run: RunData) -> Iterator[dict[str, Any]]:
 
 class _Thinned:
     """A list that keeps every k-th item appended, doubling k when it would pass `limit`, so a
-    long run's curve keeps its shape in bounded memory."""
+    long run's curve keeps its shape in bounded memory. `items` ends with the last item appended
+    even where the stride skips it: the final loss, step and tokens are read from it."""
 
-    def __init__(self, limit: int = MAX_POINTS):
-        self.items: list[Any] = []
-        self.limit, self.stride, self.seen = limit, 1, 0
+    def __init__(self, limit: int | None = None):
+        self.kept: list[Any] = []
+        self.limit, self.stride, self.seen = limit or MAX_POINTS, 1, 0
+        self.last: Any = None
 
     def append(self, item: Any) -> bool:
         keep = self.seen % self.stride == 0
         self.seen += 1
+        self.last = item
         if keep:
-            self.items.append(item)
-            if len(self.items) > self.limit:
-                self.items = self.items[::2]
+            self.kept.append(item)
+            if len(self.kept) > self.limit:
+                self.kept = self.kept[::2]
                 self.stride *= 2
         return keep
+
+    @property
+    def items(self) -> list[Any]:
+        if self.seen and (not self.kept or self.kept[-1] is not self.last):
+            return [*self.kept, self.last]
+        return list(self.kept)
 
 
 def _interval(record: dict[str, Any]) -> dict[str, float]:
     return {k: v for k in INTERVAL_KEYS if (v := number(record.get(k))) is not None}
 
 
+def _diverged(record: dict[str, Any], run: RunData) -> bool:
+    """Whether an interval record's loss says the run diverged. The trainer logs a NaN or inf as
+    null and stops; null is also what a stability guard logs when it dropped every step of the
+    interval, so it means divergence only where no guard ran (stability.policy "none")."""
+    loss = record.get("loss")
+    if isinstance(loss, float) and not math.isfinite(loss):  # a foreign writer's bare NaN
+        return True
+    stability = run.config.get("stability")  # no config: no telling, so not a divergence
+    return "loss" in record and loss is None and isinstance(stability, dict) and stability.get("policy") == "none"
+
+
 def _read_metrics(path: Path, run: RunData) -> None:
-    if not path.is_file():
-        run.note("metrics.jsonl is missing: no curves")
+    if not _own_file(path, run):
+        if not path.is_file():
+            run.note("metrics.jsonl is missing: no curves")
         return
-    intervals = _Thinned()
+    intervals, evals, stalls = _Thinned(), _Thinned(MAX_EVENTS), _Thinned(MAX_EVENTS)
+    count, total, longest = 0, 0.0, 0.0
+    dropped_events, diverged_at = 0, None
     try:
         for record in jsonl_records(path, run):
             step = number(record["step"])
             if "val_loss" in record:
-                if len(run.evals) < MAX_EVENTS:
-                    run.evals.append({k: v for k in ("step", "val_loss", "val_loss_stderr", "val_tokens")
-                                      if (v := number(record.get(k))) is not None})
+                evals.append({k: v for k in ("step", "val_loss", "val_loss_stderr", "val_tokens")
+                              if (v := number(record.get(k))) is not None})
             elif "checkpoint_stall_s" in record:
                 stall = number(record["checkpoint_stall_s"])
-                if stall is not None and len(run.stalls) < MAX_EVENTS:
-                    run.stalls.append((step, stall))
+                if stall is not None:
+                    stalls.append((step, stall))
+                    count, total, longest = count + 1, total + stall, max(longest, stall)
             elif "guard_event" in record:
-                if len(run.guard_events) < MAX_EVENTS:
+                if len(run.guard_events) >= MAX_EVENTS:
+                    dropped_events += 1
+                else:
                     event = {"step": step, "kind": short_text(record["guard_event"], 60),
                              "action": short_text(record.get("action", ""), 60)}
                     # A non-finite loss is logged as the string "nan" / "inf": keep it as text.
@@ -259,15 +311,27 @@ def _read_metrics(path: Path, run: RunData) -> None:
                                   for k in GUARD_KEYS if k in record})
                     run.guard_events.append(event)
             elif "step_time_s" in record or "loss" in record:
-                if intervals.append(_interval(record)):
-                    _moe_fields(record, step, run)
+                _moe_fields(record, step, run, over_time=intervals.append(_interval(record)))
+                if _diverged(record, run):
+                    run.last_loss = math.nan
+                    if diverged_at is None:
+                        diverged_at = step
+                elif (loss := number(record.get("loss"))) is not None:
+                    run.last_loss, diverged_at = loss, None
     except OSError as e:
         run.note(f"metrics.jsonl could not be read to the end ({e.strerror or e}); what was read is shown")
-    run.intervals = intervals.items
+    run.intervals, run.evals, run.stalls = intervals.items, evals.items, stalls.items
+    run.stall_totals = (count, total, longest)
+    if dropped_events:
+        run.note(f"{dropped_events} more stability events are not listed (the first {MAX_EVENTS} are)")
+    if diverged_at is not None:
+        run.note(f"the loss was NaN or infinite from step {diverged_at:g} on: the run diverged (its final loss "
+                 "is shown as nan)")
 
 
-def _moe_fields(record: dict[str, Any], step: float, run: RunData) -> None:
-    """An MoE run's per-layer expert loads (the last ones kept) and imbalance (over time)."""
+def _moe_fields(record: dict[str, Any], step: float, run: RunData, over_time: bool) -> None:
+    """An MoE run's per-layer expert loads (the last ones kept) and, for the records the curves
+    keep (over_time), imbalance."""
     loads = {}
     for key, value in record.items():
         match = _MOE_KEY.fullmatch(key)
@@ -276,7 +340,7 @@ def _moe_fields(record: dict[str, Any], step: float, run: RunData) -> None:
         layer, what = match.groups()
         if layer not in run.moe_imbalance and len(run.moe_imbalance) >= MAX_MOE_LAYERS:
             continue
-        if what == "imbalance" and (v := number(value)) is not None:
+        if what == "imbalance" and over_time and (v := number(value)) is not None:
             run.moe_imbalance.setdefault(layer, []).append((step, v))
         elif what == "load" and isinstance(value, list) and 0 < len(value) <= MAX_EXPERTS:
             numbers = [number(v) for v in value]
@@ -289,16 +353,16 @@ def _moe_fields(record: dict[str, Any], step: float, run: RunData) -> None:
 def _read_rank_logs(folder: Path, run: RunData) -> None:
     if not folder.is_dir():
         return
-    files = sorted((int(m.group(1)), p) for p in folder.iterdir() if (m := _RANK_LOG.fullmatch(p.name)) and p.is_file())
+    files = sorted((int(m.group(1)), p) for p in folder.iterdir()
+                   if (m := _RANK_LOG.fullmatch(p.name)) and _own_file(p, run))
     if len(files) > MAX_RANK_LOGS:
         run.note(f"logs/ holds {len(files)} rank logs; the first {MAX_RANK_LOGS} are read")
     for rank, path in files[:MAX_RANK_LOGS]:
-        records = _Thinned()
+        records = _Thinned(MAX_RANK_POINTS)
         try:
             for record in jsonl_records(path, run):
                 if "step_time_s" in record or "tokens_per_s" in record:
-                    records.append(_interval(record) | ({"mem_peak_bytes": v} if (v := number(
-                        record.get("mem_peak_bytes"))) is not None else {}))
+                    records.append({k: v for k in RANK_KEYS if (v := number(record.get(k))) is not None})
         except OSError as e:
             run.note(f"logs/{path.name} could not be read ({e.strerror or e})")
         run.rank_logs[rank] = records.items
@@ -311,8 +375,8 @@ def _trace_files(folder: Path, run: RunData) -> list[Path]:
     if not traces.is_dir():
         return []
     found = sorted(p for p in traces.iterdir()
-                   if p.is_file() and not p.is_symlink() and (p.name.endswith(".json") or p.name.endswith(".json.gz"))
-                   and not p.name.startswith("memory_timeline"))
+                   if (p.name.endswith(".json") or p.name.endswith(".json.gz"))
+                   and not p.name.startswith("memory_timeline") and _own_file(p, run))
     if len(found) > MAX_TRACES:
         run.note(f"traces/ holds {len(found)} traces; the first {MAX_TRACES} are analysed")
     return found[:MAX_TRACES]
@@ -321,7 +385,7 @@ def _trace_files(folder: Path, run: RunData) -> list[Path]:
 # ---------------------------------------------------------------------------- numbers
 
 
-def _median_steady(values: list[float]) -> float | None:
+def median_steady(values: list[float]) -> float | None:
     """The median without the first interval (start-up and warm-up make it slow), when more remain."""
     values = values[1:] if len(values) > 1 else values
     return statistics.median(values) if values else None
@@ -330,27 +394,49 @@ def _median_steady(values: list[float]) -> float | None:
 def run_numbers(run: RunData) -> dict[str, float | None]:
     """The headline numbers of a run: summary.json's, else what metrics.jsonl says.
 
-    step_time_s is the median interval step time after the first interval (which holds the
-    warm-up); step_peak_bytes is the measured peak of one training step (summary "memory", the
-    largest rank's for a distributed run); mem_peak_bytes the device's (CPU: the process's RSS)."""
+    tokens_per_s is the whole job's, tokens_per_s_per_device that over the processes (what MFU is
+    computed from); step_time_s is the median interval step time after the first interval (which
+    holds the warm-up); step_peak_bytes is the measured peak of one training step (summary
+    "memory"), mem_peak_bytes the device's (CPU: the process's RSS); both the largest rank's in a
+    distributed run."""
     s = run.summary
-    memory = s.get("memory") if isinstance(s.get("memory"), dict) else {}
-    rank_peaks = [number(r.get("step_peak_bytes")) for r in rank_entries(run)]
-    rank_peaks = [p for p in rank_peaks if p is not None]
-    losses = run.series("loss")[1]
-    mfus = run.series("mfu")[1]
+    memory = memory_summary(run)
+    step_peaks = [p for r in rank_entries(run) if (p := number(r.get("step_peak_bytes"))) is not None]
+    device_peaks = [p for r in rank_entries(run) if (p := number(r.get("mem_peak_bytes"))) is not None]
+    speed = _first(number(s.get("tokens_per_s")), median_steady(run.series("tokens_per_s")[1]))
+    per_device = _first(number(s.get("tokens_per_s_per_device")),
+                        median_steady(run.series("tokens_per_s_per_device")[1]),
+                        speed / run.world_size if speed is not None else None)
     return {
-        "final_loss": _first(number(s.get("final_loss")), losses[-1] if losses else None),
+        "final_loss": _first(number(s.get("final_loss")), run.last_loss),
         "final_val_loss": _first(number(s.get("val_loss")), run.evals[-1].get("val_loss") if run.evals else None),
-        "tokens_per_s": _first(number(s.get("tokens_per_s")), _median_steady(run.series("tokens_per_s")[1])),
-        "mfu": _first(number(s.get("mfu")), sum(mfus) / len(mfus) if mfus else None),
-        "step_time_s": _median_steady(run.series("step_time_s")[1]),
-        "step_peak_bytes": _first(max(rank_peaks) if rank_peaks else None, number(memory.get("peak_bytes"))),
-        "mem_peak_bytes": _first(number(s.get("mem_peak_bytes")), max(run.series("mem_peak_bytes")[1], default=None)),
+        "tokens_per_s": speed,  # the whole job's (every process)
+        "tokens_per_s_per_device": per_device,
+        "mfu": _mfu(run, per_device),
+        "step_time_s": median_steady(run.series("step_time_s")[1]),
+        "step_peak_bytes": _first(max(step_peaks, default=None), number(memory.get("peak_bytes"))),
+        "mem_peak_bytes": _first(max(device_peaks, default=None), number(s.get("mem_peak_bytes")),
+                                 max(run.series("mem_peak_bytes")[1], default=None)),
         "steps": _first(number(s.get("steps")), run.intervals[-1]["step"] if run.intervals else None),
         "tokens": _first(number(s.get("tokens")), run.intervals[-1].get("tokens") if run.intervals else None),
         "wall_time_s": number(s.get("wall_time_s")),
     }
+
+
+def _mfu(run: RunData, per_device: float | None) -> float | None:
+    """MFU at the run's tokens/s per device. summary.json's "mfu" is the mean of the intervals'
+    MFUs, which a few fast intervals pull far above what the run's tokens/s says (a mean of rates
+    overweights the short intervals); every interval's MFU / tokens/s per device is the same
+    constant (FLOPs per token / peak FLOP/s), so that times the run's tokens/s per device is the
+    MFU that agrees with it."""
+    constants = []
+    for r in run.intervals:
+        device_speed = r.get("tokens_per_s_per_device", r.get("tokens_per_s", 0.0) / run.world_size)
+        if "mfu" in r and device_speed > 0:
+            constants.append(r["mfu"] / device_speed)
+    if per_device is not None and constants:
+        return per_device * statistics.median(constants)
+    return number(run.summary.get("mfu"))
 
 
 def _first(*values: float | None) -> float | None:
@@ -363,6 +449,15 @@ def rank_entries(run: RunData) -> list[dict[str, Any]]:
     if not isinstance(ranks, list):
         return []
     return [r for r in ranks[:MAX_RANK_LOGS] if isinstance(r, dict) and number(r.get("rank")) is not None]
+
+
+def stopped_early(run: RunData) -> tuple[float | None, str] | None:
+    """(step, reason) where summary.json says the run stopped early (train.early_stop_patience)."""
+    stopped = run.summary.get("stopped_early")
+    if not isinstance(stopped, dict):
+        return None
+    reason = stopped.get("reason")
+    return number(stopped.get("step")), short_text(reason) if isinstance(reason, str) else "no reason given"
 
 
 def memory_summary(run: RunData) -> dict[str, Any]:
