@@ -174,3 +174,11 @@ def test_a_one_interval_run_is_visible_and_absent_data_is_said_plainly(tmp_path,
     section = Section("experts", "Experts")
     run_sections.lacking(section, [short, short], [], "mixture-of-experts layers")
     assert "No mixture-of-experts layers in any of these runs." in section.parts[0]  # was "None ... has no ..."
+
+
+def test_one_folder_given_twice_keeps_its_name():
+    from slipstream.report.runs import unique_names
+
+    a, b = Path("/runs/a"), Path("/other/b")
+    assert unique_names([a, a, b]) == ["a (1)", "a (2)", "b"]  # was "//runs/a (1)", ..., "//other/b (3)"
+    assert unique_names([Path("/x/a"), Path("/y/a"), b]) == ["x/a", "y/a", "other/b"]

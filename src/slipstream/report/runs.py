@@ -151,14 +151,20 @@ def read_runs(paths: list[str | Path]) -> list[RunData]:
 
 
 def unique_names(paths: list[Path]) -> list[str]:
-    """The folders' names; where two are the same, as many parent folders as tell them apart."""
+    """The folders' names; where two are the same, as many parent folders as tell them apart. One
+    folder given twice is told apart by a number: "a (1)", "a (2)"."""
+    distinct = list(dict.fromkeys(paths))
     depth = 1
-    while depth < 8:
-        names = ["/".join(p.parts[-depth:]) for p in paths]
-        if len(set(names)) == len(names):
-            return names
+    while len({p.parts[-depth:] for p in distinct}) < len(distinct):
         depth += 1
-    return [f"{n} ({i + 1})" for i, n in enumerate("/".join(p.parts[-depth:]) for p in paths)]
+    names, seen = [], {}
+    for path in paths:
+        name = Path(*path.parts[-depth:]).as_posix()
+        if paths.count(path) > 1:
+            seen[path] = seen.get(path, 0) + 1
+            name += f" ({seen[path]})"
+        names.append(name)
+    return names
 
 
 # ---------------------------------------------------------------------------- files
