@@ -182,3 +182,15 @@ def test_one_folder_given_twice_keeps_its_name():
     a, b = Path("/runs/a"), Path("/other/b")
     assert unique_names([a, a, b]) == ["a (1)", "a (2)", "b"]  # was "//runs/a (1)", ..., "//other/b (3)"
     assert unique_names([Path("/x/a"), Path("/y/a"), b]) == ["x/a", "y/a", "other/b"]
+
+
+def test_a_resumed_run_still_running_is_not_reported_at_its_old_summary(tmp_path):
+    # The first part ended at step 10 (summary.json); the resumed part has logged up to step 20 so far.
+    records = [_interval(5, 4.0), _interval(10, 3.5), _interval(15, 3.2), _interval(20, 3.0)]
+    summary = {"steps": 10, "final_loss": 3.5, "tokens": 640, "tokens_per_s": 1000.0, "device": "cpu",
+               "memory": {"peak_bytes": 5 << 20}}
+    run = read_run(_run_dir(tmp_path / "run", records, summary))
+    numbers = run_numbers(run)
+    assert (numbers["steps"], numbers["final_loss"], numbers["tokens"]) == (20, 3.0, 64 * 20)
+    assert numbers["step_peak_bytes"] == 5 << 20  # what stays true of the run is kept
+    assert any("metrics.jsonl goes on to step 20" in note for note in run.notes)

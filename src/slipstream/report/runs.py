@@ -138,10 +138,29 @@ def read_run(path: str | Path, name: str | None = None) -> RunData:
         run.trace_files = _trace_files(folder, run)
     except OSError as e:
         raise UserError(f"'{given}' could not be read ({e.strerror or e}); check its permissions") from None
+    _drop_stale_summary(run)
     if (folder / "history").is_dir():
         run.note("history/ holds the results of earlier runs in this folder; only the latest run is shown "
                  "(give history/<n> to report an earlier one)")
     return run
+
+
+# What summary.json says of the run's end; its memory, ranks and device stay true of the run.
+SUMMARY_END_KEYS = ("final_loss", "val_loss", "val_loss_stderr", "val_tokens", "steps", "steps_this_run", "tokens",
+                    "tokens_per_s", "tokens_per_s_per_device", "mfu", "wall_time_s", "loop_time_s", "stopped_early")
+
+
+def _drop_stale_summary(run: RunData) -> None:
+    """A resumed run keeps the summary.json of its earlier part until it ends: while it runs, or
+    after it crashed, metrics.jsonl goes past the summary's step, whose final numbers are then
+    those of an earlier step. They are dropped; metrics.jsonl gives the final numbers instead."""
+    steps = number(run.summary.get("steps"))
+    last = run.intervals[-1]["step"] if run.intervals else None
+    if steps is not None and last is not None and last > steps:
+        for key in SUMMARY_END_KEYS:
+            run.summary.pop(key, None)
+        run.note(f"summary.json is of step {steps:g} but metrics.jsonl goes on to step {last:g} (a resumed run "
+                 "still running, or stopped before its end): the final numbers are taken from metrics.jsonl")
 
 
 def read_runs(paths: list[str | Path]) -> list[RunData]:
