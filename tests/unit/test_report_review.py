@@ -194,3 +194,9 @@ def test_a_resumed_run_still_running_is_not_reported_at_its_old_summary(tmp_path
     assert (numbers["steps"], numbers["final_loss"], numbers["tokens"]) == (20, 3.0, 64 * 20)
     assert numbers["step_peak_bytes"] == 5 << 20  # what stays true of the run is kept
     assert any("metrics.jsonl goes on to step 20" in note for note in run.notes)
+
+
+def test_expert_loads_of_a_foreign_record_are_bounded_in_layers(tmp_path):
+    loads = {f"moe/layer{i}/load": [0.5, 0.5] for i in range(runs.MAX_MOE_LAYERS + 50)}  # no imbalance keys
+    run = read_run(_run_dir(tmp_path / "run", [_interval(5, **loads)]))
+    assert len(run.moe_loads) == runs.MAX_MOE_LAYERS  # was every layer of the line: one heatmap row each

@@ -363,7 +363,8 @@ def _moe_fields(record: dict[str, Any], step: float, run: RunData, over_time: bo
         if match is None:
             continue
         layer, what = match.groups()
-        if layer not in run.moe_imbalance and len(run.moe_imbalance) >= MAX_MOE_LAYERS:
+        known = layer in run.moe_imbalance or layer in loads
+        if not known and max(len(run.moe_imbalance), len(loads)) >= MAX_MOE_LAYERS:  # loads too: a heatmap row each
             continue
         if what == "imbalance" and over_time and (v := number(value)) is not None:
             run.moe_imbalance.setdefault(layer, []).append((step, v))
