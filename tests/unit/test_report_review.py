@@ -200,3 +200,13 @@ def test_expert_loads_of_a_foreign_record_are_bounded_in_layers(tmp_path):
     loads = {f"moe/layer{i}/load": [0.5, 0.5] for i in range(runs.MAX_MOE_LAYERS + 50)}  # no imbalance keys
     run = read_run(_run_dir(tmp_path / "run", [_interval(5, **loads)]))
     assert len(run.moe_loads) == runs.MAX_MOE_LAYERS  # was every layer of the line: one heatmap row each
+
+
+def test_a_config_difference_table_is_bounded(tmp_path):
+    from slipstream.report.run_info import MAX_DIFF_ROWS, config_diff_section
+
+    a = read_run(_run_dir(tmp_path / "a", [_interval(5)]))
+    b = read_run(_run_dir(tmp_path / "b", [_interval(5)]))
+    b.config = {"x": {f"k{i}": i for i in range(MAX_DIFF_ROWS + 100)}}  # a foreign config.toml of many keys
+    html = "".join(config_diff_section([a, b]).parts)
+    assert html.count("<tr>") == MAX_DIFF_ROWS + 1 and f"the first {MAX_DIFF_ROWS} are listed" in html

@@ -13,6 +13,7 @@ from slipstream.report.run_sections import lacking
 
 MAX_CONFIG_CHARS = 200_000  # of one config.toml shown (a resolved config is ~4 KB)
 MAX_ENV_ROWS = 200
+MAX_DIFF_ROWS = 500  # config differences listed (two real configs differ in a few dozen keys at most)
 SPLIT = (("compute", "compute_us", "#4C72B0"), ("exposed communication", "comm_exposed_us", "#DD8452"),
          ("memory copies", "memcpy_us", "#55A868"), ("idle", "idle_us", "#8C8C8C"))
 
@@ -117,8 +118,10 @@ def config_diff_section(runs: list[RunData]) -> Section:
     if not rows:
         section.add(paragraph("The resolved configs are the same (run.dir aside).", "note"))
         return section
-    section.add(table(["key", *[r.name for r in have]], [[key, *[_value(v) for v in values]] for key, values in rows],
-                      "config-diff"))
+    if len(rows) > MAX_DIFF_ROWS:
+        section.add(paragraph(f"{len(rows)} settings differ; the first {MAX_DIFF_ROWS} are listed.", "note"))
+    section.add(table(["key", *[r.name for r in have]],
+                      [[key, *[_value(v) for v in values]] for key, values in rows[:MAX_DIFF_ROWS]], "config-diff"))
     section.add(paragraph(f"{len(rows)} setting(s) differ; run.dir (each run's own folder) is left out. "
                           "- : the setting is not in that run's config.toml.", "note"))
     return section
