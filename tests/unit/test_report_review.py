@@ -210,3 +210,10 @@ def test_a_config_difference_table_is_bounded(tmp_path):
     b.config = {"x": {f"k{i}": i for i in range(MAX_DIFF_ROWS + 100)}}  # a foreign config.toml of many keys
     html = "".join(config_diff_section([a, b]).parts)
     assert html.count("<tr>") == MAX_DIFF_ROWS + 1 and f"the first {MAX_DIFF_ROWS} are listed" in html
+    from slipstream.report.compare import MAX_SHOWN
+
+    side = {"name": "a", "path": "a", "notes": []}
+    result = {"a": side, "b": side, "metrics": [],
+              "config_differences": [{"key": f"x.k{i}", "a": i, "b": None} for i in range(MAX_SHOWN + 100)]}
+    text = format_comparison(result)  # the terminal too: the first MAX_SHOWN, and how many more
+    assert f"x.k{MAX_SHOWN - 1} " in text and f"x.k{MAX_SHOWN} " not in text and "and 100 more" in text

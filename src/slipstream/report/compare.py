@@ -21,6 +21,7 @@ METRICS = (("final_loss", "final loss", "number"), ("final_val_loss", "final val
            ("tokens_per_s_per_device", "tokens/s per device", "number"), ("mfu", "MFU", "percent"),
            ("step_time_s", "step time (s, median)", "number"), ("step_peak_bytes", "step peak memory", "bytes"),
            ("mem_peak_bytes", "device peak memory", "bytes"))
+MAX_SHOWN = 100  # config differences printed (runs of two code versions differ in many keys)
 
 
 def compare_runs(run_a: str | Path, run_b: str | Path) -> dict[str, Any]:
@@ -94,8 +95,10 @@ def format_comparison(result: dict[str, Any]) -> str:
         lines.append("config differences: none (run.dir aside)")
     else:
         lines.append(f"config differences ({len(differences)}):")
-        table = [["key", "A", "B"]] + [[d["key"], _value(d["a"]), _value(d["b"])] for d in differences]
+        table = [["key", "A", "B"]] + [[d["key"], _value(d["a"]), _value(d["b"])] for d in differences[:MAX_SHOWN]]
         lines += ["  " + line for line in _columns(table)]
+        if len(differences) > MAX_SHOWN:
+            lines.append(f"  ... and {len(differences) - MAX_SHOWN} more (--json lists them all)")
     lines.append("")
     table = [["metric", "A", "B", "B-A", "B/A"]]
     for row in result["metrics"]:
