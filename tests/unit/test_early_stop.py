@@ -44,11 +44,12 @@ class PlantedValLoss:
         self.evaluations += 1
 
 
-def _fit(tmp_path, val_losses, patience, min_delta=0.0, max_steps=40, resume="none"):
+def _fit(tmp_path, val_losses, patience, min_delta=0.0, max_steps=40, resume="none", extra=()):
     cfg = load_config(None, [f"--run.dir={tmp_path}", f"--train.max_steps={max_steps}", "--train.micro_batch_size=8",
                              "--train.eval_interval=2", "--train.eval_steps=1", "--logging.log_interval=3",
                              "--logging.progress=false", "--optim.warmup_steps=0", f"--checkpoint.resume={resume}",
-                             f"--train.early_stop_patience={patience}", f"--train.early_stop_min_delta={min_delta}"])
+                             f"--train.early_stop_patience={patience}", f"--train.early_stop_min_delta={min_delta}",
+                             *extra])
     loss = PlantedValLoss(val_losses)
     model = nn.Linear(4, 1)
     real_eval = Trainer.evaluate
@@ -103,6 +104,42 @@ def test_resumed_run_keeps_the_decision(tmp_path):
     again = _fit(tmp_path, [1.0], patience=2, resume="auto")  # restored state: already stopped
     assert again["steps"] == 8 and again["steps_this_run"] == 0
     assert again["stopped_early"]["best_step"] == 4
+
+
+def test_a_rollback_forgets_the_evaluations_of_the_weights_it_throws_away(tmp_path, monkeypatch):
+    """Evaluations at 2, 4, ...: best 3.0 at step 6, no gain at 8 (saved in the step-8 checkpoint)
+    and 10. Step 10's loss is NaN: the guard rolls back to step 8, but step 10's evaluation had
+    already used up the patience, so the run ended at step 8 "stopped early at step 10". Restored
+    to the checkpoint's count instead, the replayed steps improve and the run trains to the end."""
+    monkeypatch.setenv("SLIPSTREAM_INJECT_FAULT", "nan@10")
+    summary = _fit(tmp_path, [5.0, 4.0, 3.0, 3.5, 3.5, 2.0, 1.0, 0.5, 0.25], patience=2, max_steps=16,
+                   extra=["--stability.policy=rollback", "--checkpoint.interval=4"])
+    assert summary["steps"] == 16 and "stopped_early" not in summary, summary.get("stopped_early")
+    records = _records(tmp_path)
+    assert any(r.get("guard_event") == "nonfinite_loss" for r in records)  # the rollback did happen
+    assert [r["val_loss"] for r in records if "val_loss" in r][-1] == 0.25
+
+
+def test_a_nan_first_val_loss_is_never_the_best():
+    """The first evaluation's NaN became "the best", which no later loss could beat: the run
+    stopped after `patience` evaluations however well it trained."""
+    stop = EarlyStopping(TrainConfig(early_stop_patience=2, max_steps=100))
+    assert not stop.update(math.nan, 2)
+    assert not stop.update(3.0, 4) and (stop.best, stop.best_step, stop.bad_evals) == (3.0, 4, 0)
+    never = EarlyStopping(TrainConfig(early_stop_patience=2, max_steps=100))
+    assert not never.update(math.nan, 2) and never.update(math.inf, 4)
+    assert never.summary()["best_val_loss"] is None and "no finite val loss" in never.reason()
+
+
+def test_patience_used_up_at_the_last_step_is_no_early_stop():
+    """The evaluation at train.max_steps ends the run anyway: it is no early stop (the summary said
+    it was), and a resumed run with more steps is not stopped before it trains."""
+    stop = EarlyStopping(TrainConfig(early_stop_patience=1, max_steps=10))
+    assert not stop.update(2.0, 5) and not stop.update(2.0, 10)
+    assert stop.summary() is None and stop.bad_evals == 1
+    longer = EarlyStopping(TrainConfig(early_stop_patience=1, max_steps=20))
+    longer.load_state_dict(stop.state_dict())
+    assert not longer.stopped and longer.update(2.0, 15) and longer.summary()["step"] == 15
 
 
 def test_counter_and_state_round_trip():

@@ -1,9 +1,13 @@
 """Early stopping on the validation loss (`train.early_stop_patience`, `train.early_stop_min_delta`).
 
 Training stops after `patience` evaluations in a row whose val loss did not go below the best
-so far by more than `min_delta`. The val loss is the all-reduced one, so every rank takes the
-same decision without a collective of its own. The state (best loss, its step, evaluations
-without improvement) travels in checkpoints: a resumed run counts on from where it stopped.
+so far by more than `min_delta`. A non-finite val loss is never the best. The evaluation at
+train.max_steps ends the run anyway: it is counted but is no early stop (a resumed run with more
+steps stops at its next evaluation without improvement). The val loss is the all-reduced one, so
+every rank takes the same decision without a collective of its own. The state (best loss, its
+step, evaluations without improvement) travels in checkpoints: a resumed run counts on from where
+it stopped, and a rollback goes back to the checkpoint's (its later evaluations were of weights
+that were thrown away).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from slipstream.config.schema import TrainConfig
 class EarlyStopping:
     def __init__(self, cfg: TrainConfig) -> None:
         self.patience, self.min_delta = cfg.early_stop_patience, cfg.early_stop_min_delta
+        self.max_steps = cfg.max_steps
         self.best: float | None = None
         self.best_step: int | None = None
         self.bad_evals = 0  # evaluations in a row without an improvement
@@ -30,17 +35,17 @@ class EarlyStopping:
         """Record one evaluation; True when training must stop after this step."""
         if not self.patience:
             return False
-        if self.best is None or (math.isfinite(val_loss) and val_loss < self.best - self.min_delta):
+        if math.isfinite(val_loss) and (self.best is None or val_loss < self.best - self.min_delta):
             self.best, self.best_step, self.bad_evals = val_loss, step, 0
         else:
             self.bad_evals += 1
-        if self.bad_evals >= self.patience:
+        if self.bad_evals >= self.patience and step < self.max_steps:
             self.stopped_at = step
         return self.stopped
 
     def reason(self) -> str:
-        return (f"val loss did not improve by more than {self.min_delta:g} for {self.patience} evaluation(s) "
-                f"(best {self.best:.4f} at step {self.best_step})")
+        best = f"best {self.best:.4f} at step {self.best_step}" if self.best is not None else "no finite val loss"
+        return f"val loss did not improve by more than {self.min_delta:g} for {self.patience} evaluation(s) ({best})"
 
     def summary(self) -> dict[str, Any] | None:
         """For summary.json: where and why the run stopped early (None when it did not)."""

@@ -216,7 +216,8 @@ class Trainer:
             if self.resilience is not None:
                 self.resilience.load_state_dict(state.get("resilience"))
             self.meter.load_state_dict(state.get("interval"))
-            self.early_stop.load_state_dict(state.get("early_stop"))
+        # Also on a rollback: the evaluations since the checkpoint scored weights now thrown away.
+        self.early_stop.load_state_dict(state.get("early_stop"))
         self.step = state["step"]
         self.tokens_seen = state["tokens_seen"]
         if self.scaler is not None and state.get("grad_scaler"):
