@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import shutil
@@ -38,6 +39,9 @@ TRIAL_STEPS = 2  # the memory probe measures step 2 (the optimizer state exists 
 TRIAL_TIMEOUT_S = 900.0
 # A failed trial that means "too big": CUDA's out-of-memory error, the pre-flight refusal.
 _TOO_BIG = ("out of memory", "cannot fit")
+# The trials evaluate nothing, so a config's early stopping (which needs evaluations) is off; a
+# trial stopped at its timeout dies at once instead of saving a preemption checkpoint first.
+TRIAL_OVERRIDES = ["--train.early_stop_patience=0", "--resilience.preemption=false"]
 
 
 def memory_budget(device_type: str, nproc: int, memory_gib: float | None) -> tuple[int, str]:
@@ -132,8 +136,10 @@ def tune_batch(config_path: str | None, overrides: list[str], memory_gib: float 
     budget, source = memory_budget(device_type, nproc, memory_gib)
     dp = resolve_parallel_dims(cfg.parallel, nproc, nproc).dp
     # The data once, here, quietly (the trials then only open it); its manifest gives the vocabulary.
+    # Its notes go to stderr: with --json, stdout is one JSON object.
     quiet = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, progress=False))
-    data_dir, manifest = ensure_data(quiet)
+    with contextlib.redirect_stdout(sys.stderr):
+        data_dir, manifest = ensure_data(quiet)
     overrides = [*overrides, f"--data.dir={data_dir}"]
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, vocab_size=cfg.model.vocab_size or
                                                             int(manifest["vocab_size"])))
@@ -154,7 +160,7 @@ def tune_batch(config_path: str | None, overrides: list[str], memory_gib: float 
     tmp = Path(tempfile.mkdtemp(prefix="slipstream-tune-batch-"))
     try:
         if run_trial is None:
-            run_trial = subprocess_trials(config_path, overrides, nproc, TRIAL_STEPS, tmp)
+            run_trial = subprocess_trials(config_path, [*overrides, *TRIAL_OVERRIDES], nproc, TRIAL_STEPS, tmp)
         tries = confirm_micro_batch(fitting[-1], planned, run_trial, budget)
     except BaseException:  # Ctrl-C or an error: the trials' logs say what happened
         print(f"tune batch stopped; trial logs kept in {tmp}", file=sys.stderr)
@@ -169,6 +175,10 @@ def tune_batch(config_path: str | None, overrides: list[str], memory_gib: float 
         result["micro_batch"] = tries[-1]["micro_batch"]
     elif tries and tries[-1]["status"] == "failed":
         result["notes"].append(f"a trial failed for a reason other than memory: {tries[-1]['reason']}")
+    else:
+        result["notes"].append("real steps do not fit the budget even at micro-batch 1: shorten train.seq_len, "
+                               "set activations.checkpointing=full, shard the model state (parallel.dp_strategy=fsdp) "
+                               "or raise --memory-gib")
     if result["micro_batch"] is None or noise_rounds == 0:
         return result
     # B_small: the config's micro-batch (the noise the run will see per micro-batch, and cheap),

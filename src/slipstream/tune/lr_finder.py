@@ -44,11 +44,14 @@ MIN_STEPS = 10  # fewer points leave nothing to smooth and no slope to read
 DEFAULT_STOP_FACTOR = 4.0
 # The sweep's training: every step logged (the range test's data), nothing else the sweep does
 # not need (evaluation, checkpoints, loggers, the memory probe); no guard skips a diverging step.
+# Stopped on divergence by SIGTERM, it must die, not save its diverged weights as a preemption
+# checkpoint (which a later --checkpoint.resume=auto in that run.dir would continue from).
 SWEEP_SETTINGS = {"optim.schedule": "range_test", "optim.warmup_steps": 0, "train.eval_steps": 0,
                   "train.early_stop_patience": 0, "logging.log_interval": 1, "logging.progress": False,
                   "logging.tensorboard": False, "logging.wandb": False, "checkpoint.interval": 0,
                   "checkpoint.interval_minutes": 0, "checkpoint.save_final": False, "checkpoint.resume": "none",
-                  "stability.policy": "none", "metrics.memory_breakdown": False, "profile.enabled": False}
+                  "resilience.preemption": False, "stability.policy": "none", "metrics.memory_breakdown": False,
+                  "profile.enabled": False}
 # How often the watcher reads the trial's metrics.jsonl.
 POLL_S = 0.2
 
@@ -313,6 +316,32 @@ def _new_records(path: Path, offset: int) -> tuple[list[dict], int]:
     return records, offset + len(complete)
 
 
+def _watch_sweep(command: list[str], out, err, metrics: Path, watch: DivergenceWatch,
+                 losses: list[float | None]) -> subprocess.Popen:
+    """Run the sweep's training, append each step's loss to `losses` as metrics.jsonl gets it, and
+    stop the training once `watch` says the loss diverged (or on Ctrl-C / any error here)."""
+    stale = _inode(metrics)  # an earlier run's file in a given run.dir, until the run moves it to history/
+    # Its own session: stopping it stops every rank it started.
+    proc = subprocess.Popen(command, stdout=out, stderr=err, env=train_env(), start_new_session=True)
+    offset = 0
+    try:
+        while True:
+            running = proc.poll() is None
+            records, offset = _new_records(metrics, offset) if _inode(metrics) != stale else ([], 0)
+            for record in records:
+                if "loss" not in record or "val_loss" in record:
+                    continue  # eval or checkpoint records
+                losses.append(record["loss"])  # null: a non-finite loss
+                if watch.add(record["loss"]):
+                    return proc
+            if not running:
+                return proc
+            time.sleep(POLL_S)
+    finally:  # diverged, or Ctrl-C / any error here: never leave the training running
+        if proc.poll() is None:
+            stop_trial(proc)
+
+
 def tune_lr(config_path: str, overrides: list[str], steps: int = 200, min_lr: float = 1e-7,
             max_lr: float = 1.0, nproc: int = 1, stop_factor: float = DEFAULT_STOP_FACTOR) -> dict[str, Any]:
     """The range test of the LM job: a `slipstream train` subprocess watched through its metrics.jsonl
@@ -334,32 +363,15 @@ def tune_lr(config_path: str, overrides: list[str], steps: int = 200, min_lr: fl
     beta = smoothing_beta(steps)
     watch = DivergenceWatch(beta, stop_factor)
     losses: list[float | None] = []
-    stopped, failed = "", ""
+    failed = ""
     err_path = work / "train.stderr"
-    with open(work / "train.stdout", "wb") as out, open(err_path, "wb") as err:
-        metrics = run_dir / "metrics.jsonl"
-        stale = _inode(metrics)  # an earlier run's file in a given run.dir, until the run moves it to history/
-        # Its own session: stopping it stops every rank it started.
-        proc = subprocess.Popen(train_command(args, nproc), stdout=out, stderr=err, env=train_env(),
-                                start_new_session=True)
-        offset = 0
-        try:
-            while True:
-                running = proc.poll() is None
-                records, offset = _new_records(metrics, offset) if _inode(metrics) != stale else ([], 0)
-                for record in records:
-                    if "loss" not in record or "val_loss" in record:
-                        continue  # eval or checkpoint records
-                    losses.append(record["loss"])  # null: a non-finite loss
-                    if watch.add(record["loss"]):
-                        stopped = watch.reason
-                        break
-                if stopped or not running:
-                    break
-                time.sleep(POLL_S)
-        finally:  # diverged, or Ctrl-C / any error here: never leave the training running
-            if proc.poll() is None:
-                stop_trial(proc)
+    try:
+        with open(work / "train.stdout", "wb") as out, open(err_path, "wb") as err:
+            proc = _watch_sweep(train_command(args, nproc), out, err, run_dir / "metrics.jsonl", watch, losses)
+    except BaseException:  # Ctrl-C or an error while watching (the training is stopped): no temporary files stay
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    stopped = watch.reason
     code = proc.returncode
     if not stopped and code != 0:
         reason = failure_reason(err_path.read_text(errors="replace"), code)

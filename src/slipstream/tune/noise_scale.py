@@ -34,6 +34,15 @@ import torch
 
 from slipstream.errors import UserError
 
+# The measurement's settings: one micro-batch per accumulate_gradients call, no evaluation (so no
+# early stopping either), and the model whole in this one process: a layout of several processes
+# (tp, pp, cp, ep, FSDP and its settings) cannot start here, and the full gradient is what is
+# measured. A checkpoint of such a layout is resharded on load.
+MEASURE_SETTINGS = {"train.grad_accum_steps": 1, "train.eval_steps": 0, "train.early_stop_patience": 0,
+                    "parallel.tp": 1, "parallel.pp": 1, "parallel.cp": 1, "parallel.ep": 1,
+                    "parallel.dp_strategy": "none", "parallel.dp_replicate": 0, "parallel.dp_shard": 0,
+                    "parallel.param_dtype": "none", "parallel.reduce_dtype": "none", "parallel.offload": False}
+
 
 def noise_scale(small_sq_norms: list[float], big_sq_norms: list[float], b_small: float,
                 b_big: float) -> dict[str, Any]:
@@ -90,6 +99,11 @@ def measure_gradient_noise(trainer, rounds: int, k: int) -> tuple[list[float], l
     small_means, big = [], []
     trainer.model.train()
     it = iter(trainer.train_loader)
+    # optim.in_backward steps each parameter inside backward and frees its gradient there: its
+    # hooks come off while measuring, or the weights would move and no gradient would be left to read.
+    in_backward = trainer.cfg.optim.in_backward
+    if in_backward:
+        trainer.optimizer.detach()
     try:
         for _ in range(rounds):
             for t in total:
@@ -110,6 +124,8 @@ def measure_gradient_noise(trainer, rounds: int, k: int) -> tuple[list[float], l
             big.append(float(big_sq))
     finally:
         trainer.model.zero_grad(set_to_none=True)
+        if in_backward:
+            trainer.optimizer.attach()
         if hasattr(trainer.train_loader, "close"):
             trainer.train_loader.close()
     return small_means, big
@@ -125,8 +141,7 @@ def measure_noise_scale(model, train_data, loss_fn, config=None, *, rounds: int 
 
     tmp = tempfile.mkdtemp(prefix="slipstream-noise-")
     try:
-        cfg = with_settings(config or Config(), {"train.grad_accum_steps": 1, "train.eval_steps": 0,
-                                                 "run.dir": tmp, "checkpoint.resume": "none"})
+        cfg = with_settings(config or Config(), {**MEASURE_SETTINGS, "run.dir": tmp, "checkpoint.resume": "none"})
         trainer = Trainer(model, train_data, loss_fn, config=cfg, collate_fn=collate_fn)
         small, big = measure_gradient_noise(trainer, rounds, k)
     finally:
@@ -147,7 +162,7 @@ def measure_lm_noise_scale(cfg, rounds: int = 10, k: int = 8) -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="slipstream-noise-")
     resume = cfg.checkpoint.resume
     try:
-        quiet = with_settings(cfg, {"train.grad_accum_steps": 1, "train.eval_steps": 0, "logging.progress": False,
+        quiet = with_settings(cfg, {**MEASURE_SETTINGS, "logging.progress": False,
                                     # no step is taken: a checkpoint at any step may be measured
                                     "train.max_steps": 2**31,
                                     # auto resumes the newest checkpoint of the run directory given
