@@ -240,8 +240,8 @@ def tune_hparams(config_path: str, overrides: list[str], trials: int = 20, budge
     prune = tune.pruner != "none"
     if prune and (len(directions) > 1 or tune.objective == "tokens_per_s"):
         prune = False
-        why = "a multi-objective study" if len(directions) > 1 else "the objective tokens_per_s"
-        notes.append(f"pruning is off: the pruner acts on val losses, which do not rank {why}")
+        notes.append("pruning is off: Optuna prunes no multi-objective study" if len(directions) > 1 else
+                     "pruning is off: the pruner acts on val losses, which do not rank tokens_per_s")
     target = trials
     if tune.sampler == "grid":
         size = math.prod(len(v) for v in grid_search_space(space, tune.grid_points).values())

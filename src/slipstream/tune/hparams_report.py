@@ -128,7 +128,7 @@ def format_report(result: dict) -> str:
     lines += ["  ".join([*(cell.ljust(w) if i < 2 else cell.rjust(w) for i, (cell, w) in enumerate(zip(row, widths))),
                          row[-1]]) for row in rows]
     if multi:
-        lines.append("* = on the Pareto front (no other trial is better in every objective)")
+        lines.append("* = on the Pareto front (no other trial is as good in every objective and better in one)")
     lines += [f"note: {n}" for n in result.get("notes", [])]
     best = result["best"]
     if best is None:
