@@ -95,7 +95,8 @@ def test_three_trial_study_end_to_end(study):
     saved = json.loads((folder / "study.json").read_text())
     assert saved["study_name"] == "tiny" and saved["storage"] == result["storage"]
     assert saved["config"] == str(TINY) and saved["objective"] == "val_loss" and saved["directions"] == ["minimize"]
-    assert saved["space"] == {"optim.lr": {"log_uniform": [0.0001, 0.01]}, "optim.weight_decay": {"uniform": [0.0, 0.2]}}
+    assert saved["space"] == {"optim.lr": {"log_uniform": [0.0001, 0.01]},
+                              "optim.weight_decay": {"uniform": [0.0, 0.2]}}
     assert saved["best"]["number"] == best.number and saved["best"]["values"] == best.values
     assert saved["best"]["params"] == best.params
     assert optuna.load_study(study_name=saved["study_name"], storage=saved["storage"]).best_trial.number == best.number
@@ -122,27 +123,31 @@ def test_best_config_reproduces_the_best_trial(study, tmp_path):
 
 @pytest.mark.timeout(300)
 def test_pruner_stops_a_planted_bad_trial(study):
-    """lr = 10 after three good trials: its val loss at the first evaluation (step 5) is far above
-    theirs, so the median pruner stops it there; a point the config refuses fails without a run."""
+    """lr = 1e-4 (10x below the good trials) after three good trials: its val loss at the first
+    evaluation (step 5) is well above theirs (5.3 vs 4.9), so the median pruner stops it there,
+    long before its 200 steps. (lr = 10 is worse still, but its loss turns NaN within 5 more
+    steps, which can end the trial before the tuner reads its first evaluation.) A point the
+    config refuses fails without a run."""
     url = study["result"]["storage"]
     handle = optuna.load_study(study_name="tiny", storage=url)
-    handle.enqueue_trial({"optim.lr": 10.0, "optim.weight_decay": 0.1})
+    handle.enqueue_trial({"optim.lr": 1e-4, "optim.weight_decay": 0.1})
     handle.enqueue_trial({"optim.lr": 1e-6, "optim.weight_decay": 0.1})  # below optim.min_lr = 1e-4
     code, out, err = _main(["tune", "hparams", "--config", str(TINY), "--trials", "5", "--resume",
-                            *_trial_args(study["data_dir"]), f"--tune.dir={study['folder']}",
+                            *_trial_args(study["data_dir"]), "--train.max_steps=200", f"--tune.dir={study['folder']}",
                             "--tune.prune_warmup_evals=0"])
     assert code == 0, err
     trials = _trials(url)
     assert [t.state for t in trials[:3]] == [TrialState.COMPLETE] * 3
     assert [(t.number, t.values) for t in trials[:3]] == [(t.number, t.values) for t in study["trials"]]
     bad, refused = trials[3], trials[4]
-    assert bad.params["optim.lr"] == 10.0 and bad.state == TrialState.PRUNED
-    assert list(bad.intermediate_values) == [MAX_STEPS // 2]
+    assert bad.params["optim.lr"] == 1e-4 and bad.state == TrialState.PRUNED
+    assert list(bad.intermediate_values) == [5]
+    assert bad.intermediate_values[5] > max(t.intermediate_values[5] for t in trials[:3])
     record = _trial_json(bad)
-    assert record["state"] == "pruned" and record["last_step"] == MAX_STEPS // 2
+    assert record["state"] == "pruned" and record["last_step"] < 200
     run_dir = Path(bad.user_attrs["run_dir"])
     steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert max(steps) < MAX_STEPS and not (run_dir / "summary.json").exists()  # stopped, not finished
+    assert max(steps) < 200 and not (run_dir / "summary.json").exists()  # stopped, not finished
     assert refused.state == TrialState.FAIL and "the config refuses" in refused.user_attrs["fail_reason"]
     assert "min_lr" in _trial_json(refused)["reason"] and _trial_json(refused)["state"] == "failed"
     assert "pruned" in out and len(trials) == 5
@@ -196,13 +201,15 @@ def test_budget_stops_the_running_trial_and_queues_it_again(tmp_path, data_dir):
     trials = _trials(result["storage"])
     assert [t.state for t in trials] == [TrialState.FAIL, TrialState.WAITING]
     assert trials[0].user_attrs["fail_reason"] == "budget" and trials[1].user_attrs["requeued_from"] == 0
-    assert _trial_json(trials[0])["reason"] == "budget" and not (folder / "trials" / "trial_0000" / "summary.json").exists()
-    assert result["best"] is None and counted_and_running(optuna.load_study(study_name="tiny", storage=result["storage"])) \
-        == (0, 0)
+    assert _trial_json(trials[0])["reason"] == "budget"
+    assert not (folder / "trials" / "trial_0000" / "summary.json").exists()
+    handle = optuna.load_study(study_name="tiny", storage=result["storage"])
+    assert result["best"] is None and counted_and_running(handle) == (0, 0)
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("storage, trials, objective", [("sqlite", 8, "val_loss"), ("journal", 4, "val_loss,tokens_per_s")])
+@pytest.mark.parametrize("storage, trials, objective",
+                         [("sqlite", 8, "val_loss"), ("journal", 4, "val_loss,tokens_per_s")])
 def test_two_workers_share_one_study(tmp_path, data_dir, storage, trials, objective):
     """Two `slipstream tune hparams --config configs/tiny.toml --trials N` processes on one study:
     distinct trials and run directories, N in all, both workers busy. The journal study is a
@@ -228,6 +235,7 @@ def test_two_workers_share_one_study(tmp_path, data_dir, storage, trials, object
         assert [d.name for d in handle.directions] == ["MINIMIZE", "MAXIMIZE"]
         assert all(t.state == TrialState.COMPLETE and len(t.values) == 2 for t in found)
         saved = json.loads((folder / "study.json").read_text())
-        assert sorted(p["number"] for p in saved["best"]["pareto_front"]) == sorted(t.number for t in handle.best_trials)
+        front = sorted(t.number for t in handle.best_trials)
+        assert sorted(p["number"] for p in saved["best"]["pareto_front"]) == front
         logs = (tmp_path / "worker0.log").read_text() + (tmp_path / "worker1.log").read_text()
         assert "pruning is off" in logs and "Pareto front" in logs

@@ -67,7 +67,8 @@ def test_empty_space_is_the_documented_default():
 
 
 def test_each_spec_type_suggests_its_distribution():
-    space = _space({"optim.lr": {"log_uniform": [1e-4, 1e-2]}, "optim.weight_decay": {"uniform": [0.0, 0.2], "step": 0.05},
+    space = _space({"optim.lr": {"log_uniform": [1e-4, 1e-2]},
+                    "optim.weight_decay": {"uniform": [0.0, 0.2], "step": 0.05},
                     "optim.warmup_steps": {"int": [0, 10], "step": 2}, "train.micro_batch_size": {"log_int": [2, 16]},
                     "optim.schedule": {"choices": ["cosine", "wsd", "constant"]}})
     expected = {"optim.lr": FloatDistribution(1e-4, 1e-2, log=True),
@@ -178,8 +179,8 @@ def test_samplers_and_pruners_are_optunas_seeded():
       "optim.weight_decay": {"uniform": [0.0, 0.2], "when": {"optim.lr": 1e-3}}}, ["cycle", "make one"]),
     ({"run.dir": {"choices": ["a", "b"]}}, ["tune.space.run.dir", "sets this key itself"]),
     ({"tune.seed": {"int": [0, 3]}}, ["tune.space.tune.seed", "sets this key itself"]),
-    ({"optim.weight_decay": {"uniform": [-0.1, 0.2]}}, ["tune.space.optim.weight_decay", "-0.1", "refused by the config",
-                                                         ">= 0"]),
+    ({"optim.weight_decay": {"uniform": [-0.1, 0.2]}},
+     ["tune.space.optim.weight_decay", "-0.1", "refused by the config", ">= 0"]),
     ({"optim.lr": {"log_uniform": [1e-6, 1e-3]}}, ["tune.space.optim.lr", "1e-06", "min_lr"]),
     ({"optim.schedule": {"choices": ["cosine", "sgdr"]}}, ["tune.space.optim.schedule", "'sgdr'", "choose one of"]),
 ])

@@ -27,7 +27,8 @@ from slipstream.errors import UserError
 from slipstream.tune import study as studies
 from slipstream.tune.hparams_trial import TRIAL_SETTINGS, Outcome, run_trial
 from slipstream.tune.process import train_env
-from slipstream.tune.space import Param, describe, grid_search_space, override_arg, resolve_space, space_to_json, suggest
+from slipstream.tune.space import (Param, describe, grid_search_space, override_arg, resolve_space, space_to_json,
+                                   suggest)
 
 OBJECTIVES = {"val_loss": ["minimize"], "best_val_loss": ["minimize"], "tokens_per_s": ["maximize"],
               "val_loss,tokens_per_s": ["minimize", "maximize"]}
@@ -192,7 +193,8 @@ class Tuner:
             studies.tell(self.study, trial, state=TrialState.FAIL)
         _write_trial_json(run_dir, trial.number, outcome, params, self.study.study_name, self.url)
         values = " ".join(f"{name}={v:.5g}" for name, v in zip(self.objective.split(","), outcome.values or []))
-        self.log(f"trial {trial.number}: {outcome.state} {values or outcome.reason} ({time.monotonic() - started:.1f}s)")
+        took = time.monotonic() - started
+        self.log(f"trial {trial.number}: {outcome.state} {values or outcome.reason} ({took:.1f}s)")
         return True
 
 

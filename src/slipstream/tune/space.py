@@ -77,7 +77,8 @@ class Param:
 
 def _is_spec(value: dict) -> bool:
     """A spec table (it names a type, `step` or `when`, or holds a non-table value), not a level of nesting."""
-    return any(k in TYPES or k in ("step", "when") for k in value) or any(not isinstance(v, dict) for v in value.values())
+    return (any(k in TYPES or k in ("step", "when") for k in value)
+            or any(not isinstance(v, dict) for v in value.values()))
 
 
 def flatten_space(raw: dict[str, Any]) -> dict[str, Any]:
@@ -106,8 +107,8 @@ def field_type(key: str) -> Any:
     parts = key.split(".")
     known = sections()
     if len(parts) < 2 or parts[0] not in known:
-        raise UserError(f"tune.space.{key}: not a config key; name one as section.field, e.g. {EXAMPLES['log_uniform']} "
-                        f"(sections: {', '.join(known)})")
+        raise UserError(f"tune.space.{key}: not a config key; name one as section.field, e.g. "
+                        f"{EXAMPLES['log_uniform']} (sections: {', '.join(known)})")
     types = typing.get_type_hints(known[parts[0]])
     name = parts[1]
     if name not in types:
@@ -131,7 +132,10 @@ def config_value(cfg: Config, key: str) -> Any:
 
 def override_arg(key: str, value: Any) -> str:
     """`--key=value` as `slipstream train` parses it back to the same value (floats by repr: exact)."""
-    text = ("true" if value else "false") if isinstance(value, bool) else value if isinstance(value, str) else repr(value)
+    if isinstance(value, bool):
+        text = "true" if value else "false"
+    else:
+        text = value if isinstance(value, str) else repr(value)
     return f"--{key}={text}"
 
 
@@ -196,9 +200,10 @@ def _check_field(param: Param, typ: Any) -> None:
     """The range's type fits the key's: a float range over an integer key would sample 3.7."""
     where = f"tune.space.{param.key}"
     if param.kind in ("uniform", "log_uniform") and typ is not float:
-        hint = "int = [a, b] or log_int = [a, b]" if typ is int else "choices = [...]"
-        raise UserError(f"{where}: {param.kind} samples real numbers but this key takes {getattr(typ, '__name__', typ)}; "
-                        f"use {hint}, e.g. {EXAMPLES['int'] if typ is int else EXAMPLES['choices']}")
+        hint, example = ("int = [a, b] or log_int = [a, b]", EXAMPLES["int"]) if typ is int else \
+            ("choices = [...]", EXAMPLES["choices"])
+        raise UserError(f"{where}: {param.kind} samples real numbers but this key takes "
+                        f"{getattr(typ, '__name__', typ)}; use {hint}, e.g. {example}")
     if param.kind in ("int", "log_int") and typ not in (int, float):
         raise UserError(f"{where}: {param.kind} samples integers but this key takes {getattr(typ, '__name__', typ)}; "
                         f"use choices = [...], e.g. {EXAMPLES['choices']}")

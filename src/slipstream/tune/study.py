@@ -66,7 +66,8 @@ def prepare_study_dir(folder: Path) -> None:
         with contextlib.suppress(FileExistsError), open(folder / STUDY_MARKER, "x", encoding="utf-8") as f:
             f.write("A study folder of `slipstream tune hparams`.\n")
     except OSError as e:
-        raise UserError(f"cannot create the study folder '{folder}' ({e.strerror}); choose another --tune.dir") from None
+        raise UserError(f"cannot create the study folder '{folder}' ({e.strerror}); choose another --tune.dir") \
+            from None
 
 
 def _shown(url: str) -> str:
@@ -100,7 +101,8 @@ def open_storage(url: str):
         try:
             return JournalStorage(JournalFileBackend(str(path)))
         except OSError as e:
-            raise UserError(f"storage '{url}' cannot be opened ({e.strerror}); choose a writable journal:PATH") from None
+            raise UserError(f"storage '{url}' cannot be opened ({e.strerror}); choose a writable journal:PATH") \
+                from None
     engine_kwargs = {"connect_args": {"timeout": SQLITE_TIMEOUT_S}} if url.startswith("sqlite") else None
     try:
         try:
