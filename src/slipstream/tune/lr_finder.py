@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.errors import UserError
-from slipstream.tune.process import failure_reason, stop_trial, train_command, train_env
+from slipstream.tune.process import failure_reason, override, stop_trial, train_command, train_env
 
 MIN_STEPS = 10  # fewer points leave nothing to smooth and no slope to read
 DEFAULT_STOP_FACTOR = 4.0
@@ -291,11 +291,6 @@ def _result(losses: list[float | None], steps: int, min_lr: float, max_lr: float
 
 # --- the sweep of the LM job (a `slipstream train` subprocess) -----------------------------------------------------
 
-def _arg(key: str, value: object) -> str:
-    text = ("true" if value else "false") if isinstance(value, bool) else str(value)
-    return f"--{key}={text}"
-
-
 def _inode(path: Path) -> int | None:
     try:
         return path.stat().st_ino
@@ -355,11 +350,11 @@ def tune_lr(config_path: str, overrides: list[str], steps: int = 200, min_lr: fl
     if nproc < 1:
         raise UserError(f"--nproc must be >= 1 (got {nproc})")
     settings = sweep_settings(steps, min_lr, max_lr)
-    cfg = load_config(config_path, [*overrides, *(_arg(k, v) for k, v in settings.items())])  # bad input fails here
+    cfg = load_config(config_path, [*overrides, *(override(k, v) for k, v in settings.items())])  # bad input fails here
     work = Path(tempfile.mkdtemp(prefix="slipstream-tune-lr-"))
     run_dir = Path(cfg.run.dir).expanduser() if cfg.run.dir else work / "run"
     args = ["--config", str(config_path), *overrides,
-            *(_arg(k, v) for k, v in settings.items()), f"--run.dir={run_dir}"]
+            *(override(k, v) for k, v in settings.items()), f"--run.dir={run_dir}"]
     beta = smoothing_beta(steps)
     watch = DivergenceWatch(beta, stop_factor)
     losses: list[float | None] = []

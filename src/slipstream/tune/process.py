@@ -12,6 +12,12 @@ import sys
 from pathlib import Path
 
 
+def override(key: str, value: object) -> str:
+    """A `--section.key=value` override for a trial's command line (booleans as true/false)."""
+    text = ("true" if value else "false") if isinstance(value, bool) else str(value)
+    return f"--{key}={text}"
+
+
 def train_env() -> dict[str, str]:
     """The environment of a trial process: this one's, with this slipstream first on the path
     (so a trial imports the same code as the tuner, installed or not)."""

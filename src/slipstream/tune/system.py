@@ -39,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from slipstream.errors import UserError
-from slipstream.tune.process import failure_reason, stop_trial, train_command, train_env
+from slipstream.tune.process import failure_reason, override, stop_trial, train_command, train_env
 
 # A trial is a fresh process: importing torch and building the model takes seconds before any step.
 MIN_TRIAL_S = 15.0
@@ -49,17 +49,15 @@ MIN_STEPS = 4
 TRIAL_SETTINGS = {"train.eval_steps": 0, "checkpoint.save_final": False, "checkpoint.interval": 0,
                   "checkpoint.interval_minutes": 0, "checkpoint.resume": "none", "logging.tensorboard": False,
                   "logging.wandb": False, "logging.progress": False, "logging.log_interval": 1,
-                  "metrics.memory_breakdown": True, "metrics.memory_snapshot": False, "profile.enabled": False}
+                  "metrics.memory_breakdown": True, "metrics.memory_snapshot": False, "profile.enabled": False,
+                  # Evaluation is off, so early stopping must be; a trial stopped at its share of the
+                  # budget ends at once instead of saving a preemption checkpoint first.
+                  "train.early_stop_patience": 0, "resilience.preemption": False}
 
 RunTrial = Callable[[dict, float], dict]
 # Context-parallel degrees the tuner plans whenever the processes divide by them: `slipstream
 # plan` proposes cp only for long sequences (where it pays on GPUs), but here it is measured.
 CP_DEGREES = (1, 2, 4, 8, 16)
-
-
-def _arg(key: str, value: object) -> str:
-    text = ("true" if value else "false") if isinstance(value, bool) else str(value)
-    return f"--{key}={text}"
 
 
 def _vocab(cfg) -> int:
@@ -129,7 +127,7 @@ def subprocess_trials(config_path: str, overrides: list[str], nproc: int, steps:
     def run_trial(layout: dict, timeout_s: float) -> dict:
         run_dir = work_dir / f"trial{next(counter)}"
         settings = {**layout, **TRIAL_SETTINGS, "train.max_steps": steps, "run.dir": run_dir}
-        command = train_command(["--config", config_path, *overrides, *(_arg(k, v) for k, v in settings.items())], nproc)
+        command = train_command(["--config", config_path, *overrides, *(override(k, v) for k, v in settings.items())], nproc)
         err_path = work_dir / f"{run_dir.name}.stderr"
         with open(work_dir / f"{run_dir.name}.stdout", "wb") as out, open(err_path, "wb") as err:
             # Its own process group: on timeout, torchrun's workers die with it.
@@ -176,7 +174,7 @@ def trainer_refusal(config_path: str, overrides: list[str], layout: dict, nproc:
     from slipstream.config.dims import check_compatibility, resolve_parallel_dims
 
     try:
-        cfg = load_config(config_path, [*overrides, *(_arg(k, v) for k, v in {**layout, **TRIAL_SETTINGS}.items())])
+        cfg = load_config(config_path, [*overrides, *(override(k, v) for k, v in {**layout, **TRIAL_SETTINGS}.items())])
         dims = resolve_parallel_dims(cfg.parallel, nproc, nproc)
         check_compatibility(cfg, dims)
         # As init_parallel and the LM job check them (imported only when needed: DTensor is slow to import).
@@ -399,7 +397,7 @@ def write_winner_config(result: dict, out: str | Path) -> Path:
     from slipstream.observe.env import write_text_atomic
 
     out = Path(out).resolve()
-    layout = [_arg(k, v) for k, v in result["winner"]["overrides"].items()]
+    layout = [override(k, v) for k, v in result["winner"]["overrides"].items()]
     data = deep_merge(parse_overrides(result["overrides"]), parse_overrides(layout))
     base = os.path.relpath(Path(result["config"]).resolve(), out.parent)
     text = (f"# Written by `slipstream tune system`: the fastest layout measured ({result['winner']['layout']}).\n"
