@@ -15,6 +15,10 @@
     slipstream plan --model M --gpus 8xH100 [--nodes N] --seq S --global-batch B [--top K --calibrate RUN_DIR... --json]
     slipstream cost --model M --tokens 300e9 --gpus 8xH100 [--nodes N --price P --json]
     slipstream tune system --config FILE [--budget 10m --top K --nproc N --steps S --json --write-config OUT]
+    slipstream tune hparams --config FILE [--trials N --budget 30m --resume --nproc N --storage URL --write-config OUT]
+    slipstream tune lr --config FILE [--steps N --min-lr A --max-lr B --plot PNG --json]
+    slipstream tune batch --config FILE [--memory-gib G --max-micro-batch M --json]
+    slipstream report PATH... --out report.html [--force]   |   slipstream compare RUN_A RUN_B [--json]
     slipstream launch local|slurm|slurm-node|k8s [options] -- COMMAND
     slipstream checkpoint inspect|export|advise ...
 
