@@ -84,3 +84,12 @@ def test_bad_input_exits_2_with_a_clear_message(two_runs, tmp_path, capsys):
     assert "inside the input" in capsys.readouterr().err
     assert main(["compare", str(two_runs[0]), str(tmp_path / "not-a-run")]) == 2
     assert "not a run directory" in capsys.readouterr().err
+
+
+def test_report_without_out_writes_report_html_here(two_runs, tmp_path, monkeypatch):
+    """`slipstream report runs/latest` (the issue's command) writes ./report.html, and a second
+    call refuses to replace it."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["report", str(two_runs[0])]) == 0
+    assert "data-section" in (tmp_path / "report.html").read_text()
+    assert main(["report", str(two_runs[0])]) == 2

@@ -18,7 +18,7 @@
     slipstream tune hparams --config FILE [--trials N --budget 30m --resume --nproc N --storage URL --write-config OUT]
     slipstream tune lr --config FILE [--steps N --min-lr A --max-lr B --plot PNG --json]
     slipstream tune batch --config FILE [--memory-gib G --max-micro-batch M --json]
-    slipstream report PATH... --out report.html [--force]   |   slipstream compare RUN_A RUN_B [--json]
+    slipstream report PATH... [--out report.html --force]   |   slipstream compare RUN_A RUN_B [--json]
     slipstream launch local|slurm|slurm-node|k8s [options] -- COMMAND
     slipstream checkpoint inspect|export|advise ...
 

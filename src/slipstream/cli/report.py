@@ -19,7 +19,9 @@ def add_commands(sub) -> None:
                                    "ladder` results.")
     p.add_argument("paths", nargs="+", metavar="PATH",
                    help="a run directory (e.g. runs/latest), a study folder (study.json) or a ladder JSON")
-    p.add_argument("--out", required=True, help="the HTML file to write, e.g. report.html")
+    p.add_argument("--out", default="report.html",
+                   help="the HTML file to write (default: report.html in the current folder; never over a file "
+                        "that exists, unless --force)")
     p.add_argument("--title", default=None, help="the page's title (default: the names of what it shows)")
     add_force(p)
     p.set_defaults(func=cmd_report)
