@@ -101,7 +101,7 @@ def test_three_trial_study_end_to_end(study):
     assert saved["best"]["params"] == best.params
     assert optuna.load_study(study_name=saved["study_name"], storage=saved["storage"]).best_trial.number == best.number
     assert [r["number"] for r in result["trials"]] == [t.number for t in sorted(trials, key=lambda t: t.values[0])]
-    assert set(result["importances"]) == {"optim.lr", "optim.weight_decay"}
+    assert result["importances"] is None and "need 11 complete trials" in result["importance_note"]  # 3 are too few
     assert result["dashboard"] == f"optuna-dashboard {result['storage']}"
 
 

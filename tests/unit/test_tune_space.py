@@ -267,7 +267,7 @@ def test_a_dead_workers_running_trial_is_failed_as_interrupted_and_requeued(tmp_
     for key, value in studies.worker_attrs().items():  # this process: alive
         alive.set_user_attr(key, value)
 
-    assert studies.recover_interrupted(storage, study) == [lost.number]
+    assert studies.recover_interrupted(storage, study) == {lost.number: "interrupted"}
     assert orphan.wait(timeout=10) != 0  # the dead worker's trial process is stopped
     trials = study.get_trials()
     assert trials[lost.number].state == TrialState.FAIL
@@ -276,7 +276,7 @@ def test_a_dead_workers_running_trial_is_failed_as_interrupted_and_requeued(tmp_
     waiting = [t for t in trials if t.state == TrialState.WAITING]
     assert len(waiting) == 1 and waiting[0].user_attrs["requeued_from"] == lost.number
     assert not studies.is_counted(trials[lost.number]) and studies.counted_and_running(study) == (0, 1)
-    assert studies.recover_interrupted(storage, study) == []  # nothing twice
+    assert studies.recover_interrupted(storage, study) == {}  # nothing twice
     again = study.ask()  # the queued point comes first, with the lost trial's parameters
     assert again.number == waiting[0].number
     assert again.suggest_float("optim.lr", 1e-4, 1e-2, log=True) == lost.params["optim.lr"]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
+import sys
 
 
 def add_commands(group) -> None:
@@ -25,7 +27,8 @@ def add_commands(group) -> None:
                    "(default: tune.storage, else sqlite in the study folder)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--write-config", default=None, metavar="OUT",
-                   help="write the best trial as a TOML that extends --config")
+                   help="write the best trial as a TOML that extends --config (a multi-objective study: the trial "
+                   "of its Pareto front with the best first objective)")
     p.add_argument("--force", action="store_true", help="overwrite an existing --write-config file")
     p.set_defaults(func=cmd_tune_hparams)
 
@@ -34,7 +37,7 @@ def cmd_tune_hparams(args: argparse.Namespace, extra: list[str]) -> int:
     from slipstream.config.load import split_overrides
     from slipstream.outputs import refuse_existing, refuse_same_file
     from slipstream.plan.checkpoint_interval import parse_duration
-    from slipstream.tune.hparams import tune_hparams
+    from slipstream.tune.hparams import Terminated, tune_hparams
     from slipstream.tune.hparams_report import format_report, write_best_config
 
     budget = None if args.budget is None else parse_duration(args.budget, "--budget")
@@ -43,8 +46,13 @@ def cmd_tune_hparams(args: argparse.Namespace, extra: list[str]) -> int:
     refuse_existing(args.write_config, args.force, "--write-config")
     if args.write_config:
         refuse_same_file(args.write_config, [args.config], "--write-config", "the --config it would extend")
-    result = tune_hparams(args.config, split_overrides(extra), trials=args.trials, budget_s=budget,
-                          resume=args.resume, nproc=args.nproc, storage=args.storage)
+    try:
+        result = tune_hparams(args.config, split_overrides(extra), trials=args.trials, budget_s=budget,
+                              resume=args.resume, nproc=args.nproc, storage=args.storage)
+    except Terminated:
+        print("tune hparams: stopped by SIGTERM; the running trial is queued again (continue with --resume)",
+              file=sys.stderr)
+        return 128 + signal.SIGTERM
     if args.write_config and result["best"] is not None:
         result["written_config"] = str(write_best_config(result, args.write_config))
     if args.json:

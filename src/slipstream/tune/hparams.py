@@ -16,12 +16,16 @@ and, with --write-config, the best trial as a config that `extends` the base one
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import signal
 import sys
+import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from slipstream.errors import UserError
 from slipstream.tune import study as studies
@@ -33,6 +37,30 @@ from slipstream.tune.space import (Param, describe, grid_search_space, override_
 OBJECTIVES = {"val_loss": ["minimize"], "best_val_loss": ["minimize"], "tokens_per_s": ["maximize"],
               "val_loss,tokens_per_s": ["minimize", "maximize"]}
 NO_REPORT = "the trial reported no"
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM reached the tuner (a scheduler's cancel or preemption, `kill`)."""
+
+
+@contextlib.contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """While the trials run, SIGTERM is handled as Ctrl-C is: the running trial is stopped with
+    everything it started and failed "interrupted" with its parameters queued again. By default
+    SIGTERM ends the tuner on the spot, leaving its trial RUNNING in the study until a later
+    worker finds it dead. (Signal handlers exist only in the main thread: elsewhere, nothing.)"""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame) -> None:
+        raise Terminated(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def directions_of(objective: str) -> list[str]:
@@ -72,6 +100,9 @@ def _prepare_trial_dir(run_dir: Path) -> str:
 
     if run_dir.exists() and any(run_dir.iterdir()) and not (run_dir / MARKER).is_file():
         return f"its run directory {run_dir} holds files slipstream did not write"
+    if (run_dir / "trial.json").is_file():  # its metrics.jsonl would be read as this trial's
+        return (f"its run directory {run_dir} holds an earlier trial of this number (a study deleted and started "
+                "again in this folder?); give the study a new --tune.dir")
     run_dir.mkdir(parents=True, exist_ok=True)
     if not (run_dir / MARKER).is_file():
         write_json_atomic(run_dir / MARKER, {"created_by": "slipstream tune hparams"})
@@ -111,16 +142,16 @@ class Tuner:
     log: Callable[[str], None]
 
     def _recover(self) -> None:
-        """Fail and requeue the trials a dead worker of this host left running (under the lock)."""
+        """Fail and requeue the trials a dead worker left running (under the lock)."""
         recovered = studies.recover_interrupted(self.storage, self.study)
         by_number = {t.number: t for t in self.study.get_trials(deepcopy=False)}
-        for number in recovered:
+        for number, reason in recovered.items():
             _write_trial_json(self.folder / "trials" / f"trial_{number:04d}", number,
-                              Outcome("failed", reason="interrupted"), by_number[number].params,
+                              Outcome("failed", reason=reason), by_number[number].params,
                               self.study.study_name, self.url)
-        if recovered:
-            self.log(f"note: trial(s) {', '.join(map(str, recovered))} were left running by a worker that is gone: "
-                     "failed as interrupted, their parameters queued again")
+            self.log(f"note: trial {number} was left running by a worker that is gone: "
+                     + ("failed as interrupted, its parameters queued again" if reason == "interrupted" else
+                        f"failed: {reason}"))
 
     def _ask(self):
         """Under the study lock: the next trial and its parameters, or None when the study has
@@ -131,8 +162,9 @@ class Tuner:
             counted, running = studies.counted_and_running(self.study)
             if counted + running >= self.target:
                 return None
-            seed = studies.seed_for_trial(cfg.tune.seed, len(self.study.get_trials(deepcopy=False)))
-            self.study.sampler = studies.make_sampler(cfg.tune.sampler, seed, self.space, cfg.tune.grid_points)
+            if cfg.tune.sampler != "grid":  # the grid keeps tune.seed: it is the order of its points
+                seed = studies.seed_for_trial(cfg.tune.seed, len(self.study.get_trials(deepcopy=False)))
+                self.study.sampler = studies.make_sampler(cfg.tune.sampler, seed, self.space, cfg.tune.grid_points)
             trial = self.study.ask()
             for key, value in studies.worker_attrs().items():
                 trial.set_user_attr(key, value)
@@ -158,10 +190,10 @@ class Tuner:
         args = [*self.base_overrides, *(override_arg(k, v) for k, v in params.items()),
                 *(override_arg(k, v) for k, v in {**TRIAL_SETTINGS, "run.dir": str(run_dir)}.items())]
         started = time.monotonic()
-        refused = _prepare_trial_dir(run_dir)
+        refused, final_step = _prepare_trial_dir(run_dir), 0
         if not refused:
-            try:
-                load_config(self.config_path, args)  # the combination must pass the config's own validation
+            try:  # the combination must pass the config's own validation
+                final_step = load_config(self.config_path, args).train.max_steps
             except UserError as e:
                 refused = f"the config refuses these values: {e}"
         try:
@@ -174,9 +206,13 @@ class Tuner:
                     trial.set_user_attr("trial_pid", pid)
                     trial.set_user_attr("trial_start", studies.process_start(pid))
 
+                # Val losses go to Optuna only where they are the objective: a tokens_per_s study
+                # would show (and a pruner would rank) a loss it does not optimize.
+                report = len(self.study.directions) == 1 and "val_loss" in self.objective
                 outcome = run_trial(trial, train_command(["--config", self.config_path, *args], self.nproc), run_dir,
-                                    train_env(), self.objective, self.deadline, report=len(self.study.directions) == 1,
-                                    prune=self.prune, warmup_evals=self.cfg.tune.prune_warmup_evals, on_start=on_start)
+                                    train_env(), self.objective, self.deadline, report=report, prune=self.prune,
+                                    warmup_evals=self.cfg.tune.prune_warmup_evals, final_step=final_step,
+                                    on_start=on_start, on_poll=studies.heartbeat(trial))
         except BaseException:  # Ctrl-C: the trial is stopped; the study gets it back to run again
             outcome = Outcome("failed", reason="interrupted")
             studies.fail_and_requeue(self.storage, self.study, trial.number, "interrupted")
@@ -194,7 +230,8 @@ class Tuner:
         _write_trial_json(run_dir, trial.number, outcome, params, self.study.study_name, self.url)
         values = " ".join(f"{name}={v:.5g}" for name, v in zip(self.objective.split(","), outcome.values or []))
         took = time.monotonic() - started
-        self.log(f"trial {trial.number}: {outcome.state} {values or outcome.reason} ({took:.1f}s)")
+        what = outcome.reason if outcome.state == "pruned" else f"{outcome.state} {values or outcome.reason}"
+        self.log(f"trial {trial.number}: {what} ({took:.1f}s)")  # "pruned at step 5", "complete val_loss=4.6"
         return True
 
 
@@ -220,6 +257,7 @@ def tune_hparams(config_path: str, overrides: list[str], trials: int = 20, budge
     tune = cfg.tune
     directions = directions_of(tune.objective)
     space, is_default = resolve_space(cfg, config_path, overrides)
+    sampler = studies.make_sampler(tune.sampler, tune.seed, space, tune.grid_points)  # refuses a conditional grid
     log(("search space (tune.space is empty: the default)" if is_default else "search space (tune.space)")
         + ":\n" + describe(space))
     # The data once, before the study and any trial (quietly: --json stays one object); every
@@ -232,10 +270,11 @@ def tune_hparams(config_path: str, overrides: list[str], trials: int = 20, budge
     folder = studies.study_dir(cfg, name)
     url = storage or tune.storage
     if url:
+        url = studies.resolve_url(url)
         store = studies.open_storage(url)  # before the folder: a bad URL leaves nothing behind
-        studies.prepare_study_dir(folder)
+        studies.prepare_study_dir(folder, name)
     else:  # the SQLite file of the study folder
-        studies.prepare_study_dir(folder)
+        studies.prepare_study_dir(folder, name)
         url = studies.storage_url("", folder)
         store = studies.open_storage(url)
     notes = []
@@ -251,17 +290,19 @@ def tune_hparams(config_path: str, overrides: list[str], trials: int = 20, budge
             notes.append(f"the grid has {size} points: the study stops there (not at --trials {trials})")
             target = size
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    meta = {"objective": tune.objective, "space": space_to_json(space)}
-    study, opened = studies.open_study(store, url, name, directions, studies.make_sampler(
-        tune.sampler, tune.seed, space, tune.grid_points), studies.make_pruner(tune.pruner), resume, meta)
+    training = [o for o in overrides if not o.lstrip("-").startswith("tune.")]
+    meta = {"objective": tune.objective, "space": space_to_json(space), "training": training}
+    study, opened = studies.open_study(store, url, name, directions, sampler, studies.make_pruner(tune.pruner),
+                                       resume, meta)
     notes += opened
     for note in notes:
         log(f"note: {note}")
     tuner = Tuner(study, store, url, folder, str(config_path), [*overrides, f"--data.dir={Path(data_dir).resolve()}"],
                   cfg, space, tune.objective, target, deadline, nproc, prune, log)
     ran = 0
-    while tuner.run_one():
-        ran += 1
+    with _sigterm_as_interrupt():
+        while tuner.run_one():
+            ran += 1
     from slipstream.tune.hparams_report import study_result, write_study_json
 
     result = study_result(study, config_path, overrides, tune.objective, directions, space, url, folder, tune.seed)

@@ -16,6 +16,11 @@ from slipstream.tune.space import Param, override_arg, space_to_json
 
 STATE_NAMES = {"COMPLETE": "complete", "PRUNED": "pruned", "FAIL": "failed", "RUNNING": "running", "WAITING": "waiting"}
 STATE_ORDER = {"complete": 0, "pruned": 1, "failed": 2, "running": 3, "waiting": 4}
+# Complete trials an importance needs. PED-ANOVA compares the best 10 % of the trials with all
+# of them: below 11 trials that "10 %" is the single best trial, and the importances say only
+# where that one point lies (on a planted x-only objective, 4 random trials ranked the idle
+# parameter first). fANOVA's forest over a handful of points is no better.
+MIN_IMPORTANCE_TRIALS = 11
 
 
 def dashboard_command(url: str) -> str:
@@ -51,8 +56,9 @@ def importances(study, directions: list[str], objective: str, seed: int) -> tupl
     from optuna.trial import TrialState
 
     complete = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
-    if len(complete) < 2:
-        return None, f"no parameter importances: they need 2 complete trials or more (the study has {len(complete)})"
+    if len(complete) < MIN_IMPORTANCE_TRIALS:
+        return None, (f"no parameter importances: they need {MIN_IMPORTANCE_TRIALS} complete trials or more to mean "
+                      f"anything (the study has {len(complete)})")
     if len({tuple(sorted(t.params.items())) for t in complete}) < 2:
         return None, "no parameter importances: every complete trial has the same parameter values"
     if importlib.util.find_spec("sklearn") is not None:
@@ -61,13 +67,17 @@ def importances(study, directions: list[str], objective: str, seed: int) -> tupl
         evaluator, method = optuna.importance.PedAnovaImportanceEvaluator(), "PED-ANOVA"
     target = None if len(directions) == 1 else (lambda t: t.values[0])
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # "experimental", "few trials per regime": said in the note instead
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")  # kept off the console; what matters goes into the note
             found = optuna.importance.get_param_importances(study, evaluator=evaluator, target=target)
     except (RuntimeError, ValueError) as e:
         return None, f"no parameter importances: {e}"
+    said = [str(w.message) for w in caught if not issubclass(w.category, optuna.exceptions.ExperimentalWarning)]
+    if any("will be equal" in line for line in said):
+        return None, f"no parameter importances: {next(line for line in said if 'will be equal' in line)}"
     on = objective.split(",")[0]
-    return {k: float(v) for k, v in found.items()}, f"parameter importances ({method} on {on}, {len(complete)} trials)"
+    note = f"parameter importances ({method} on {on}, {len(complete)} trials)"
+    return {k: float(v) for k, v in found.items()}, note + "".join(f"; {line}" for line in said[:2])
 
 
 def study_result(study, config_path: str, overrides: list[str], objective: str, directions: list[str],
@@ -149,7 +159,10 @@ def format_report(result: dict) -> str:
 
 def write_best_config(result: dict, out: str | Path) -> Path:
     """A TOML that extends the base config with the user's overrides (not the [tune] ones) and
-    the best trial's parameters (atomic). Not over the config it extends."""
+    the best trial's parameters (atomic). Not over the config it extends. In a multi-objective
+    study "best" is the trial of the Pareto front with the best first objective (the lowest
+    val_loss of val_loss,tokens_per_s); the file's first line says so, and study.json lists the
+    whole front."""
     import tomli_w
 
     from slipstream.config.load import deep_merge, parse_overrides
@@ -164,7 +177,9 @@ def write_best_config(result: dict, out: str | Path) -> Path:
     best = [override_arg(k, v) for k, v in result["best"]["params"].items()]
     data = deep_merge(parse_overrides(user), parse_overrides(best))
     base = os.path.relpath(Path(result["config"]).resolve(), out.parent)
+    names = result["objective"].split(",")
+    which = "" if len(names) == 1 else f", the {names[0]}-best of the Pareto front (study.json lists the front)"
     text = (f"# Written by `slipstream tune hparams`: trial {result['best']['number']} of the study "
-            f"'{result['study_name']}' ({result['objective']}).\n" + tomli_w.dumps({"extends": base, **data}))
+            f"'{result['study_name']}' ({result['objective']}{which}).\n" + tomli_w.dumps({"extends": base, **data}))
     write_text_atomic(out, text)
     return out

@@ -78,16 +78,39 @@ def _finite(value: Any) -> float:
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
 
 
-def val_losses(metrics: Path) -> list[tuple[int, float]]:
-    """(step, val_loss) of every evaluation record of a finished run's metrics.jsonl."""
-    found = []
+def _records(metrics: Path):
+    """The records of a finished run's metrics.jsonl, one line at a time (memory bounded by the
+    longest record)."""
     with contextlib.suppress(OSError), open(metrics, "rb") as f:
-        for line in f:  # one line at a time: memory bounded by the longest record
+        for line in f:
             with contextlib.suppress(ValueError):
                 record = json.loads(line)
-                if isinstance(record, dict) and "val_loss" in record and isinstance(record.get("step"), int):
-                    found.append((record["step"], _finite(record["val_loss"])))
-    return found
+                if isinstance(record, dict) and isinstance(record.get("step"), int):
+                    yield record
+
+
+def val_losses(metrics: Path) -> list[tuple[int, float]]:
+    """(step, val_loss) of every evaluation record of a finished run's metrics.jsonl."""
+    return [(r["step"], _finite(r["val_loss"])) for r in _records(metrics) if "val_loss" in r]
+
+
+def steady_tokens_per_s(metrics: Path) -> float | None:
+    """Tokens/s of the logging intervals after the first (tokens over their time), None with
+    fewer than two intervals. The first interval holds start-up and warm-up (torch.compile's
+    compilation, allocator growth) and summary.json's mean includes it: a short trial would
+    rank a compiled setting by its compile time. The interval of the memory-measured step
+    (metrics.memory_breakdown: a slower step) is left out too."""
+    intervals, tokens_before = [], None
+    for r in _records(metrics):
+        speed, tokens = _finite(r.get("tokens_per_s")), r.get("tokens")
+        if not isinstance(tokens, int) or not speed > 0:
+            continue  # an evaluation or checkpoint record
+        if tokens_before is not None and tokens > tokens_before and "mem_step_peak_bytes" not in r:
+            intervals.append((tokens - tokens_before, speed))
+        tokens_before = tokens
+    if len(intervals) < 1:
+        return None
+    return sum(n for n, _ in intervals) / sum(n / speed for n, speed in intervals)
 
 
 def read_objective(run_dir: Path, objective: str) -> tuple[list[float] | None, str]:
@@ -102,6 +125,8 @@ def read_objective(run_dir: Path, objective: str) -> tuple[list[float] | None, s
             losses = [v for _, v in val_losses(run_dir / "metrics.jsonl")]
             value = min(losses) if losses and not any(math.isnan(v) for v in losses) else \
                 (math.nan if losses else None)
+        elif name == "tokens_per_s" and (steady := steady_tokens_per_s(run_dir / "metrics.jsonl")) is not None:
+            value = steady
         else:
             value = summary.get(name)
             value = None if value is None and name not in summary else _finite(value)
@@ -127,11 +152,14 @@ def _die_with_parent(parent: int):
 
 
 def run_trial(trial, command: list[str], run_dir: Path, env: dict[str, str], objective: str,
-              deadline: float | None, report: bool, prune: bool, warmup_evals: int, on_start=None) -> Outcome:
+              deadline: float | None, report: bool, prune: bool, warmup_evals: int, final_step: int,
+              on_start=None, on_poll=None) -> Outcome:
     """Run one trial to its end (see the module doc). `report`: send the val losses to Optuna
-    (single-objective studies: Optuna takes no intermediate values of multi-objective ones);
-    `prune`: ask the pruner after more than `warmup_evals` of them. `on_start(pid)` is called
-    once the process runs. Ctrl-C or any error stops the trial before it propagates."""
+    (a val-loss objective of a single-objective study: Optuna takes no intermediate values of
+    multi-objective ones); `prune`: ask the pruner after more than `warmup_evals` of them, before
+    `final_step` (the trial's train.max_steps: its last evaluation is its result, which stopping
+    would only throw away). `on_start(pid)` is called once the process runs, `on_poll()` at every
+    look at it. Ctrl-C or any error stops the trial before it propagates."""
     out_path, err_path = run_dir / "trial.stdout", run_dir / "trial.stderr"
     tail, evals = MetricsTail(run_dir / "metrics.jsonl"), 0
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
@@ -147,13 +175,17 @@ def run_trial(trial, command: list[str], run_dir: Path, env: dict[str, str], obj
                         continue
                     trial.report(_finite(record["val_loss"]), record["step"])
                     evals += 1
-                    # Not after the process ended: a finished trial is complete, whatever its last report.
-                    if prune and code is None and evals > warmup_evals and trial.should_prune():
+                    # Not after the process ended, nor at the last step (the process is still
+                    # writing its summary): a finished trial is complete, whatever its last report.
+                    if (prune and code is None and record["step"] < final_step and evals > warmup_evals
+                            and trial.should_prune()):
                         stop_trial(proc)
                         tail.read()
                         return Outcome("pruned", reason=f"pruned at step {record['step']}", last_step=record["step"])
                 if code is not None:
                     break
+                if on_poll is not None:
+                    on_poll()
                 if deadline is not None and time.monotonic() >= deadline:
                     stop_trial(proc)
                     tail.read()

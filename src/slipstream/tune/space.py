@@ -167,8 +167,11 @@ def _parse_one(key: str, spec: Any) -> Param:
             raise UserError(f"{where}: choices must be a non-empty list, e.g. {example}")
         if not all(isinstance(v, (str, int, float, bool)) for v in value):
             raise UserError(f"{where}: choices must be strings, numbers or booleans, e.g. {example}")
-        if len({(type(v), v) for v in value}) != len(value):
-            raise UserError(f"{where}: choices {value!r} repeat a value; list each once, e.g. {example}")
+        # Equal values of different types (1, 1.0, true) are one choice to Optuna: the storage
+        # keeps a choice's index, found by ==, so the study would record 1 for a sampled 1.0.
+        if any(a == b for i, a in enumerate(value) for b in value[i + 1:]):
+            raise UserError(f"{where}: choices {value!r} repeat a value (1, 1.0 and true count as one); list each "
+                            f"once, e.g. {example}")
         if "step" in spec:
             raise UserError(f"{where}: step applies to int and uniform ranges, not choices; e.g. {EXAMPLES['int']}")
         return Param(key, kind, choices=tuple(value), when=tuple(when.items()))
@@ -225,6 +228,15 @@ def check_values(space: dict[str, Param], config_path, overrides: list[str]) -> 
                                 "narrow the range or change the base config") from None
 
 
+def _can_take(param: Param, value: Any) -> bool:
+    """Whether `param` can be sampled at `value` (a `when` naming another value never holds)."""
+    if param.kind == "choices":
+        return value in param.choices  # by ==, as `active` compares
+    if not _number(value) or (param.kind in ("int", "log_int") and value != int(value)):
+        return False
+    return param.low <= value <= param.high
+
+
 def order_by_condition(space: dict[str, Param]) -> list[Param]:
     """The parameters in an order where every `when` key of the space comes before the
     parameters that depend on it; a cycle is a UserError."""
@@ -267,9 +279,10 @@ def parse_space(raw: dict[str, Any], cfg: Config, config_path=None, overrides: l
         for key, value in param.when:
             field_type(key)  # a real config key (UserError otherwise)
             other = space.get(key)
-            if other is not None and other.kind == "choices" and value not in other.choices:
+            if other is not None and not _can_take(other, value):
+                sampled = list(other.choices) if other.kind == "choices" else f"{other.kind} [{other.low}, {other.high}]"
                 raise UserError(f"tune.space.{param.key}: when = {{\"{key}\" = {value!r}}} can never hold: "
-                                f"{key} is sampled from {list(other.choices)!r}")
+                                f"{key} is sampled from {sampled!r}")
     order_by_condition(space)
     if config_path is not None:
         check_values(space, config_path, list(overrides or []))
@@ -278,9 +291,10 @@ def parse_space(raw: dict[str, Any], cfg: Config, config_path=None, overrides: l
 
 def default_space(cfg: Config) -> dict[str, Param]:
     """The space of an empty `[tune.space]`: the learning rate a decade either side of the
-    config's, and the weight decay over [0, 0.2] (the schema documents this)."""
+    config's, and the weight decay over [0, 0.2] (the schema documents this). The learning rate
+    stays at or above optim.min_lr, which the config requires (below it a trial would fail)."""
     lr = cfg.optim.lr
-    return {"optim.lr": Param("optim.lr", "log_uniform", lr / 10, lr * 10),
+    return {"optim.lr": Param("optim.lr", "log_uniform", max(lr / 10, cfg.optim.min_lr), lr * 10),
             "optim.weight_decay": Param("optim.weight_decay", "uniform", 0.0, 0.2)}
 
 
