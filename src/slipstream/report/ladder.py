@@ -9,7 +9,6 @@ never a traceback deep in matplotlib. Strings reach the page only through page.p
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -47,7 +46,7 @@ def load_ladder(path: str | Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise UserError(f"{path} does not exist; give a `slipstream bench ladder` result, e.g. "
                         "benchmarks/ladder-speed-cpu-tiny.json") from None
-    except json.JSONDecodeError as e:
+    except ValueError as e:  # json.JSONDecodeError, or an integer of more digits than Python converts
         raise UserError(f"{path} is not valid JSON ({e}); give a `slipstream bench ladder` result") from None
     problem = _ladder_problem(result)
     if problem:
@@ -68,7 +67,8 @@ def _ladder_problem(result: Any) -> str | None:
         if not isinstance(row, dict) or not isinstance(row.get("rung"), str):
             return f"rung {i} has no name ('rung')"
         if _median(row, _main_key(result)) is None:
-            return f"rung {row['rung'][:MAX_TEXT]!r} has no median {_main_key(result)}"
+            return (f"rung {row['rung'][:MAX_TEXT]!r} has no median {_main_key(result)} "
+                    "(finite numbers median, min and max with min <= median <= max)")
     return None
 
 
@@ -78,14 +78,16 @@ def _main_key(result: dict[str, Any]) -> str:
 
 
 def _stat(row: dict[str, Any], key: str) -> tuple[float, float, float] | None:
-    """(median, min, max) of one measurement, or None when absent or not finite numbers."""
+    """(median, min, max) of one measurement, or None when absent, not finite numbers or out of
+    order (min <= median <= max holds for any real measurement; the chart's error bars need it)."""
     value = row.get(key)
     if not isinstance(value, dict):
         return None
     numbers = [value.get(k) for k in ("median", "min", "max")]
     if not all(isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) for x in numbers):
         return None
-    return float(numbers[0]), float(numbers[1]), float(numbers[2])
+    median, low, high = map(float, numbers)
+    return (median, low, high) if low <= median <= high else None
 
 
 def _median(row: dict[str, Any], key: str) -> float | None:
@@ -113,7 +115,7 @@ def ladder_sections(path: str | Path, key: str | None = None) -> list[Section]:
     key = key or _safe_key(f"{result['bench']}-{device}-{size}")
     section = Section(key, f"{LADDERS[result['bench']]} ({device}, size {size})")
     section.add(paragraph(_setting(result, Path(path))))
-    section.add(figure(rung_figure(result), key, _caption(result)))
+    section.add(figure(rung_figure(result), key, _caption(result), math_text=False))
     section.add(rung_table(result))
     return [section]
 
@@ -141,10 +143,16 @@ def _caption(result: dict[str, Any]) -> str:
 def rung_figure(result: dict[str, Any]):
     """The rung chart: the ladder's own quantity (peak memory or tokens/s) per rung, with its
     ratio to the baseline written on each bar, next to the other quantity (what the rung costs
-    or saves besides). Bars span repeats as min-max error bars."""
+    or saves besides). Bars span repeats as min-max error bars. Rung names come from the file, so
+    a `$` in them is drawn as written, never parsed as mathtext (save with math_text=False)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, no display
+    with matplotlib.rc_context({"text.parse_math": False}):
+        return _draw_rungs(result)
+
+
+def _draw_rungs(result: dict[str, Any]):
     import matplotlib.pyplot as plt
 
     memory = result["bench"] == "ladder-memory"

@@ -42,14 +42,18 @@ class Section:
         return self
 
 
-def figure(fig: Any, name: str, caption: str = "") -> str:
+def figure(fig: Any, name: str, caption: str = "", math_text: bool = True) -> str:
     """A matplotlib figure as inline SVG (the figure is closed). `name` becomes the figure's
-    data-figure attribute, which the browser test looks for."""
+    data-figure attribute, which the browser test looks for. math_text=False for a figure drawn
+    with text.parse_math off (names from elsewhere, where `$` is no formula): the tick labels,
+    made only now, are then drawn as written too."""
     import matplotlib
     import matplotlib.pyplot as plt
 
     buffer = io.StringIO()
-    with matplotlib.rc_context({"svg.fonttype": "none", "svg.hashsalt": name}):  # text stays text; stable ids
+    # svg.fonttype none: text stays text; svg.hashsalt: ids that do not change between runs.
+    settings = {"svg.fonttype": "none", "svg.hashsalt": name} | ({} if math_text else {"text.parse_math": False})
+    with matplotlib.rc_context(settings):
         fig.savefig(buffer, format="svg", bbox_inches="tight", metadata={"Date": None})
     plt.close(fig)
     svg = buffer.getvalue()
