@@ -134,7 +134,8 @@ def test_resuming_with_other_training_settings_says_so(tmp_path, data_dir, fake_
     a word (the stored space and objective were compared, the training settings were not)."""
     args = [f"--data.dir={data_dir}", f"--tune.dir={tmp_path / 's'}"]
     hparams.tune_hparams(str(TINY), [*args, "--train.max_steps=10"], trials=1, log=lambda line: None)
-    same = hparams.tune_hparams(str(TINY), [*args, "--train.max_steps=10"], trials=2, resume=True, log=lambda line: None)
+    same = hparams.tune_hparams(str(TINY), [*args, "--train.max_steps=10"], trials=2, resume=True,
+                                log=lambda line: None)
     other = hparams.tune_hparams(str(TINY), [*args, "--train.max_steps=20"], trials=3, resume=True,
                                  log=lambda line: None)
     assert not any("training overrides differ" in n for n in same["notes"])
@@ -181,10 +182,10 @@ def test_the_default_space_holds_only_learning_rates_the_config_accepts():
 @pytest.mark.parametrize("space, fragments", [
     ({"optim.weight_decay": {"choices": [0, 0.0]}}, ["repeat a value", "1, 1.0 and true"]),
     ({"train.deterministic": {"choices": [True, 1]}}, ["repeat a value"]),
-    ({"optim.warmup_steps": {"int": [0, 10]}, "optim.lr": {"uniform": [1e-4, 1e-2], "when": {"optim.warmup_steps": 20}}},
-     ["can never hold", "int [0, 10]"]),
-    ({"optim.warmup_steps": {"int": [0, 10]}, "optim.lr": {"uniform": [1e-4, 1e-2], "when": {"optim.warmup_steps": 2.5}}},
-     ["can never hold"]),
+    ({"optim.warmup_steps": {"int": [0, 10]},
+      "optim.lr": {"uniform": [1e-4, 1e-2], "when": {"optim.warmup_steps": 20}}}, ["can never hold", "int [0, 10]"]),
+    ({"optim.warmup_steps": {"int": [0, 10]},
+      "optim.lr": {"uniform": [1e-4, 1e-2], "when": {"optim.warmup_steps": 2.5}}}, ["can never hold"]),
 ])
 def test_spaces_optuna_cannot_honour_are_refused(space, fragments):
     """Choices equal to Optuna (it stores a choice's index, found by ==) came back as the first
@@ -196,6 +197,18 @@ def test_spaces_optuna_cannot_honour_are_refused(space, fragments):
         parse_space(space, load_config(TINY))
     for fragment in fragments:
         assert fragment in str(e.value), str(e.value)
+
+
+def test_a_when_on_a_conditional_parent_may_name_the_configs_value():
+    """A parent left out of a trial has the config's value there (tiny: warmup_steps = 5), so a
+    `when` naming it can hold though the parent's own range does not contain it."""
+    from slipstream.config import load_config
+    from slipstream.tune.space import parse_space
+
+    space = {"optim.schedule": {"choices": ["cosine", "wsd"]},
+             "optim.warmup_steps": {"int": [0, 3], "when": {"optim.schedule": "wsd"}},
+             "optim.weight_decay": {"uniform": [0.0, 0.2], "when": {"optim.warmup_steps": 5}}}
+    assert set(parse_space(space, load_config(TINY))) == set(space)
 
 
 def _dead_pid() -> int:
@@ -295,6 +308,15 @@ def test_storage_urls_name_absolute_files_that_the_dashboard_opens(tmp_path, mon
         assert status == ["200 OK"] and [s["study_name"] for s in json.loads(body)["study_summaries"]] == ["s"]
 
 
+def test_a_relative_storage_is_recorded_absolute(tmp_path, data_dir, fake_trials, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = hparams.tune_hparams(str(TINY), [f"--data.dir={data_dir}", "--tune.dir=s"], trials=1,
+                                  storage="journal:study.log", log=lambda line: None)
+    assert result["storage"] == f"journal:{tmp_path / 'study.log'}"
+    assert json.loads((tmp_path / "s" / "study.json").read_text())["storage"] == result["storage"]
+    assert result["dashboard"] == f"optuna-dashboard {tmp_path / 'study.log'}"
+
+
 def test_importances_need_enough_trials_to_mean_anything():
     """With a handful of trials PED-ANOVA's 'best 10 %' is one trial: 4 random trials of an
     objective of x alone ranked the idle parameter y first, and that was printed."""
@@ -310,7 +332,14 @@ def test_importances_need_enough_trials_to_mean_anything():
         x, _ = trial.suggest_float("x", 0, 1), trial.suggest_float("y", 0, 1)
         study.tell(trial, (x - 0.3) ** 2)
     found, note = importances(study, ["minimize"], "val_loss", 0)
-    assert found["x"] > found["y"] and "40 trials" in note
+    assert found["x"] > found["y"] and note == "parameter importances (PED-ANOVA on val_loss, 40 trials)"
+    pareto = optuna.create_study(directions=["minimize", "maximize"], sampler=optuna.samplers.RandomSampler(seed=0))
+    for _ in range(MIN_IMPORTANCE_TRIALS):
+        trial = pareto.ask()
+        x, y = trial.suggest_float("x", 0, 1), trial.suggest_float("y", 0, 1)
+        pareto.tell(trial, [(x - 0.3) ** 2, y])
+    found, note = importances(pareto, ["minimize", "maximize"], "val_loss,tokens_per_s", 0)
+    assert found["x"] > found["y"] and "`target`" not in note  # Optuna's advice on our own choice: not shown
 
 
 def test_best_config_of_a_pareto_front_says_which_trial_it_is(tmp_path):

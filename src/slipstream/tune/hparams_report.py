@@ -72,7 +72,10 @@ def importances(study, directions: list[str], objective: str, seed: int) -> tupl
             found = optuna.importance.get_param_importances(study, evaluator=evaluator, target=target)
     except (RuntimeError, ValueError) as e:
         return None, f"no parameter importances: {e}"
-    said = [str(w.message) for w in caught if not issubclass(w.category, optuna.exceptions.ExperimentalWarning)]
+    # Kept: what says the numbers are weak ("few trials in a regime", "will be equal"); not the
+    # experimental-API notices, nor "lower target values" (the first objective here is a loss).
+    said = [str(w.message) for w in caught if not issubclass(w.category, optuna.exceptions.ExperimentalWarning)
+            and "`target`" not in str(w.message)]
     if any("will be equal" in line for line in said):
         return None, f"no parameter importances: {next(line for line in said if 'will be equal' in line)}"
     on = objective.split(",")[0]

@@ -279,8 +279,11 @@ def parse_space(raw: dict[str, Any], cfg: Config, config_path=None, overrides: l
         for key, value in param.when:
             field_type(key)  # a real config key (UserError otherwise)
             other = space.get(key)
-            if other is not None and not _can_take(other, value):
-                sampled = list(other.choices) if other.kind == "choices" else f"{other.kind} [{other.low}, {other.high}]"
+            # (A conditional parent left out of a trial has the config's value there.)
+            if other is not None and not _can_take(other, value) and not (
+                    other.when and config_value(cfg, key) == value):
+                sampled = (list(other.choices) if other.kind == "choices" else
+                           f"{other.kind} [{other.low}, {other.high}]")
                 raise UserError(f"tune.space.{param.key}: when = {{\"{key}\" = {value!r}}} can never hold: "
                                 f"{key} is sampled from {sampled!r}")
     order_by_condition(space)

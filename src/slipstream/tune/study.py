@@ -68,8 +68,8 @@ def storage_url(storage: str, folder: Path) -> str:
 def _marked_study(folder: Path) -> str | None:
     """The study name the folder's marker records (None: unreadable, or still being written by
     a worker that created it a moment ago, or a marker without one)."""
-    with contextlib.suppress(OSError, ValueError):
-        name = json.loads((folder / STUDY_MARKER).read_text(encoding="utf-8")).get("study_name")
+    with contextlib.suppress(OSError, ValueError, AttributeError), open(folder / STUDY_MARKER, "rb") as f:
+        name = json.loads(f.read(1 << 16)).get("study_name")  # a few dozen bytes, whatever the file holds
         return name if isinstance(name, str) else None
     return None
 
@@ -264,8 +264,9 @@ def open_study(storage, url: str, name: str, directions: list[str], sampler, pru
     if stored.get("space") not in (None, meta["space"]):
         notes.append("the search space differs from the one the study started with; the sampler sees both")
     if stored.get("training") not in (None, meta.get("training")):
-        notes.append(f"the training overrides differ from the ones the study started with ({' '.join(stored['training'])}"
-                     " then); its trials are ranked together all the same")
+        then = " ".join(stored["training"]) or "none"
+        notes.append(f"the training overrides differ from the ones the study started with ({then}); its trials "
+                     "are ranked together all the same")
     return study, notes
 
 
