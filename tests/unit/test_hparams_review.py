@@ -66,6 +66,15 @@ def test_the_last_evaluation_is_the_result_never_a_reason_to_prune(tmp_path):
     assert outcome.state == "complete" and outcome.values == [3.9], outcome
 
 
+def test_a_trial_killed_by_a_signal_says_so(tmp_path):
+    """A trial killed by the kernel's out-of-memory killer was failed with the last line it had
+    printed to stderr (a start-up note) as its reason."""
+    script = "import os, sys; print('note: starting', file=sys.stderr, flush=True); os.kill(os.getpid(), 9)"
+    outcome = run_trial(_Trial(set()), [sys.executable, "-c", script], tmp_path, dict(os.environ), "val_loss", None,
+                        report=True, prune=True, warmup_evals=0, final_step=10)
+    assert outcome.state == "failed" and outcome.reason == "killed by SIGKILL (out of memory? see dmesg)"
+
+
 def test_tokens_per_s_objective_is_the_steady_state_speed(tmp_path):
     """summary.json's tokens_per_s averages every interval, the first one (start-up, warm-up,
     torch.compile's compilation) included: a short trial ranked a compiled setting by its
@@ -124,6 +133,9 @@ def test_one_study_per_folder(tmp_path, data_dir, fake_trials):
     with pytest.raises(UserError, match="holds the study 'tiny', not 'other'.*--tune.dir"):
         hparams.tune_hparams(str(TINY), [*args, "--tune.study_name=other"], trials=1, log=lambda line: None)
     assert json.loads((tmp_path / "s" / "study.json").read_text())["study_name"] == "tiny"
+    (tmp_path / "s" / studies.STUDY_MARKER).write_text("A study folder of `slipstream tune hparams`.\n")  # older
+    with pytest.raises(UserError, match="holds the study 'tiny', not 'other'"):  # study.json says whose it is
+        hparams.tune_hparams(str(TINY), [*args, "--tune.study_name=other"], trials=1, log=lambda line: None)
     # A run directory that already holds a trial (a study deleted and started again) is not reused.
     run_dir = tmp_path / "s" / "trials" / "trial_0000"
     assert "holds an earlier trial" in hparams._prepare_trial_dir(run_dir)

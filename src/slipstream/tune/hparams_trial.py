@@ -196,6 +196,9 @@ def run_trial(trial, command: list[str], run_dir: Path, env: dict[str, str], obj
             raise
     if code != 0:
         reason = failure_reason(err_path.read_text(encoding="utf-8", errors="replace"), code)
+        if code < 0:  # killed by a signal: its stderr's last line is whatever it printed before, not why
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else f"signal {-code}"
+            reason = f"killed by {name}" + (" (out of memory? see dmesg)" if -code == signal.SIGKILL else "")
         return Outcome("failed", reason=reason, last_step=tail.last_step)
     values, why = read_objective(run_dir, objective)
     if values is None:

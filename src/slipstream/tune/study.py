@@ -66,11 +66,14 @@ def storage_url(storage: str, folder: Path) -> str:
 
 
 def _marked_study(folder: Path) -> str | None:
-    """The study name the folder's marker records (None: unreadable, or still being written by
-    a worker that created it a moment ago, or a marker without one)."""
-    with contextlib.suppress(OSError, ValueError, AttributeError), open(folder / STUDY_MARKER, "rb") as f:
-        name = json.loads(f.read(1 << 16)).get("study_name")  # a few dozen bytes, whatever the file holds
-        return name if isinstance(name, str) else None
+    """The study name the folder's marker records, else its study.json (a folder of an earlier
+    slipstream, whose marker holds no name); None: neither says (or the marker is still being
+    written by a worker that created it a moment ago)."""
+    for name in (STUDY_MARKER, "study.json"):
+        with contextlib.suppress(OSError, ValueError, AttributeError), open(folder / name, "rb") as f:
+            study = json.loads(f.read(1 << 20)).get("study_name")  # a few KiB, whatever the file holds
+            if isinstance(study, str):
+                return study
     return None
 
 
