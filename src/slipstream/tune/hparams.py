@@ -10,8 +10,10 @@ default; tune/study.py). Each worker asks the study for a trial, trains it in
 losses to the pruner while it runs and tells the study how it ended: COMPLETE with its
 objective, PRUNED, or FAIL with the reason in the trial's user attrs. `--trials N` is the total
 the study should have, counted in the storage so several workers share it; `--budget` is this
-worker's wall time. At the end: a ranked table, parameter importances, `<study dir>/study.json`
-and, with --write-config, the best trial as a config that `extends` the base one.
+worker's wall time. Ctrl-C or SIGTERM stops the running trial with everything it started and
+queues its parameters again (--resume runs them). One study per folder. At the end: a ranked
+table, parameter importances, `<study dir>/study.json` and, with --write-config, the best trial
+as a config that `extends` the base one.
 """
 
 from __future__ import annotations

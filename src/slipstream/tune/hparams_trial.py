@@ -114,7 +114,9 @@ def steady_tokens_per_s(metrics: Path) -> float | None:
 
 
 def read_objective(run_dir: Path, objective: str) -> tuple[list[float] | None, str]:
-    """The trial's objective values (in the order of tune.objective), or None and why not."""
+    """The trial's objective values (in the order of tune.objective), or None and why not:
+    val_loss is summary.json's (the evaluation at the last step), best_val_loss the lowest
+    evaluation, tokens_per_s the steady-state speed (steady_tokens_per_s, else the summary's)."""
     try:
         summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
