@@ -201,6 +201,10 @@ def loads_bounded(text: str | bytes, where: str | Path, max_depth: int = MAX_DEP
         value = json.loads(text)
     except RecursionError:
         raise _too_deep(where, max_depth) from None
+    except json.JSONDecodeError:
+        raise
+    except ValueError as e:  # an integer of more than 4300 digits (Python's int-to-str guard)
+        raise json.JSONDecodeError(f"unreadable number ({e})", "", 0) from None
     if json_depth(value) > max_depth:
         raise _too_deep(where, max_depth)
     return value

@@ -431,3 +431,14 @@ def test_json_stream_errors(tmp_path):
     gz.write_bytes(gzip.compress(b"\0" * 500))
     with pytest.raises(UserError, match="not a test doc"):
         JsonStream(gz, CAP, decompress=True, what="test doc")
+
+
+def test_a_json_number_too_long_to_convert_is_invalid_json_not_a_crash():
+    """Python refuses to turn a 5000-digit integer into an int (a ValueError, not a
+    JSONDecodeError): every bounded JSON reader reports it as invalid JSON."""
+    import json
+
+    from slipstream.safe_read import loads_bounded
+
+    with pytest.raises(json.JSONDecodeError, match="unreadable number"):
+        loads_bounded('{"step": ' + "9" * 5000 + "}", "summary.json")
