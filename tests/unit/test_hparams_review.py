@@ -383,9 +383,10 @@ sys.exit(main(sys.argv[1:]))
 @pytest.mark.parametrize("sig, code", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_a_stopped_tuner_stops_its_trial_and_queues_it_again(tmp_path, data_dir, sig, code):
     """SIGTERM (a scheduler's cancel, `kill`) ended the tuner on the spot: its trial was left
-    RUNNING in the study (and training, until the kernel's parent-death signal). Now it is
-    handled as Ctrl-C is: the trial's process group is stopped, the trial failed 'interrupted'
-    and its parameters queued for --resume."""
+    RUNNING in the study (and training, until the kernel's parent-death signal). Now SIGTERM and
+    Ctrl-C are requests the tuner acts on at its next look at the trial (never in the middle of
+    a write to the storage): the trial's process group is stopped, the trial failed
+    'interrupted' and its parameters queued for --resume."""
     url = f"journal:{tmp_path / 'study.log'}"
     worker = subprocess.Popen([sys.executable, "-c", _WORKER, "tune", "hparams", "--config", str(TINY), "--trials", "2",
                                f"--data.dir={data_dir}", f"--tune.dir={tmp_path / 's'}", "--storage", url],

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import signal
 import sys
 
 
@@ -49,10 +48,10 @@ def cmd_tune_hparams(args: argparse.Namespace, extra: list[str]) -> int:
     try:
         result = tune_hparams(args.config, split_overrides(extra), trials=args.trials, budget_s=budget,
                               resume=args.resume, nproc=args.nproc, storage=args.storage)
-    except Terminated:
-        print("tune hparams: stopped by SIGTERM; the running trial is queued again (continue with --resume)",
+    except Terminated as e:
+        print(f"tune hparams: stopped by {e}; the running trial is queued again (continue with --resume)",
               file=sys.stderr)
-        return 128 + signal.SIGTERM
+        return 128 + e.signum  # 130 for Ctrl-C, 143 for SIGTERM, as a shell reports them
     if args.write_config and result["best"] is not None:
         result["written_config"] = str(write_best_config(result, args.write_config))
     if args.json:

@@ -42,27 +42,37 @@ NO_REPORT = "the trial reported no"
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM reached the tuner (a scheduler's cancel or preemption, `kill`)."""
+    """Ctrl-C (SIGINT) or SIGTERM (a scheduler's cancel or preemption, `kill`) stopped the tuner."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
 
 
 @contextlib.contextmanager
-def _sigterm_as_interrupt() -> Iterator[None]:
-    """While the trials run, SIGTERM is handled as Ctrl-C is: the running trial is stopped with
-    everything it started and failed "interrupted" with its parameters queued again. By default
-    SIGTERM ends the tuner on the spot, leaving its trial RUNNING in the study until a later
-    worker finds it dead. (Signal handlers exist only in the main thread: elsewhere, nothing.)"""
+def _stop_requests(requested: list[int]) -> Iterator[None]:
+    """While the trials run, SIGINT and SIGTERM are requests, appended to `requested`, that the
+    tuner acts on where it is safe (Tuner.check_stop, at every look at the running trial): the
+    trial is stopped with everything it started, failed "interrupted" and its parameters queued
+    again. Raised at once, at any point, they could cut a write to the storage in half, and
+    SIGTERM's default ends the tuner on the spot, leaving its trial RUNNING. A second signal
+    raises at once (the user insists). Signal handlers exist only in the main thread: elsewhere,
+    nothing changes."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
-    def stop(signum, frame) -> None:
-        raise Terminated(f"signal {signum}")
+    def request(signum, frame) -> None:
+        if requested:
+            raise Terminated(signum)
+        requested.append(signum)
 
-    previous = signal.signal(signal.SIGTERM, stop)
+    previous = {s: signal.signal(s, request) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
 
 
 def directions_of(objective: str) -> list[str]:
@@ -142,6 +152,11 @@ class Tuner:
     nproc: int
     prune: bool
     log: Callable[[str], None]
+    stop_requested: list[int] = dataclasses.field(default_factory=list)  # signals received (_stop_requests)
+
+    def check_stop(self) -> None:
+        if self.stop_requested:
+            raise Terminated(self.stop_requested[0])
 
     def _recover(self) -> None:
         """Fail and requeue the trials a dead worker left running (under the lock)."""
@@ -180,6 +195,7 @@ class Tuner:
 
         from slipstream.config import load_config
 
+        self.check_stop()
         if self.deadline is not None and time.monotonic() >= self.deadline:
             self.log("tune hparams: the budget is spent; no new trial")
             return False
@@ -204,9 +220,15 @@ class Tuner:
             else:
                 from slipstream.tune.process import train_command
 
+                beat = studies.heartbeat(trial)
+
                 def on_start(pid: int) -> None:  # lets a later worker stop this trial if this worker dies
                     trial.set_user_attr("trial_pid", pid)
                     trial.set_user_attr("trial_start", studies.process_start(pid))
+
+                def on_poll() -> None:  # at every look at the trial: Ctrl-C / SIGTERM act here; the heartbeat
+                    self.check_stop()
+                    beat()
 
                 # Val losses go to Optuna only where they are the objective: a tokens_per_s study
                 # would show (and a pruner would rank) a loss it does not optimize.
@@ -214,8 +236,8 @@ class Tuner:
                 outcome = run_trial(trial, train_command(["--config", self.config_path, *args], self.nproc), run_dir,
                                     train_env(), self.objective, self.deadline, report=report, prune=self.prune,
                                     warmup_evals=self.cfg.tune.prune_warmup_evals, final_step=final_step,
-                                    on_start=on_start, on_poll=studies.heartbeat(trial))
-        except BaseException:  # Ctrl-C: the trial is stopped; the study gets it back to run again
+                                    on_start=on_start, on_poll=on_poll)
+        except BaseException:  # Ctrl-C, SIGTERM: the trial is stopped; the study gets it back to run again
             outcome = Outcome("failed", reason="interrupted")
             studies.fail_and_requeue(self.storage, self.study, trial.number, "interrupted")
             _write_trial_json(run_dir, trial.number, outcome, params, self.study.study_name, self.url)
@@ -302,7 +324,7 @@ def tune_hparams(config_path: str, overrides: list[str], trials: int = 20, budge
     tuner = Tuner(study, store, url, folder, str(config_path), [*overrides, f"--data.dir={Path(data_dir).resolve()}"],
                   cfg, space, tune.objective, target, deadline, nproc, prune, log)
     ran = 0
-    with _sigterm_as_interrupt():
+    with _stop_requests(tuner.stop_requested):
         while tuner.run_one():
             ran += 1
     from slipstream.tune.hparams_report import study_result, write_study_json
