@@ -329,6 +329,16 @@ def test_a_relative_storage_is_recorded_absolute(tmp_path, data_dir, fake_trials
     assert result["dashboard"] == f"optuna-dashboard {tmp_path / 'study.log'}"
 
 
+def test_a_study_folder_with_a_question_mark_keeps_its_database(tmp_path, data_dir, fake_trials):
+    """The default storage was f"sqlite:///{folder}/study.db": a '?' in the folder's path began
+    the URL's query, and the study went to another file (here 'odd', beside the folder)."""
+    folder = tmp_path / "odd?name 100%"
+    result = hparams.tune_hparams(str(TINY), [f"--data.dir={data_dir}", f"--tune.dir={folder}"], trials=1,
+                                  log=lambda line: None)
+    assert (folder / "study.db").is_file() and not (tmp_path / "odd").exists()
+    assert optuna.load_study(study_name="tiny", storage=result["storage"]).trials[0].state == TrialState.COMPLETE
+
+
 def test_importances_need_enough_trials_to_mean_anything():
     """With a handful of trials PED-ANOVA's 'best 10 %' is one trial: 4 random trials of an
     objective of x alone ranked the idle parameter y first, and that was printed."""

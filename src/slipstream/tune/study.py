@@ -62,7 +62,13 @@ def study_dir(cfg, name: str) -> Path:
 def storage_url(storage: str, folder: Path) -> str:
     """tune.storage, or the SQLite file of the study folder (an absolute path: the URL is printed
     for optuna-dashboard and recorded in study.json, to be opened from anywhere)."""
-    return storage or f"sqlite:///{(folder / 'study.db').resolve()}"
+    if storage:
+        return storage
+    from sqlalchemy.engine import URL
+
+    # Rendered by SQLAlchemy: a '?' or '%' in the folder's path is escaped (in an f-string the
+    # '?' began the URL's query, and the database was another file).
+    return URL.create("sqlite", database=str((folder / "study.db").resolve())).render_as_string()
 
 
 def _marked_study(folder: Path) -> str | None:
