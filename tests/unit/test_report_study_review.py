@@ -323,3 +323,16 @@ def test_ci_run_installs_what_a_fresh_debian_lacks_then_runs_make_test(tmp_path)
     proc = _run("run", env)
     calls = (tmp_path / "fresh" / "calls").read_text()
     assert "python3-venv" in calls and "make test" not in calls and proc.returncode != 0
+
+
+def test_importances_of_a_small_study_are_flagged_as_anecdotal(tmp_path):
+    """`tune hparams` prints no importances below MIN_IMPORTANCE_TRIALS complete trials; the page
+    still draws them but says how little they mean, and a big enough study carries no such note."""
+    from slipstream.tune.hparams_report import MIN_IMPORTANCE_TRIALS
+
+    small = _html(study_sections(make_study(tmp_path / "small", PRUNED_STUDY)))["study-importance"]
+    assert "anecdotal" in small
+    big_trials = [{"params": {"optim.lr": 1e-4 * (i + 1), "optim.weight_decay": 0.01 * i}, "state": "complete",
+                   "curve": [5.0 - 0.1 * i, 4.0 - 0.1 * i]} for i in range(MIN_IMPORTANCE_TRIALS)]
+    big = _html(study_sections(make_study(tmp_path / "big", big_trials)))["study-importance"]
+    assert "anecdotal" not in big and 'data-figure="study-importance"' in big

@@ -52,22 +52,31 @@ def cmd_tune_system(args: argparse.Namespace, extra: list[str]) -> int:
     from slipstream.plan.checkpoint_interval import parse_duration
 
     budget = parse_duration(args.budget, "--budget")
-    # Before the trials (minutes): the winner's file must not replace one the user has, least of
-    # all the config it extends.
-    refuse_existing(args.write_config, args.force, "--write-config")
-    if args.write_config:
-        refuse_same_file(args.write_config, [args.config], "--write-config", "the --config it would extend")
+    refuse_config_out(args)
     layouts = [p for value in args.layouts for p in value.split(",") if p.strip()]
     result = tune_system(args.config, split_overrides(extra), budget, top=args.top, nproc=args.nproc, steps=args.steps,
                          layouts=layouts)
     if args.write_config and result["winner"] is not None:
         result["written_config"] = str(write_winner_config(result, args.write_config))
+    print_result(result, format_report, args)
+    return 0 if result["winner"] is not None else 1
+
+
+def refuse_config_out(args: argparse.Namespace) -> None:
+    """Before the trials (minutes to hours): the --write-config file must not replace one the user
+    has, least of all the config it extends."""
+    refuse_existing(args.write_config, args.force, "--write-config")
+    if args.write_config:
+        refuse_same_file(args.write_config, [args.config], "--write-config", "the --config it would extend")
+
+
+def print_result(result: dict, format_report, args: argparse.Namespace) -> None:
+    """One JSON object (--json), or the tuner's table and how to train the written config."""
     if args.json:
         print(json.dumps(result, indent=2, default=str))
-    else:
-        print(format_report(result))
-        if "written_config" in result:
-            path = result["written_config"]
-            launch = f"slipstream launch local --nproc {args.nproc} -- " if args.nproc > 1 else "slipstream "
-            print(f"wrote {path}; train it with `{launch}train --config {path}`")
-    return 0 if result["winner"] is not None else 1
+        return
+    print(format_report(result))
+    if "written_config" in result:
+        path = result["written_config"]
+        launch = f"slipstream launch local --nproc {args.nproc} -- " if args.nproc > 1 else "slipstream "
+        print(f"wrote {path}; train it with `{launch}train --config {path}`")

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 
@@ -34,17 +33,13 @@ def add_commands(group) -> None:
 
 def cmd_tune_hparams(args: argparse.Namespace, extra: list[str]) -> int:
     from slipstream.config.load import split_overrides
-    from slipstream.outputs import refuse_existing, refuse_same_file
+    from slipstream.cli.tune import print_result, refuse_config_out
     from slipstream.plan.checkpoint_interval import parse_duration
     from slipstream.tune.hparams import Terminated, tune_hparams
     from slipstream.tune.hparams_report import format_report, write_best_config
 
     budget = None if args.budget is None else parse_duration(args.budget, "--budget")
-    # Before the trials (minutes to hours): the result must not replace a file the user has,
-    # least of all the config it extends.
-    refuse_existing(args.write_config, args.force, "--write-config")
-    if args.write_config:
-        refuse_same_file(args.write_config, [args.config], "--write-config", "the --config it would extend")
+    refuse_config_out(args)
     try:
         result = tune_hparams(args.config, split_overrides(extra), trials=args.trials, budget_s=budget,
                               resume=args.resume, nproc=args.nproc, storage=args.storage)
@@ -54,12 +49,5 @@ def cmd_tune_hparams(args: argparse.Namespace, extra: list[str]) -> int:
         return 128 + e.signum  # 130 for Ctrl-C, 143 for SIGTERM, as a shell reports them
     if args.write_config and result["best"] is not None:
         result["written_config"] = str(write_best_config(result, args.write_config))
-    if args.json:
-        print(json.dumps(result, indent=2, default=str))
-    else:
-        print(format_report(result))
-        if "written_config" in result:
-            path = result["written_config"]
-            launch = f"slipstream launch local --nproc {args.nproc} -- " if args.nproc > 1 else "slipstream "
-            print(f"wrote {path}; train it with `{launch}train --config {path}`")
+    print_result(result, format_report, args)
     return 0 if result["best"] is not None else 1

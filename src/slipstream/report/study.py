@@ -419,10 +419,16 @@ def _importance_parts(study, trials: list, names: list[str]) -> list[str]:
     import optuna
     from optuna.visualization.matplotlib import plot_param_importances
 
+    from slipstream.tune.hparams_report import MIN_IMPORTANCE_TRIALS
+
     why = _too_few_to_compare(trials, "Parameter importances")
     if why:
         return why
     parts = []
+    complete = sum(t.state.name == "COMPLETE" for t in trials)
+    if complete < MIN_IMPORTANCE_TRIALS:  # `tune hparams` prints none below this; the page shows them, flagged
+        parts += _why(f"Only {complete} complete trial(s): PED-ANOVA compares the best 10 % of trials with the "
+                      f"rest, so below {MIN_IMPORTANCE_TRIALS} complete trials these importances are anecdotal.")
     for i, (name, direction) in enumerate(zip(names, study.directions)):
         # PED-ANOVA scores a given target as lower-is-better, so a maximized objective is negated
         # here, and the warning that says so is silenced.
