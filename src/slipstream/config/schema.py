@@ -296,16 +296,16 @@ class MetricsConfig:
 class TuneConfig:
     """`slipstream tune hparams`: the search space, objective and study (training ignores this section)."""
 
-    space: dict[str, Any] = option({}, "Search space: config key -> range, e.g. optim.lr = {log_uniform = [1e-4, 1e-2]}, optim.weight_decay = {uniform = [0.0, 0.2]}, train.micro_batch_size = {choices = [8, 16, 32]}, optim.warmup_steps = {int = [0, 100], step = 10}; a conditional one adds when = {\"optim.schedule\" = \"wsd\"} (sampled only when that key has that value). Empty: optim.lr log-uniform over [lr / 10, lr x 10] and optim.weight_decay uniform over [0, 0.2].")
-    objective: str = option("val_loss", "What a trial scores: val_loss (at the end, minimized), best_val_loss (lowest of the evaluations), tokens_per_s (maximized), or val_loss,tokens_per_s (both: a multi-objective study with a Pareto front; no pruning).",
+    space: dict[str, Any] = option({}, "Search space: config key -> range, e.g. optim.lr = {log_uniform = [1e-4, 1e-2]}, optim.weight_decay = {uniform = [0.0, 0.2]}, train.micro_batch_size = {choices = [8, 16, 32]}, optim.warmup_steps = {int = [0, 100], step = 10}; a conditional one adds when = {\"optim.schedule\" = \"wsd\"} (sampled only when that key has that value). A grid sampler takes no when-parameters. Empty: optim.lr log-uniform over [max(lr / 10, optim.min_lr), lr x 10] and optim.weight_decay uniform over [0, 0.2].")
+    objective: str = option("val_loss", "What a trial scores: val_loss (at the end, minimized), best_val_loss (lowest of the evaluations), tokens_per_s (maximized; the speed after the first logging interval), or val_loss,tokens_per_s (both: a multi-objective study with a Pareto front; no pruning).",
                             choices=("val_loss", "best_val_loss", "tokens_per_s", "val_loss,tokens_per_s"))
     sampler: str = option("tpe", "Optuna sampler: tpe, random, grid (every combination; float ranges take tune.grid_points values) or cmaes.", choices=("tpe", "random", "grid", "cmaes"))
     pruner: str = option("median", "Stop unpromising trials on the val loss they report at each evaluation: median, halving (successive halving), hyperband, or none.", choices=("median", "halving", "hyperband", "none"))
-    prune_warmup_evals: int = option(1, "Evaluations a trial reports before the pruner may stop it.", min=0)
+    prune_warmup_evals: int = option(1, "Evaluations a trial reports before the pruner may stop it (pruning starts at the next one; never at the trial's last step).", min=0)
     grid_points: int = option(3, "sampler = grid: values per float range (log-spaced for log ranges).", min=2)
     seed: int = option(0, "Seed of the sampler (trials' own training seed is train.seed).", min=0, max=2**32 - 1)
     study_name: str = option("", "Optuna study name; empty: the run name (run.name).")
-    storage: str = option("", "Where the study lives: an SQLAlchemy URL (sqlite:///path/study.db, postgresql://...) or journal:PATH (Optuna's journal file, for file systems without SQLite locking). Empty: sqlite in the study folder.")
+    storage: str = option("", "Where the study lives: an SQLAlchemy URL (sqlite:///path/study.db, postgresql://...) or journal:PATH (Optuna's journal file, for file systems without SQLite locking). Empty: sqlite in the study folder. `--storage` overrides it.")
     dir: str = option("", "Study folder (the trials' run directories, the database, the results). Empty: runs/tune-<study name>.")
 
 
