@@ -80,7 +80,8 @@ def _fake_trials(peak_bytes):
     """subprocess_trials' stand-in: loads the config exactly as the trial's `slipstream train` would
     (the overrides tune batch passes, then the trial settings) and reports `peak_bytes(micro_batch)`."""
     from slipstream.errors import UserError
-    from slipstream.tune.system import TRIAL_SETTINGS, _arg
+    from slipstream.tune.process import override as _arg
+    from slipstream.tune.system import TRIAL_SETTINGS
 
     def make(config_path, overrides, nproc, steps, work_dir):
         def run_trial(layout, timeout_s):
