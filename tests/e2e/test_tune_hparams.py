@@ -239,3 +239,20 @@ def test_two_workers_share_one_study(tmp_path, data_dir, storage, trials, object
         assert sorted(p["number"] for p in saved["best"]["pareto_front"]) == front
         logs = (tmp_path / "worker0.log").read_text() + (tmp_path / "worker1.log").read_text()
         assert "pruning is off" in logs and "Pareto front" in logs
+
+
+@pytest.mark.timeout(300)
+def test_a_trial_of_two_processes_runs_under_the_launcher(tmp_path, data_dir):
+    """--nproc 2: the trial is a `launch local --nproc 2` job; its summary says world size 2 and
+    its val loss is the study's value."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("OMP_NUM_THREADS", "1")
+        code, out, err = _main(["tune", "hparams", "--config", str(TINY), "--trials", "1", "--nproc", "2", "--json",
+                                *_trial_args(data_dir, max_steps=4), "--train.micro_batch_size=2",
+                                f"--tune.dir={tmp_path / 'study'}"])
+    assert code == 0, err
+    (trial,) = _trials(json.loads(out)["storage"])
+    assert trial.state == TrialState.COMPLETE
+    summary = json.loads((Path(trial.user_attrs["run_dir"]) / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert trial.values[0] == pytest.approx(summary["val_loss"])
