@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from slipstream.tune.process import failure_reason, stop_trial
+from slipstream.tune.process import MetricsTail, failure_reason, stop_trial
 
 # Trial-only settings: nothing saved, no resume, quiet, and SIGTERM ends the trial at once (no
 # preemption save). None of them changes the loss.
@@ -29,8 +29,6 @@ TRIAL_SETTINGS = {"checkpoint.save_final": False, "checkpoint.interval": 0, "che
                   "checkpoint.resume": "none", "logging.progress": False, "resilience.preemption": False}
 # Seconds between two looks at a running trial's metrics.
 POLL_S = 0.25
-# A metrics line longer than this is not the trainer's (its records are well under 4 KiB).
-MAX_LINE_BYTES = 1 << 20
 
 
 @dataclasses.dataclass
@@ -42,35 +40,6 @@ class Outcome:
     values: list[float] | None = None
     reason: str = ""
     last_step: int | None = None
-
-
-class MetricsTail:
-    """The new complete records of a growing metrics.jsonl (a line still being written waits
-    for its newline)."""
-
-    def __init__(self, path: Path):
-        self.path, self.offset, self.partial = path, 0, b""
-        self.last_step: int | None = None
-
-    def read(self) -> list[dict[str, Any]]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self.offset)
-                data = f.read(MAX_LINE_BYTES)
-        except OSError:
-            return []  # not written yet
-        self.offset += len(data)
-        lines = (self.partial + data).split(b"\n")
-        self.partial = lines.pop()[:MAX_LINE_BYTES]
-        records = []
-        for line in lines:
-            with contextlib.suppress(ValueError):
-                record = json.loads(line)
-                if isinstance(record, dict):
-                    records.append(record)
-                    if isinstance(record.get("step"), int):
-                        self.last_step = record["step"]
-        return records
 
 
 def _finite(value: Any) -> float:

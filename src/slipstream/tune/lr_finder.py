@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import math
 import shutil
 import subprocess
@@ -38,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.errors import UserError
-from slipstream.tune.process import failure_reason, override, stop_trial, train_command, train_env
+from slipstream.tune.process import MetricsTail, failure_reason, override, stop_trial, train_command, train_env
 
 MIN_STEPS = 10  # fewer points leave nothing to smooth and no slope to read
 DEFAULT_STOP_FACTOR = 4.0
@@ -298,19 +297,6 @@ def _inode(path: Path) -> int | None:
         return None
 
 
-def _new_records(path: Path, offset: int) -> tuple[list[dict], int]:
-    """The whole lines appended to metrics.jsonl since `offset`, parsed, and the new offset."""
-    try:
-        with open(path, "rb") as f:
-            f.seek(offset)
-            data = f.read()
-    except FileNotFoundError:
-        return [], offset
-    complete = data[:data.rfind(b"\n") + 1]  # a line still being written waits for the next read
-    records = [json.loads(line) for line in complete.splitlines() if line.strip()]
-    return records, offset + len(complete)
-
-
 def _watch_sweep(command: list[str], out, err, metrics: Path, watch: DivergenceWatch,
                  losses: list[float | None]) -> subprocess.Popen:
     """Run the sweep's training, append each step's loss to `losses` as metrics.jsonl gets it, and
@@ -318,20 +304,21 @@ def _watch_sweep(command: list[str], out, err, metrics: Path, watch: DivergenceW
     stale = _inode(metrics)  # an earlier run's file in a given run.dir, until the run moves it to history/
     # Its own session: stopping it stops every rank it started.
     proc = subprocess.Popen(command, stdout=out, stderr=err, env=train_env(), start_new_session=True)
-    offset = 0
+    tail = MetricsTail(metrics)
     try:
         while True:
             running = proc.poll() is None
-            records, offset = _new_records(metrics, offset) if _inode(metrics) != stale else ([], 0)
+            records = tail.read() if _inode(metrics) != stale else []
             for record in records:
                 if "loss" not in record or "val_loss" in record:
                     continue  # eval or checkpoint records
                 losses.append(record["loss"])  # null: a non-finite loss
                 if watch.add(record["loss"]):
                     return proc
-            if not running:
+            if not running and not records:  # ended, and everything it wrote is read
                 return proc
-            time.sleep(POLL_S)
+            if running:
+                time.sleep(POLL_S)
     finally:  # diverged, or Ctrl-C / any error here: never leave the training running
         if proc.poll() is None:
             stop_trial(proc)

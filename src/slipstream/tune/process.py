@@ -4,12 +4,17 @@ one with everything it started (torchrun's ranks included). Shared by every tune
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
+
+# A metrics line longer than this is not the trainer's (its records are well under 4 KiB).
+MAX_LINE_BYTES = 1 << 20
 
 
 def override(key: str, value: object) -> str:
@@ -93,3 +98,32 @@ def stop_trial(proc: subprocess.Popen, grace_s: float = TRIAL_GRACE_S) -> None:
         if _same_process(pid, started):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
+
+
+class MetricsTail:
+    """The new complete records of a growing metrics.jsonl (a line still being written waits
+    for its newline)."""
+
+    def __init__(self, path: Path):
+        self.path, self.offset, self.partial = path, 0, b""
+        self.last_step: int | None = None
+
+    def read(self) -> list[dict[str, Any]]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self.offset)
+                data = f.read(MAX_LINE_BYTES)
+        except OSError:
+            return []  # not written yet
+        self.offset += len(data)
+        lines = (self.partial + data).split(b"\n")
+        self.partial = lines.pop()[:MAX_LINE_BYTES]
+        records = []
+        for line in lines:
+            with contextlib.suppress(ValueError):
+                record = json.loads(line)
+                if isinstance(record, dict):
+                    records.append(record)
+                    if isinstance(record.get("step"), int):
+                        self.last_step = record["step"]
+        return records
