@@ -155,3 +155,28 @@ def test_counter_and_state_round_trip():
 def test_patience_without_evaluation_is_a_clear_error(off):
     with pytest.raises(UserError, match="early_stop_patience = 2 watches the val loss"):
         load_config(None, ["--train.early_stop_patience=2", off])
+
+
+def test_target_val_loss_stops_at_the_first_evaluation_at_or_below_it(tmp_path):
+    # Evaluations at steps 2, 4, 6, 8: 5.0, 4.0, 2.5 (<= 3.0: the target), ... -> stop after step 6.
+    summary = _fit(tmp_path, [5.0, 4.0, 2.5, 2.0, 1.0], patience=0, extra=["--train.target_val_loss=3.0"])
+    assert summary["steps"] == 6
+    stopped = summary["stopped_early"]
+    assert stopped["target_reached"] is True and stopped["step"] == 6 and stopped["best_val_loss"] == 2.5
+    assert "reached the target 3" in stopped["reason"]
+    # never reached: the run goes to max_steps and the summary has no stop
+    never = _fit(tmp_path / "never", [5.0, 4.0, 3.5], patience=0, max_steps=8, extra=["--train.target_val_loss=3.0"])
+    assert never["steps"] == 8 and "stopped_early" not in never
+
+
+def test_target_val_loss_needs_periodic_evaluation():
+    with pytest.raises(UserError, match="target_val_loss"):
+        load_config(None, ["--train.target_val_loss=2.0", "--train.eval_interval=0"])
+
+
+def test_target_state_travels_in_checkpoints():
+    stop = EarlyStopping(TrainConfig(target_val_loss=2.0, max_steps=100))
+    assert not stop.update(2.5, 10) and stop.update(float("nan"), 20) is False and stop.update(1.9, 30)
+    restored = EarlyStopping(TrainConfig(target_val_loss=2.0, max_steps=100))
+    restored.load_state_dict(stop.state_dict())
+    assert restored.stopped and restored.target_reached_at == 30 and restored.summary()["target_reached"]

@@ -340,6 +340,10 @@ def check_consistency(cfg: Config) -> None:
         raise UserError(f"train.early_stop_patience = {t.early_stop_patience} watches the val loss of each "
                         "evaluation, but evaluation is off or only at the end (train.eval_interval, eval_steps and "
                         "eval_tokens must all be > 0); set them, or train.early_stop_patience = 0")
+    if t.target_val_loss and not (t.eval_interval and t.eval_steps and t.eval_tokens):
+        raise UserError(f"train.target_val_loss = {t.target_val_loss:g} is checked at each evaluation, but evaluation "
+                        "is off or only at the end (train.eval_interval, eval_steps and eval_tokens must all be > 0); "
+                        "set them, or train.target_val_loss = 0")
     check_training_rules(cfg)
     check_data_rules(cfg)
     check_pipeline_config(cfg)

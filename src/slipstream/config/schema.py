@@ -130,6 +130,7 @@ class TrainConfig:
     threads: int = option(0, "CPU threads for torch (torch.set_num_threads); 0 = torch's default (all cores).", min=0, max=1024)
     early_stop_patience: int = option(0, "Stop training when the val loss has not improved by early_stop_min_delta for this many evaluations in a row (the summary says why and at which step; the final checkpoint is written as usual). 0 = never stop early.", min=0)
     early_stop_min_delta: float = option(0.0, "Early stopping: the least decrease of the val loss, from the best so far, that counts as an improvement.", min=0.0)
+    target_val_loss: float = option(0.0, "Stop at the first evaluation whose val loss is at or below this (time-to-target runs, MLPerf style; summary.json's stopped_early says at which step). 0 = no target.", min=0.0)
     preflight_memory: bool = option(True, "Before preparing data or building the model, refuse a run whose planned step memory (slipstream plan's estimate, per process) exceeds what this machine has: CPU MemAvailable (or the container's limit) shared by the local ranks, or the GPU's memory. false: start anyway (e.g. when the plan over-states an unusual setup).")
 
 

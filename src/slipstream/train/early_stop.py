@@ -1,4 +1,6 @@
-"""Early stopping on the validation loss (`train.early_stop_patience`, `train.early_stop_min_delta`).
+"""Early stopping on the validation loss (`train.early_stop_patience`, `train.early_stop_min_delta`),
+and stopping at a target (`train.target_val_loss`: the time-to-target runs of `bench suite`,
+MLPerf style: the first evaluation at or below the target ends the run).
 
 Training stops after `patience` evaluations in a row whose val loss did not go below the best
 so far by more than `min_delta`. A non-finite val loss is never the best. The evaluation at
@@ -26,6 +28,8 @@ class EarlyStopping:
         self.best_step: int | None = None
         self.bad_evals = 0  # evaluations in a row without an improvement
         self.stopped_at: int | None = None
+        self.target = cfg.target_val_loss
+        self.target_reached_at: int | None = None  # the step of the first evaluation at or below the target
 
     @property
     def stopped(self) -> bool:
@@ -33,6 +37,10 @@ class EarlyStopping:
 
     def update(self, val_loss: float, step: int) -> bool:
         """Record one evaluation; True when training must stop after this step."""
+        if self.target and self.target_reached_at is None and math.isfinite(val_loss) and val_loss <= self.target:
+            self.target_reached_at = self.stopped_at = step
+            self.best, self.best_step = val_loss, step
+            return True
         if not self.patience:
             return False
         if math.isfinite(val_loss) and (self.best is None or val_loss < self.best - self.min_delta):
@@ -44,6 +52,8 @@ class EarlyStopping:
         return self.stopped
 
     def reason(self) -> str:
+        if self.target_reached_at is not None:
+            return f"val loss {self.best:.4f} reached the target {self.target:g} at step {self.target_reached_at}"
         best = f"best {self.best:.4f} at step {self.best_step}" if self.best is not None else "no finite val loss"
         return f"val loss did not improve by more than {self.min_delta:g} for {self.patience} evaluation(s) ({best})"
 
@@ -52,13 +62,14 @@ class EarlyStopping:
         if not self.stopped:
             return None
         return {"step": self.stopped_at, "best_val_loss": self.best, "best_step": self.best_step,
-                "reason": self.reason()}
+                "reason": self.reason(), "target_reached": self.target_reached_at is not None}
 
     def state_dict(self) -> dict[str, Any]:
         return {"best": self.best, "best_step": self.best_step, "bad_evals": self.bad_evals,
-                "stopped_at": self.stopped_at}
+                "stopped_at": self.stopped_at, "target_reached_at": self.target_reached_at}
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
         if state:  # checkpoints from before early stopping existed have none
             self.best, self.best_step = state["best"], state["best_step"]
             self.bad_evals, self.stopped_at = state["bad_evals"], state["stopped_at"]
+            self.target_reached_at = state.get("target_reached_at")  # absent before target_val_loss existed
