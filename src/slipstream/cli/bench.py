@@ -317,3 +317,6 @@ def add_commands(sub) -> None:
     p.add_argument("--out", default="", help="JSON file (default benchmarks/packing-<device>.json)")
     add_force(p)
     p.set_defaults(func=cmd_bench_packing)
+    from slipstream.cli import bench_suite
+
+    bench_suite.add_commands(bench)
