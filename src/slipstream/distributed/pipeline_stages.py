@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from slipstream.config.schema import ModelConfig
 from slipstream.errors import UserError
-from slipstream.models.transformer import Transformer, rope_tables
+from slipstream.models.transformer import Transformer, finish_logits, rope_tables
 
 # parallel.pp_schedule -> the class in torch.distributed.pipelining.schedules
 SCHEDULES = {
@@ -165,14 +165,15 @@ class TransformerStage(nn.Module):
     """The part of a Transformer one pipeline stage runs, holding the model's own submodules under
     their own names: `tok_emb`/`pos_emb` on the first stage, `blocks.<original index>`, `final_norm`
     and `lm_head` on the last. Its forward is Transformer.forward's part: token ids -> hidden states
-    on the first stage, hidden -> hidden in the middle, hidden -> logits (padded columns -inf) on the last."""
+    on the first stage, hidden -> hidden in the middle, hidden -> logits (soft-capped, padded columns -inf) on
+    the last."""
 
     def __init__(self, model: Transformer, layers: range, is_first: bool, is_last: bool):
         super().__init__()
         self.cfg = model.cfg
         self.is_first, self.is_last = is_first, is_last
         self.stream_shards = 1                # set by tensor parallelism with sequence parallel
-        self.logits_masked_by_head = False    # set by tensor parallelism (its head masks each shard)
+        self.logits_masked_by_head = False    # set by tensor parallelism (its head caps and masks each shard)
         self.layers = layers
         if is_first:
             self.tok_emb = model.tok_emb
@@ -209,11 +210,8 @@ class TransformerStage(nn.Module):
         if not self.is_last:
             return x
         logits = self.lm_head(self.final_norm(x))
-        if logits.shape[-1] > self.cfg.vocab_size and not self.logits_masked_by_head:
-            # As Transformer.forward: padded vocabulary rows take no probability (in place: linear's
-            # backward needs its inputs, not its output).
-            logits[..., self.cfg.vocab_size:] = float("-inf")
-        return logits
+        # As Transformer.forward: model.logit_softcap, then the padded vocabulary rows take no probability.
+        return logits if self.logits_masked_by_head else finish_logits(logits, self.cfg)
 
     @torch.no_grad()
     def init_stage_buffers(self, fresh: bool = True) -> None:

@@ -83,22 +83,26 @@ def _styles():
 
     class VocabParallelHead(ColwiseParallel):
         """The output head, column-parallel over the (padded) vocabulary. Its local logits are the
-        rank's vocabulary shard; the padded columns in that shard get -inf before the logits leave,
-        as Transformer.forward does for a whole head (they are storage, not tokens)."""
+        rank's vocabulary shard; they are soft-capped (model.logit_softcap: elementwise, so each
+        shard on its own) and then the padded columns in that shard get -inf before the logits
+        leave, as Transformer.forward does for a whole head (they are storage, not tokens)."""
 
-        def __init__(self, vocab: int, padded_vocab: int, **kwargs: Any):
+        def __init__(self, vocab: int, padded_vocab: int, softcap: float = 0.0, **kwargs: Any):
             super().__init__(**kwargs)
-            self.vocab, self.padded_vocab = vocab, padded_vocab
+            self.vocab, self.padded_vocab, self.softcap = vocab, padded_vocab, softcap
 
         def _prepare_output_fn(self, output_layouts, use_local_output, mod, outputs, device_mesh):
+            from slipstream.models.transformer import softcap
+
+            outputs = softcap(outputs, self.softcap)  # a Shard(-1) DTensor in, the same out
             if self.padded_vocab > self.vocab:
                 per_rank = self.padded_vocab // device_mesh.size()
                 first = device_mesh.get_local_rank() * per_rank
                 pad_from = max(0, self.vocab - first)
                 if pad_from < per_rank:
                     # outputs is this rank's Shard(-1) DTensor; its local tensor is written in place,
-                    # unseen by autograd, which is exact: linear's backward needs its inputs, not its
-                    # output, and the gradient of a -inf logit is softmax = 0 (as in the model).
+                    # unseen by autograd, which is exact: neither linear's nor the cap's backward needs
+                    # this output, and the gradient of a -inf logit is softmax = 0 (as in the model).
                     outputs._local_tensor[..., pad_from:] = float("-inf")
             return super()._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
 
@@ -191,7 +195,8 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
         plan["tok_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
     if has_head:
         plan["final_norm"] = norm()
-        plan["lm_head"] = VocabParallelHead(model.cfg.vocab_size, padded_vocab_size(model.cfg), input_layouts=stream,
+        plan["lm_head"] = VocabParallelHead(model.cfg.vocab_size, padded_vocab_size(model.cfg),
+                                            softcap=model.cfg.logit_softcap, input_layouts=stream,
                                             output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                             use_local_output=not loss_parallel)
     if has_embedding and model.pos_emb is not None:
@@ -232,7 +237,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
         # parallelize_module gave the head its own copy of the shared table: share the table's again.
         # (A pipeline stage's head keeps a copy of its own: distributed/pipeline_parallel.py.)
         model.lm_head.weight = model.tok_emb.weight
-    model.logits_masked_by_head = True  # VocabParallelHead masks each shard's padded columns
+    model.logits_masked_by_head = True  # VocabParallelHead caps each shard and masks its padded columns
     # How many pieces the residual stream is cut into along the sequence (a pipeline stage that
     # receives the stream rebuilds the full length for its RoPE tables from it).
     model.stream_shards = tp_mesh.size() if sp else 1

@@ -326,6 +326,13 @@ def _build_with_weights(cfg: ModelConfig, ours: dict[str, torch.Tensor], device)
 
 def hf_family(cfg: ModelConfig) -> str:
     """'gpt2', 'llama', 'mixtral' or 'qwen3_moe': which HF architecture represents `cfg` exactly (else UserError)."""
+    if cfg.logit_softcap > 0:
+        raise UserError(f"model.logit_softcap = {cfg.logit_softcap:g} caps the logits, which GPT2LMHeadModel, "
+                        "LlamaForCausalLM, MixtralForCausalLM and Qwen3MoeForCausalLM cannot express; it has no "
+                        "Hugging Face equivalent (export a model trained with model.logit_softcap = 0)")
+    if cfg.mlp == "relu2":
+        raise UserError("model.mlp = relu2 (ReLU² MLP) has no Hugging Face equivalent: GPT-2 uses GELU and "
+                        "Llama-family models SwiGLU; export a model trained with model.mlp = gelu or swiglu")
     if cfg.moe_experts:
         from slipstream.models.hf_moe import moe_family
 

@@ -32,6 +32,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from slipstream.config.schema import ModelConfig
+from slipstream.models.transformer import relu2
 
 
 def is_moe_layer(cfg: ModelConfig, index: int) -> bool:
@@ -105,9 +106,10 @@ def _grouped(x: torch.Tensor, counts: torch.Tensor, w: torch.Tensor) -> torch.Te
 
 
 def expert_ffn(x: torch.Tensor, counts: torch.Tensor, w_up: torch.Tensor, w_gate: torch.Tensor | None,
-               w_down: torch.Tensor, gemm: str = "auto") -> torch.Tensor:
+               w_down: torch.Tensor, gemm: str = "auto", activation: str = "gelu") -> torch.Tensor:
     """The experts' MLPs on tokens sorted by expert: x (N, d), counts (E,) tokens per expert in
-    order, weights (E, out, in) as nn.Linear stores them. SwiGLU when w_gate is given, else GELU.
+    order, weights (E, out, in) as nn.Linear stores them. SwiGLU when w_gate is given, else
+    `activation` (gelu, or relu2: relu(up x)^2, as the dense MLP of model.mlp = relu2).
     gemm: grouped (one torch._grouped_mm per matrix), loop (a matmul per expert) or auto."""
     # Autocast does not cover torch._grouped_mm (nor the loop's inputs, which arrive in fp32 from
     # the norm): the experts run in the autocast dtype, like the dense MLP's matmuls.
@@ -128,6 +130,8 @@ def expert_ffn(x: torch.Tensor, counts: torch.Tensor, w_up: torch.Tensor, w_gate
     mm = _grouped if grouped else _matmul_per_expert
     if w_gate is not None:
         h = F.silu(mm(x, counts, w_gate)) * mm(x, counts, w_up)
+    elif activation == "relu2":
+        h = relu2(mm(x, counts, w_up))
     else:
         h = F.gelu(mm(x, counts, w_up), approximate="tanh")
     return mm(h, counts, w_down)
@@ -142,6 +146,7 @@ class GroupedExperts(nn.Module):
         E, d, h = cfg.moe_experts, cfg.d_model, expert_hidden(cfg)
         self.n_experts = E
         self.gemm = cfg.moe_gemm
+        self.activation = cfg.mlp
         self.w_up = nn.Parameter(torch.empty(E, h, d))
         self.w_gate = nn.Parameter(torch.empty(E, h, d)) if cfg.mlp == "swiglu" else None
         self.w_down = nn.Parameter(torch.empty(E, d, h))
@@ -150,6 +155,10 @@ class GroupedExperts(nn.Module):
         self.compute: Callable[..., torch.Tensor] = expert_ffn
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        if self.activation == "relu2":
+            # Passed only where it matters: expert parallelism's dispatch does not take it yet
+            # (config/load.py refuses relu2 experts with parallel.ep > 1), and fails loudly if reached.
+            return self.compute(x, counts, self.w_up, self.w_gate, self.w_down, self.gemm, activation="relu2")
         return self.compute(x, counts, self.w_up, self.w_gate, self.w_down, self.gemm)
 
 

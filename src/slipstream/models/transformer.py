@@ -2,6 +2,8 @@
 
 GPT-2: learned positions, LayerNorm, GELU(tanh) MLP, biases, tied embeddings.
 Llama:  RoPE, RMSNorm, SwiGLU MLP, grouped-query attention, no biases, untied head.
+Speed-run switches (modded-nanogpt): ReLU² MLP (model.mlp = relu2), soft-capped logits
+(model.logit_softcap) and zero-initialized output projections (model.zero_init_proj).
 
 The model holds no parallelism, precision or checkpointing logic; those are applied from
 outside. It is built on the meta device (no memory), then `materialize()` allocates it on
@@ -35,10 +37,39 @@ def kv_heads(cfg: ModelConfig) -> int:
 def mlp_hidden(cfg: ModelConfig) -> int:
     if cfg.d_ff:
         return cfg.d_ff
-    if cfg.mlp == "gelu":
+    if cfg.mlp in ("gelu", "relu2"):
         return 4 * cfg.d_model
     # SwiGLU has three matrices; 2/3 of 4*d keeps the parameter count of a GELU MLP.
     return math.ceil(int(8 * cfg.d_model / 3) / 64) * 64
+
+
+def relu2(x: torch.Tensor) -> torch.Tensor:
+    """ReLU squared (Primer). r * r, not square(): square runs as pow, which CUDA autocast computes
+    in fp32 (twice the saved bytes); mul keeps the autocast dtype, and relu's output is the one
+    tensor that relu's and mul's backward both keep."""
+    r = F.relu(x)
+    return r * r
+
+
+def softcap(logits: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap * tanh(logits / cap) (Gemma 2): logits stay in (-cap, cap), nearly unchanged while small.
+    cap <= 0: the logits unchanged. Elementwise, so a vocabulary shard can be capped on its own."""
+    if cap <= 0:
+        return logits
+    return torch.tanh(logits / cap) * cap
+
+
+def finish_logits(logits: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
+    """The output head's (..., padded vocab) result -> the logits every loss and sampler sees:
+    soft-capped (model.logit_softcap), then the padded columns -inf. In this order: a capped -inf
+    would be -cap, a probability the padded columns must not take."""
+    logits = softcap(logits, cfg.logit_softcap)
+    if logits.shape[-1] > cfg.vocab_size:
+        # Padded rows are storage for faster matmuls, not tokens: they take no probability
+        # (exp(-inf) = 0, no gradient). In place: neither linear's nor the cap's backward needs
+        # this tensor (the cap's tanh keeps its own output).
+        logits[..., cfg.vocab_size:] = float("-inf")
+    return logits
 
 
 class RMSNorm(nn.Module):
@@ -119,6 +150,7 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, hidden: int | None = None):
         super().__init__()
         hidden = hidden or mlp_hidden(cfg)
+        self.kind = cfg.mlp
         self.swiglu = cfg.mlp == "swiglu"
         self.up_proj = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
         self.gate_proj = nn.Linear(cfg.d_model, hidden, bias=cfg.bias) if self.swiglu else None
@@ -127,6 +159,8 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.swiglu:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.kind == "relu2":
+            return self.down_proj(relu2(self.up_proj(x)))
         return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
 
 
@@ -168,14 +202,15 @@ class Transformer(nn.Module):
             self.register_buffer("rope_sin", sin, persistent=False)
         else:
             self.rope_cos = self.rope_sin = None
-        # True when the head masks its padded vocabulary columns itself (a vocabulary-sharded head).
+        # True when the head caps and masks its logits itself (a vocabulary-sharded head, per shard).
         self.logits_masked_by_head = False
 
     def forward(self, idx: torch.Tensor, return_hidden: bool = False, positions: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | DocumentMask | None = None) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, padded vocab; padded columns -inf); with return_hidden, the final
-        normalized hidden states (B, T, d_model) instead, for a loss that applies the output
-        head itself (the fused linear + cross-entropy never materializes all logits).
+        """Token ids (B, T) -> logits (B, T, padded vocab; soft-capped by model.logit_softcap, padded
+        columns -inf); with return_hidden, the final normalized hidden states (B, T, d_model)
+        instead, for a loss that applies the output head itself (the fused linear + cross-entropy
+        never materializes all logits; it caps each chunk the same way).
         positions: the (T,) positions of the tokens in their sequence (default 0..T-1), e.g. for a
         piece of a longer sequence.
         doc_ids: the (B, T) document ids of packed rows (or a DocumentMask built from them):
@@ -213,11 +248,7 @@ class Transformer(nn.Module):
         if return_hidden:
             return x
         logits = self.lm_head(x)
-        if logits.shape[-1] > self.cfg.vocab_size and not self.logits_masked_by_head:
-            # Padded rows are storage for faster matmuls, not tokens: they take no probability
-            # (exp(-inf) = 0, no gradient). In place: linear's backward needs its inputs, not its output.
-            logits[..., self.cfg.vocab_size:] = float("-inf")
-        return logits
+        return logits if self.logits_masked_by_head else finish_logits(logits, self.cfg)
 
     def head_weight(self) -> torch.Tensor:
         """The output head's rows of real tokens (a view: padded rows excluded)."""
@@ -231,13 +262,18 @@ class Transformer(nn.Module):
         same seed gives the same weights on every device and world size. `write(param,
         full_values)` does the copy (default: param.copy_); a sharded parameter's writer
         keeps only its own shard, so one full parameter exists at a time, never the model.
+        model.zero_init_proj: the residual output projections and an untied head are written as
+        zeros (drawn all the same, so every other parameter is the one it is without the switch);
+        a tied head is the embedding and keeps the embedding's init.
         """
         write = write or (lambda param, values: param.copy_(values))
         gen = torch.Generator(device="cpu").manual_seed(seed)
         std = self.cfg.init_std
         residual_std = std / math.sqrt(2 * self.cfg.n_layer)
+        residual = ("o_proj.weight", "down_proj.weight", "experts.w_down")
+        zeroed = residual if self.cfg.tie_embeddings else residual + ("lm_head.weight",)
         for name, param in self.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight", "experts.w_down")):
+            if name.endswith(residual):
                 values = torch.randn(param.shape, generator=gen) * residual_std
             elif name.endswith(".bias"):
                 values = torch.zeros(param.shape)
@@ -245,6 +281,9 @@ class Transformer(nn.Module):
                 values = torch.ones(param.shape)
             else:
                 values = torch.randn(param.shape, generator=gen) * std
+            if self.cfg.zero_init_proj and name.endswith(zeroed):
+                # A zero projection still learns: its gradient is (its input)^T x (output gradient).
+                values = torch.zeros(param.shape)
             write(param, values)
         for module in self.modules():  # derived state (MoE balancing bias and statistics) starts fresh
             if module is not self and hasattr(module, "reset_state"):

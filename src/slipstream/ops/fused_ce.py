@@ -20,6 +20,11 @@ Semantics match `F.cross_entropy(F.linear(h, W).float(), targets, ignore_index=.
   raises); the Triton kernels do not check them (a check would cost a host sync), so there
   such a row silently counts a target logit of 0.
 
+Soft-capping (`softcap` > 0, model.logit_softcap): each chunk's logits become
+cap * tanh(logits / cap) before the softmax, and the backward multiplies the chunk's gradient by
+the cap's derivative 1 - tanh^2, recomputed with the logits (one more chunk-sized buffer there).
+The Triton kernels see the capped logits: the cap runs in torch around them (in the logits dtype).
+
 Precision: the logits matmul runs in the input dtype (fp32 accumulation on tensor cores, as in
 the unfused model); everything after it (logsumexp, softmax, the loss sum, grad_W's
 accumulation over chunks) is fp32.
@@ -50,11 +55,14 @@ BACKENDS = ("auto", "torch", "triton")
 
 
 def linear_cross_entropy_reference(
-    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100, softcap: float = 0.0
 ) -> torch.Tensor:
-    """Ground truth: the full (N, V) logits in fp32, then F.cross_entropy (mean over non-ignored rows)."""
+    """Ground truth: the full (N, V) logits in fp32 (soft-capped when softcap > 0), then
+    F.cross_entropy (mean over non-ignored rows)."""
     h = h.reshape(-1, h.shape[-1])
     logits = F.linear(h.float(), weight.float())
+    if softcap > 0:
+        logits = torch.tanh(logits / softcap) * softcap
     return F.cross_entropy(logits, targets.reshape(-1), ignore_index=ignore_index)
 
 
@@ -62,7 +70,12 @@ def linear_cross_entropy_reference(
 # The chunked implementation (runs inside the custom ops, on real tensors).
 
 
-def _forward_impl(h, weight, targets, chunk_size, ignore_index, backend):
+def _cap_(logits: torch.Tensor, softcap: float) -> torch.Tensor:
+    """cap * tanh(logits / cap), in place (no autograd here: the backward is written out below)."""
+    return logits.div_(softcap).tanh_().mul_(softcap)
+
+
+def _forward_impl(h, weight, targets, chunk_size, ignore_index, backend, softcap):
     n_rows = h.shape[0]
     lse = torch.empty(n_rows, dtype=torch.float32, device=h.device)
     loss_sum = torch.zeros((), dtype=torch.float32, device=h.device)
@@ -73,9 +86,13 @@ def _forward_impl(h, weight, targets, chunk_size, ignore_index, backend):
         if backend == "triton":
             from slipstream.ops import triton_ce
 
+            if softcap > 0:
+                _cap_(logits, softcap)
             chunk_lse, row_loss = triton_ce.ce_forward(logits, chunk_targets, ignore_index)
         else:
             logits = logits.float()  # no copy for fp32 inputs
+            if softcap > 0:
+                _cap_(logits, softcap)
             valid = chunk_targets != ignore_index
             # Ignored targets (e.g. -100) are not valid column indices: gather column 0, then mask.
             safe_targets = torch.where(valid, chunk_targets, 0)
@@ -94,8 +111,9 @@ def _forward_impl(h, weight, targets, chunk_size, ignore_index, backend):
     return loss_sum / num_valid, lse
 
 
-def _backward_impl(grad_loss, h, weight, targets, lse, chunk_size, ignore_index, backend):
-    # d(mean loss)/d(logits) = (softmax - onehot) / num_valid for valid rows, 0 for ignored rows.
+def _backward_impl(grad_loss, h, weight, targets, lse, chunk_size, ignore_index, backend, softcap):
+    # d(mean loss)/d(logits) = (softmax - onehot) / num_valid for valid rows, 0 for ignored rows;
+    # soft-capped, times d(capped)/d(logits) = 1 - tanh(logits / cap)^2.
     num_valid = (targets != ignore_index).sum()
     scale = grad_loss.float() / num_valid.clamp(min=1)  # clamp: all ignored -> zero grads, not nan
     grad_h = torch.empty_like(h)
@@ -106,20 +124,34 @@ def _backward_impl(grad_loss, h, weight, targets, lse, chunk_size, ignore_index,
         h_chunk = h[start:end]
         chunk_targets = targets[start:end]
         # The logits are recomputed instead of saved, and overwritten in place where possible.
+        cap_grad = None  # d(capped)/d(logits): one more chunk-sized buffer, with softcap only
         if backend == "triton":
             from slipstream.ops import triton_ce
 
             logits = F.linear(h_chunk, weight)
+            if softcap > 0:
+                cap_grad = 1 - logits.div_(softcap).tanh_().square()
+                logits.mul_(softcap)  # the capped logits, the kernel's input
             dlogits = triton_ce.ce_backward_(logits, chunk_targets, lse[start:end], scale, ignore_index)
             del logits  # same buffer as dlogits
+            if cap_grad is not None:
+                dlogits.mul_(cap_grad)
         else:
             valid = chunk_targets != ignore_index
             safe_targets = torch.where(valid, chunk_targets, 0)
-            probs = F.linear(h_chunk, weight).float().sub_(lse[start:end, None]).exp_()  # softmax
+            logits = F.linear(h_chunk, weight).float()
+            if softcap > 0:
+                cap_grad = 1 - logits.div_(softcap).tanh_().square()
+                logits.mul_(softcap)
+            probs = logits.sub_(lse[start:end, None]).exp_()  # softmax
+            del logits  # same buffer as probs
             probs.scatter_add_(1, safe_targets[:, None], torch.full_like(probs[:, :1], -1.0))  # - onehot
             probs.mul_(torch.where(valid, scale, 0.0)[:, None])
+            if cap_grad is not None:
+                probs.mul_(cap_grad)
             dlogits = probs.to(h.dtype)  # the gradient matmuls run in the input dtype (no copy for fp32)
             del probs
+        del cap_grad
         grad_h[start:end] = dlogits @ weight
         if grad_w.dtype == dlogits.dtype:
             grad_w.addmm_(dlogits.t(), h_chunk)
@@ -135,14 +167,16 @@ def _backward_impl(grad_loss, h, weight, targets, lse, chunk_size, ignore_index,
 
 @torch.library.custom_op("slipstream::fused_linear_cross_entropy", mutates_args=())
 def fused_linear_cross_entropy_op(
-    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int, ignore_index: int, backend: str
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int, ignore_index: int, backend: str,
+    softcap: float = 0.0
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(N, d), (V, d), (N,) -> (mean loss () fp32, per-row logsumexp (N,) fp32). backend: "torch" | "triton"."""
-    return _forward_impl(h, weight, targets, chunk_size, ignore_index, backend)
+    """(N, d), (V, d), (N,) -> (mean loss () fp32, per-row logsumexp (N,) fp32). backend: "torch" | "triton";
+    softcap: 0 = off."""
+    return _forward_impl(h, weight, targets, chunk_size, ignore_index, backend, softcap)
 
 
 @fused_linear_cross_entropy_op.register_fake
-def _(h, weight, targets, chunk_size, ignore_index, backend):
+def _(h, weight, targets, chunk_size, ignore_index, backend, softcap=0.0):
     loss = h.new_empty((), dtype=torch.float32)
     lse = h.new_empty((h.shape[0],), dtype=torch.float32)
     return loss, lse
@@ -158,24 +192,26 @@ def fused_linear_cross_entropy_backward_op(
     chunk_size: int,
     ignore_index: int,
     backend: str,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradients (grad_h, grad_weight) of the mean loss, recomputing logits chunk by chunk."""
-    return _backward_impl(grad_loss, h, weight, targets, lse, chunk_size, ignore_index, backend)
+    return _backward_impl(grad_loss, h, weight, targets, lse, chunk_size, ignore_index, backend, softcap)
 
 
 @fused_linear_cross_entropy_backward_op.register_fake
-def _(grad_loss, h, weight, targets, lse, chunk_size, ignore_index, backend):
+def _(grad_loss, h, weight, targets, lse, chunk_size, ignore_index, backend, softcap=0.0):
     return torch.empty_like(h), torch.empty_like(weight)
 
 
 def _setup_context(ctx, inputs, output):
-    h, weight, targets, chunk_size, ignore_index, backend = inputs
+    h, weight, targets, chunk_size, ignore_index, backend, softcap = inputs
     _, lse = output
     # h and W are alive anyway (activation / parameter); lse is the only new saved tensor.
     ctx.save_for_backward(h, weight, targets, lse)
     ctx.chunk_size = chunk_size
     ctx.ignore_index = ignore_index
     ctx.backend = backend
+    ctx.softcap = softcap
     # lse is returned for backward's use; no gradient flows through it.
     ctx.mark_non_differentiable(lse)
 
@@ -183,9 +219,9 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, grad_loss, grad_lse):
     h, weight, targets, lse = ctx.saved_tensors
     grad_h, grad_w = fused_linear_cross_entropy_backward_op(
-        grad_loss, h, weight, targets, lse, ctx.chunk_size, ctx.ignore_index, ctx.backend
+        grad_loss, h, weight, targets, lse, ctx.chunk_size, ctx.ignore_index, ctx.backend, ctx.softcap
     )
-    return grad_h, grad_w, None, None, None, None
+    return grad_h, grad_w, None, None, None, None, None
 
 
 fused_linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)
@@ -230,8 +266,10 @@ def fused_linear_cross_entropy(
     chunk_size: int = 4096,
     ignore_index: int = -100,
     backend: str = "auto",
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Mean cross-entropy of `h @ weight.T` against `targets`, without materializing all logits.
+    """Mean cross-entropy of `h @ weight.T` (soft-capped: cap * tanh(logits / cap) when softcap > 0)
+    against `targets`, without materializing all logits.
 
     h: (..., d) hidden states; weight: (V, d) LM-head weight; targets: (...) int64 class ids
     (same leading shape as h). Returns the fp32 scalar loss; differentiable wrt h and weight.
@@ -249,8 +287,10 @@ def fused_linear_cross_entropy(
         )
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if not softcap >= 0:
+        raise ValueError(f"softcap must be >= 0 (0 = off), got {softcap}")
     resolved = _resolve_backend(backend, h.device)
     loss, _ = fused_linear_cross_entropy_op(
-        h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), chunk_size, ignore_index, resolved
+        h.reshape(-1, h.shape[-1]), weight, targets.reshape(-1), chunk_size, ignore_index, resolved, float(softcap)
     )
     return loss

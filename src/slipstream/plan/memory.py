@@ -24,7 +24,7 @@ slipstream's transformer and checked against MemTracker (tests/unit/test_plan_me
     norm statistics      n 4 (rms) or 2 n 4 (layer norm) per norm
     q, k, v              n (d + 2 d_kv) a
     attention output     n d a + n heads 4 (the softmax log-sum-exp; flash kernels keep no T x T matrix)
-    MLP                  2 n F a (gelu: up output, gelu output), 4 n F a (swiglu)
+    MLP                  2 n F a (gelu: up output, gelu output; relu2: relu output, its square), 4 n F a (swiglu)
   activation checkpointing: full keeps only the block input; selective keeps the outputs of
   the matmuls and attention plus the block input.
   autocast keeps a low-precision copy of every weight its matmuls saved (2 bytes per matmul
@@ -35,7 +35,7 @@ tokens of its micro-batch routed to top_k experts each (k n rows, spread evenly)
     router               2 n E 4        fp32 logits and scores
     routing              k n 32         the picks, the sort order and its token index (int64), the weights
     dispatched rows      k n d r        the token copies the experts take (sent to their ranks under ep)
-    experts              4 k n h a (swiglu), 2 k n h a (gelu), h = moe_expert_hidden
+    experts              4 k n h a (swiglu), 2 k n h a (gelu, relu2), h = moe_expert_hidden
     combine              2 k n d a      the experts' outputs, and placed back per token to be weighed
     shared experts       as an MLP of moe_shared_experts x h
   selective keeps the router's logits, the shared experts' matmul outputs and, unless the
@@ -45,6 +45,10 @@ tokens of its micro-batch routed to top_k experts each (k n rows, spread evenly)
   (tests/unit/test_plan_memory.py). Its parameters: the
   router and the shared experts whole on every tp rank, E / ep routed experts, sharded over the
   dp / ep ranks holding the same experts (Strategy.expert_shard_group).
+
+Soft-capped logits (model.logit_softcap) keep their tanh for backward: tokens x vocabulary in the
+compute dtype, alive until the loss's gradient has passed it; the fused loss instead holds one more
+chunk of fp32 logits in its backward (the cap's derivative).
 """
 
 from __future__ import annotations
@@ -278,6 +282,13 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
         # backward of the log-softmax: its saved output, the incoming gradient and the outgoing
         # one (the low-precision logits are gone by then; their gradient comes after these go)
         loss_bwd = 3 * tokens * v_local * 4
+
+    if cfg.logit_softcap > 0:
+        if s.fused_loss:  # the forward caps each chunk in place; the backward holds the cap's derivative
+            loss_bwd += chunk * v_local * 4
+        else:  # the tanh of the logits, saved until the loss's gradient has passed the cap
+            loss_fwd += tokens * v_local * dt.compute
+            loss_bwd += tokens * v_local * dt.compute
 
     # ---- gathered parameters and communication buffers
     gather_unit = block_params * dt.gathered

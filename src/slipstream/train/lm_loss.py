@@ -14,6 +14,9 @@ more. A micro-batch without any unmasked target has loss 0 (and zero gradients),
 still counts as one of the averaged micro-batches. The loss of a sequence is the mean over its
 unmasked targets (0 when it has none).
 
+Soft-capped logits (model.logit_softcap): the model caps its own logits; the fused loss applies
+the head itself, so it caps each chunk of logits the same way (ops/fused_ce.py).
+
 Document packing (data.packing = document): with `eot_id` the loss fns give the model the
 document ids of their inputs, a new document after each end-of-text token, so attention
 never crosses a document boundary and positions restart per document (models/doc_mask.py).
@@ -58,9 +61,10 @@ def _fused_head_loss(model: torch.nn.Module, hidden: torch.Tensor, targets: torc
     device_type = hidden.device.type
     dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else hidden.dtype
     # DDP wraps the model (FSDP2 shards it in place): the head lives on the wrapped module.
-    head = unwrap(model).head_weight()
+    core = unwrap(model)
+    head = core.head_weight()
     loss = fused_linear_cross_entropy(hidden.to(dtype), head.to(dtype), targets, chunk_size=chunk_size,
-                                      ignore_index=IGNORE_INDEX)
+                                      ignore_index=IGNORE_INDEX, softcap=core.cfg.logit_softcap)
     return no_target_loss_is_zero(loss, targets, IGNORE_INDEX)  # all targets masked: 0, not NaN
 
 
