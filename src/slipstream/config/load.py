@@ -276,6 +276,32 @@ def check_training_rules(cfg: Config) -> None:
     if o.in_backward and cfg.stability.policy in ("skip", "rollback"):
         raise UserError(f"stability.policy = {cfg.stability.policy} must see the gradients before the update, "
                         "but optim.in_backward updates during backward; use policy stop or none")
+    check_muon_rules(cfg)
+
+
+def check_muon_rules(cfg: Config) -> None:
+    """optim.optimizer = muon: the AdamW variants are AdamW-only, and Newton-Schulz orthogonalizes
+    each whole matrix, which a rank holding a shard of it does not have."""
+    o, p = cfg.optim, cfg.parallel
+    if o.optimizer != "muon":
+        return
+    variants = (("optim.offload", o.offload, "the offloaded step is AdamW on CPU master weights", "offload=false"),
+                ("optim.in_backward", o.in_backward, "the in-backward step is one AdamW per parameter",
+                 "in_backward=false"),
+                ("optim.state_dtype = bf16", o.state_dtype == "bf16", "bf16 moments are AdamW's; Muon keeps one "
+                 "momentum buffer per matrix, half of AdamW's state already", "state_dtype=fp32"))
+    for switch, on, why, fix in variants:
+        if on:
+            raise UserError(f"optim.optimizer = muon cannot be combined with {switch} ({why}); set --optim.{fix} "
+                            "or --optim.optimizer=adamw")
+    sharded = (f"parallel.dp_strategy = {p.dp_strategy}" if p.dp_strategy in ("zero1", "zero2", "fsdp", "hsdp")
+               else f"parallel.tp = {p.tp}" if p.tp > 1
+               else f"parallel.cp = {p.cp} with dp_strategy = auto (fsdp on one data-parallel rank)"
+               if p.cp > 1 and p.dp_strategy == "auto" else "")
+    if sharded:
+        raise UserError(f"optim.optimizer = muon orthogonalizes each whole weight matrix, but {sharded} splits the "
+                        "matrices or their optimizer state over ranks; use --parallel.dp_strategy=ddp (pipeline "
+                        "parallelism keeps matrices whole too), or --optim.optimizer=adamw")
 
 
 def check_data_rules(cfg: Config) -> None:

@@ -156,6 +156,11 @@ class OptimConfig:
     in_backward: bool = option(False, "Step each parameter inside backward (post-accumulate-grad hooks), so all gradients never coexist (with grad_accum_steps = 1). Needs grad_clip = 0.")
     state_dtype: str = option("fp32", "Dtype of the Adam moments: fp32, or bf16 (half the optimizer-state memory).", choices=("fp32", "bf16"))
     offload: bool = option(False, "Keep fp32 master weights and Adam state in CPU memory and run the optimizer step there.")
+    optimizer: str = option("adamw", "adamw, or muon: Muon (torch.optim.Muon: momentum orthogonalized by Newton-Schulz iterations) for the 2-D weight matrices of the hidden layers (attention and MLP projections), AdamW with the settings above for the rest (embeddings, output head, norms, biases, MoE routers and experts). Newton-Schulz needs whole matrices: single process, ddp or pp; not with optim.offload, in_backward or state_dtype = bf16.", choices=("adamw", "muon"))
+    muon_lr: float = option(0.0, "Muon: peak learning rate of the hidden matrices, on the same schedule (the same warmup and decay multipliers); 0 = optim.lr, which carries over with muon_adjust_lr = match_rms_adamw.", min=0.0)
+    muon_momentum: float = option(0.95, "Muon: momentum of the matrices' update (Nesterov).", min=0.0, max=0.999999)
+    muon_adjust_lr: str = option("match_rms_adamw", "Muon: per-matrix scale of the lr: match_rms_adamw (0.2 x sqrt(max(rows, cols)): updates with the RMS of AdamW's, so AdamW's lr and weight decay carry over; Moonshot 2025) or original (sqrt(max(1, rows / cols)); Keller Jordan's, which wants an lr near 0.02).", choices=("match_rms_adamw", "original"))
+    muon_ns_steps: int = option(5, "Muon: Newton-Schulz iterations that orthogonalize each matrix's update.", min=1, max=99)
 
 
 @dataclass

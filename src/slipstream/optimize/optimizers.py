@@ -97,7 +97,8 @@ def _state_tensors(optimizer: Any) -> list[torch.Tensor]:
 
 def torch_optimizers(optimizer: Any) -> Any:
     """The torch optimizer(s) behind one of ours, for APIs that take torch optimizers (DCP's
-    state-dict functions, MemTracker): the optimizer in backward is one AdamW per parameter."""
+    state-dict functions, MemTracker): the optimizer in backward is one AdamW per parameter,
+    MuonWithAdamW (optimize/muon.py) a Muon and an AdamW."""
     inner = getattr(optimizer, "optimizers", None)
     if isinstance(inner, dict):
         return list(inner.values())

@@ -53,6 +53,7 @@ chunk of fp32 logits in its backward (the cap's derivative).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -191,11 +192,13 @@ def in_flight_microbatches(s: Strategy) -> float:
 
 
 def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "cuda",
-                    optimizer_state_bytes: int = 4) -> MemoryEstimate:
+                    optimizer_state_bytes: int = 4, optimizer: str = "adamw") -> MemoryEstimate:
     """Predicted peak memory per GPU of one training step of `model` laid out as `s`.
 
     seq_len: tokens per sequence; s.micro_batch sequences go through each forward.
     optimizer_state_bytes: bytes per Adam moment (4 fp32, 2 bf16).
+    optimizer: adamw, or muon (optim.optimizer): one fp32 momentum buffer per hidden-matrix
+    parameter instead of two moments (a traced user module is planned with AdamW's state).
     device: "cuda" adds the allocator's fragmentation margin; "cpu" does not.
     """
     if model.traced is not None:
@@ -241,6 +244,8 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
         dense = model_state_bytes(local_params - experts, s, optimizer_state_bytes)
         expert = model_state_bytes(experts, s, optimizer_state_bytes, shard_group=s.expert_shard_group)
         param_bytes, grad_bytes, optim_bytes = (a + b for a, b in zip(dense, expert))
+    if optimizer == "muon":  # one moment instead of two for the matrices Muon steps
+        optim_bytes -= model_state_bytes(muon_matrix_params(model, layers, n_moe, s), s, optimizer_state_bytes)[2] / 2
     host = 0
     if s.offload:
         host = int(param_bytes + grad_bytes + optim_bytes)
@@ -388,6 +393,15 @@ def _traced_memory(model: PlanModel, s: Strategy, seq_len: int, device: str,
     frag = int(peak * CUDA_FRAGMENTATION) if device != "cpu" else 0
     return MemoryEstimate(peak_bytes=peak, peak_phase="backward", breakdown=breakdown, fragmentation_bytes=frag,
                           host_bytes=host, notes=["traced module: measured on fake tensors at micro-batch 1 and 2"])
+
+
+def muon_matrix_params(model: PlanModel, layers: int, n_moe: int, s: Strategy) -> float:
+    """Parameters of this stage that Muon steps (optimize/muon.py): the blocks' attention and MLP
+    weight matrices, an MoE block's shared experts (not its router or routed experts), split by tp."""
+    cfg = model.cfg
+    bare = param_count(dataclasses.replace(cfg, bias=False))  # weights only: biases stay on AdamW
+    shared = bare.mlp - bare.experts // bare.moe_layers - cfg.d_model * cfg.moe_experts if bare.moe_layers else 0
+    return ((layers - n_moe) * (bare.attn + bare.dense_mlp) + n_moe * (bare.attn + shared)) / s.tp
 
 
 def model_state_bytes(params: float, s: Strategy, optimizer_state_bytes: int = 4,

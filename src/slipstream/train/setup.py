@@ -32,7 +32,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 def build_optimizer(model: nn.Module, cfg: Config, parallel=None):
     """AdamW in the configured variant: implementation, bf16 state, step in backward, CPU offload;
-    sharded over the data-parallel group for zero1, with periodic averaging for local SGD."""
+    sharded over the data-parallel group for zero1, with periodic averaging for local SGD. Or, with
+    optim.optimizer = muon, Muon for the hidden matrices and AdamW for the rest (optimize/muon.py)."""
     from slipstream.optimize.optimizers import (CPUOffloadOptimizer, OptimizerInBackward, make_adamw,
                                                 named_param_groups)
 
@@ -42,6 +43,21 @@ def build_optimizer(model: nn.Module, cfg: Config, parallel=None):
         raise UserError("the model has no trainable parameters")
     hyper = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                  implementation=o.implementation, state_dtype=o.state_dtype)
+    if o.optimizer == "muon":
+        from slipstream.optimize.muon import build_muon_with_adamw
+
+        dims = parallel.dims if parallel is not None else None
+        if dims is not None and (dims.strategy in ("zero1", "zero2", "fsdp", "hsdp") or dims.tp > 1):
+            # Config load refuses these where it can; dp_strategy = auto is resolved only here.
+            raise UserError(f"optim.optimizer = muon needs whole matrices on every rank, but this run's layout is "
+                            f"dp_strategy = {dims.strategy}, tp = {dims.tp}; use --parallel.dp_strategy=ddp "
+                            "(without tp) or --optim.optimizer=adamw")
+        optimizer = build_muon_with_adamw(model, groups, o)
+        if dims is None or dims.strategy == "none":
+            return optimizer
+        from slipstream.distributed.data_parallel import wrap_optimizer
+
+        return wrap_optimizer(optimizer, model, cfg, parallel)  # ddp: local SGD's averaging
     if parallel is not None and parallel.dims.strategy != "none":
         from slipstream.distributed.data_parallel import build_zero1_optimizer, wrap_optimizer
 
