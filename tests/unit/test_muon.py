@@ -208,6 +208,11 @@ def test_training_lowers_the_loss_and_resumes_exactly(tiny_overrides, tmp_path):
     train_lm(load_config(None, run + [f"--run.dir={resumed}", "--checkpoint.resume=auto"]))
     straight_losses = losses(straight)
     assert losses(resumed) == {step: loss for step, loss in straight_losses.items() if step > 6}  # bitwise
+    # AdamW cannot continue from Muon's state: the layout check names the switch before any load
+    adamw_run = [o for o in run if o not in MUON] + [f"--run.dir={resumed}", "--checkpoint.resume=auto",
+                                                     "--train.max_steps=14"]
+    with pytest.raises(UserError, match=r"optim.optimizer: muon -> adamw"):
+        train_lm(load_config(None, adamw_run))
     assert straight_losses[12] < straight_losses[1] - 1.0, straight_losses
 
 

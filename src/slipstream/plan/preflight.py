@@ -81,7 +81,8 @@ def plan_training_memory(cfg, world: int, dp_strategy: str, dp_shard: int, devic
 
     strategy = strategy_from_config(cfg, world, dp_strategy, dp_shard)
     return estimate_memory(PlanModel(cfg.model.preset, cfg.model), strategy, cfg.train.seq_len, device=device_type,
-                           optimizer_state_bytes=2 if cfg.optim.state_dtype == "bf16" else 4)
+                           optimizer_state_bytes=2 if cfg.optim.state_dtype == "bf16" else 4,
+                           optimizer=cfg.optim.optimizer)
 
 
 # What shrinks each half of the step's memory, named in the refusal (the bigger half first).

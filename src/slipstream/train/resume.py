@@ -11,8 +11,8 @@ from slipstream.config.schema import Config
 from slipstream.errors import UserError
 
 # What a checkpoint's optimizer_layout meant before a key existed (older checkpoints).
-LAYOUT_DEFAULTS = {"in_backward": False, "offload": False, "dp_strategy": "none", "world_size": 1}
-LAYOUT_NAMES = {"in_backward": "optim.in_backward", "offload": "optim.offload",
+LAYOUT_DEFAULTS = {"in_backward": False, "offload": False, "optimizer": "adamw", "dp_strategy": "none", "world_size": 1}
+LAYOUT_NAMES = {"in_backward": "optim.in_backward", "offload": "optim.offload", "optimizer": "optim.optimizer",
                 "dp_strategy": "parallel.dp_strategy", "world_size": "processes"}
 
 
@@ -80,7 +80,7 @@ def check_layout(path: Path, layout: dict[str, Any]) -> None:
 
 
 # Model settings that leave the weights' shapes and meaning alone (training- or init-only).
-FREE_MODEL_KEYS = ("preset", "dropout", "init_std")
+FREE_MODEL_KEYS = ("preset", "dropout", "init_std", "zero_init_proj")
 
 
 def _saved_config(path: Path) -> Config | None:

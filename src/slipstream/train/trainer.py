@@ -227,6 +227,7 @@ class Trainer:
     def optimizer_layout(self) -> dict[str, Any]:
         """How the optimizer state is laid out in a checkpoint: resuming needs the same layout."""
         return {"in_backward": self.cfg.optim.in_backward, "offload": self.cfg.optim.offload,
+                "optimizer": self.cfg.optim.optimizer,
                 "dp_strategy": self.parallel.dims.strategy, "world_size": self.parallel.world_size}
 
     def save_checkpoint(self) -> float:
