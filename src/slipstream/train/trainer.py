@@ -574,9 +574,11 @@ class Trainer:
         before the failure), if every rank's part lands soon: a dead peer's never will."""
         try:
             yield
-        except BaseException:
+        except BaseException as e:
+            # Bounded after Ctrl-C (the user wants out now) and with peers (a dead one never commits).
+            bounded = self.parallel.world_size > 1 or isinstance(e, KeyboardInterrupt)
             with contextlib.suppress(Exception):
-                self.writer.wait(timeout_s=30.0 if self.parallel.world_size > 1 else None)
+                self.writer.wait(timeout_s=30.0 if bounded else None)
             raise
 
     def _decide(self, loss: torch.Tensor | None, grad_norm: torch.Tensor) -> str:
