@@ -238,6 +238,34 @@ def test_softcap_in_the_planned_logits_memory():
     planned = [estimate_memory(PlanModel("t", _cfg(logit_softcap=cap)), s, 64).peak_bytes for cap in (0.0, CAP)]
     assert planned[1] - planned[0] == 4 * 64 * 320 * 4
 
+def test_softcap_costs_the_fused_op_one_more_chunk_measured_and_planned():
+    """The cap's derivative is the one extra chunk-sized buffer of the fused backward (the planner's
+    number): building 1 - tanh^2 out of place held two more chunks for a moment."""
+    from slipstream.ops.fused_ce import fused_linear_cross_entropy
+    from slipstream.perf.fused_ce_bench import peak_memory_bytes
+    from slipstream.plan.memory import estimate_memory
+    from slipstream.plan.space import PlanModel, Strategy
+
+    n_rows, d, vocab, chunk = 128, 16, 4096, 64
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(n_rows, d, generator=g, requires_grad=True)
+    w = torch.randn(vocab, d, generator=g, requires_grad=True)
+    t = torch.randint(0, vocab, (n_rows,), generator=g)
+
+    def peak(cap):
+        return peak_memory_bytes(lambda: torch.autograd.grad(
+            fused_linear_cross_entropy(h, w, t, chunk_size=chunk, backend="torch", softcap=cap), (h, w)), "cpu")
+
+    chunk_bytes = chunk * vocab * 4
+    extra = (peak(CAP) - peak(0.0)) / chunk_bytes
+    assert 0.9 < extra < 1.1, extra
+    s = Strategy(micro_batch=4, precision="fp32", fused_loss=True, loss_chunk=64)
+    # A vocabulary large enough that the loss's backward is the planned peak.
+    planned = [estimate_memory(PlanModel("t", _cfg(logit_softcap=cap, vocab_size=32000)), s, 64).peak_bytes
+               for cap in (0.0, CAP)]
+    assert planned[1] - planned[0] == 64 * 32000 * 4
+
+
 
 # --- zero-initialized projections --------------------------------------------------------------
 

@@ -75,6 +75,15 @@ def _cap_(logits: torch.Tensor, softcap: float) -> torch.Tensor:
     return logits.div_(softcap).tanh_().mul_(softcap)
 
 
+def _cap_derivative_(logits: torch.Tensor, softcap: float) -> torch.Tensor:
+    """Caps `logits` in place (as _cap_) and returns d(capped)/d(logits) = 1 - tanh^2 in one new
+    buffer: built in place too, as `1 - t.square()` would hold two more chunks for a moment."""
+    tanh = logits.div_(softcap).tanh_()
+    cap_grad = tanh.square().neg_().add_(1)
+    tanh.mul_(softcap)  # the same buffer as logits: now the capped logits
+    return cap_grad
+
+
 def _forward_impl(h, weight, targets, chunk_size, ignore_index, backend, softcap):
     n_rows = h.shape[0]
     lse = torch.empty(n_rows, dtype=torch.float32, device=h.device)
@@ -130,8 +139,7 @@ def _backward_impl(grad_loss, h, weight, targets, lse, chunk_size, ignore_index,
 
             logits = F.linear(h_chunk, weight)
             if softcap > 0:
-                cap_grad = 1 - logits.div_(softcap).tanh_().square()
-                logits.mul_(softcap)  # the capped logits, the kernel's input
+                cap_grad = _cap_derivative_(logits, softcap)  # logits are now the kernel's input
             dlogits = triton_ce.ce_backward_(logits, chunk_targets, lse[start:end], scale, ignore_index)
             del logits  # same buffer as dlogits
             if cap_grad is not None:
@@ -141,8 +149,7 @@ def _backward_impl(grad_loss, h, weight, targets, lse, chunk_size, ignore_index,
             safe_targets = torch.where(valid, chunk_targets, 0)
             logits = F.linear(h_chunk, weight).float()
             if softcap > 0:
-                cap_grad = 1 - logits.div_(softcap).tanh_().square()
-                logits.mul_(softcap)
+                cap_grad = _cap_derivative_(logits, softcap)
             probs = logits.sub_(lse[start:end, None]).exp_()  # softmax
             del logits  # same buffer as probs
             probs.scatter_add_(1, safe_targets[:, None], torch.full_like(probs[:, :1], -1.0))  # - onehot
