@@ -74,15 +74,18 @@ def test_relu2_moe_experts_square_the_relu(gemm):
 
     if gemm == "grouped" and not grouped_mm_supported(torch.device("cpu"), torch.float32):
         pytest.skip("torch._grouped_mm does not run on this CPU build")
-    model = build_model(_cfg("moe-tiny", mlp="relu2", moe_gemm=gemm), seed=1)
-    experts = model.blocks[0].mlp.experts
-    assert experts.w_gate is None
+    model = build_model(_cfg("moe-tiny", mlp="relu2", moe_gemm=gemm, moe_shared_experts=1), seed=1)
+    experts, shared = model.blocks[0].mlp.experts, model.blocks[0].mlp.shared
+    assert experts.w_gate is None and shared.gate_proj is None
     counts = torch.tensor([3, 0, 5, 4])
     x = torch.randn(int(counts.sum()), 64)
     rows = torch.split(x, counts.tolist())
     expected = torch.cat([torch.clamp(r @ experts.w_up[e].T, min=0) ** 2 @ experts.w_down[e].T
                           for e, r in enumerate(rows)])
     torch.testing.assert_close(experts(x, counts), expected, rtol=1e-4, atol=1e-5)
+    # The shared experts are a dense MLP of the same kind.
+    expected = torch.clamp(x @ shared.up_proj.weight.T, min=0) ** 2 @ shared.down_proj.weight.T
+    torch.testing.assert_close(shared(x), expected, rtol=1e-4, atol=1e-5)
 
 
 def test_relu2_counts_as_gelu_in_flops_parameters_and_planned_memory():
