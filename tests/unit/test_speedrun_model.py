@@ -339,8 +339,33 @@ def test_hugging_face_export_refuses_the_switches(changes, switch):
         hf_family(_cfg(preset, **changes))
 
 
-def test_relu2_experts_with_expert_parallelism_are_refused_at_load():
-    with pytest.raises(UserError, match=r"model.mlp = relu2.*parallel.ep > 1.*--parallel.ep=1"):
-        load_config(None, ["--model.preset=moe-tiny", "--model.mlp=relu2", "--parallel.ep=2", "--train.seq_len=64"])
+def test_relu2_experts_under_expert_parallelism_dispatch(tmp_path):
+    """Expert parallelism's dispatch computes the experts with the model's activation: on a 1-rank
+    group (the all-to-alls are identities) it equals the local relu2 experts, not gelu ones."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from slipstream.distributed.expert_parallel import ExpertDispatch
+    from slipstream.models.moe import expert_ffn
+
+    load_config(None, ["--model.preset=moe-tiny", "--model.mlp=relu2", "--parallel.ep=2", "--train.seq_len=64"])
+    experts, d, h = 4, 8, 16
+    g = torch.Generator().manual_seed(0)
+    x, w_up, w_down = torch.randn(10, d, generator=g), torch.randn(experts, h, d, generator=g), torch.randn(experts, d, h, generator=g)
+    counts = torch.tensor([3, 0, 5, 2])
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("ep",))
+        sharded = [distribute_tensor(w, mesh, [Shard(0)]) for w in (w_up, w_down)]
+        dispatch = ExpertDispatch(mesh.get_group(), ep=1, n_experts=experts)
+        y = dispatch(x, counts, sharded[0], None, sharded[1], "loop", activation="relu2")
+    finally:
+        dist.destroy_process_group()
+    torch.testing.assert_close(y, expert_ffn(x, counts, w_up, None, w_down, "loop", activation="relu2"))
+    assert not torch.allclose(y, expert_ffn(x, counts, w_up, None, w_down, "loop"))
+
+
+def test_negative_softcap_is_refused():
     with pytest.raises(UserError, match="logit_softcap"):
         load_config(None, ["--model.logit_softcap=-1"])

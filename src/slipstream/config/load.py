@@ -350,10 +350,6 @@ def check_consistency(cfg: Config) -> None:
         raise UserError("fp16 loss scaling with the MoE balancing losses is not supported (they add their gradient "
                         "at the MoE layers, outside the scaled loss); use --precision.autocast=bf16, or set "
                         "model.moe_aux_loss = moe_z_loss = 0")
-    if m.moe_experts and m.mlp == "relu2" and cfg.parallel.ep > 1:
-        raise UserError("model.mlp = relu2 in the experts of an MoE model with parallel.ep > 1 is not supported yet "
-                        "(expert parallelism's dispatch computes gelu or swiglu experts); use --parallel.ep=1 or "
-                        "--model.mlp=gelu")
     if cfg.parallel.ep > 1 and not m.moe_experts:
         raise UserError(f"parallel.ep = {cfg.parallel.ep} splits the experts of a mixture-of-experts model, but "
                         "model.moe_experts = 0 (a dense model); set --parallel.ep=1 or choose an MoE model "

@@ -113,7 +113,8 @@ class ExpertDispatch:
         self.local = n_experts // ep
         self.received_rows = 0  # rows this rank computed since the last read (the doctor's skew)
 
-    def __call__(self, x: torch.Tensor, counts: torch.Tensor, w_up, w_gate, w_down, gemm: str) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, counts: torch.Tensor, w_up, w_gate, w_down, gemm: str,
+                 activation: str = "gelu") -> torch.Tensor:
         from torch.distributed._functional_collectives import all_to_all_single, all_to_all_single_autograd
 
         ep, local = self.ep, self.local
@@ -128,7 +129,7 @@ class ExpertDispatch:
         expert_major = torch.argsort((block % local) * ep + block // local, stable=True)
         weights = [_ScaleGrad.apply(w.to_local(), 1.0 / ep) if w is not None else None
                    for w in (w_up, w_gate, w_down)]
-        y = expert_ffn(rows[expert_major], received_counts.sum(dim=0), *weights, gemm=gemm)
+        y = expert_ffn(rows[expert_major], received_counts.sum(dim=0), *weights, gemm=gemm, activation=activation)
         self.received_rows += rows.shape[0]
         back = torch.empty_like(y).index_copy(0, expert_major, y)  # arrival order again
         return all_to_all_single_autograd(back, send, receive, self.group)  # communicates: the results

@@ -155,11 +155,7 @@ class GroupedExperts(nn.Module):
         self.compute: Callable[..., torch.Tensor] = expert_ffn
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        if self.activation == "relu2":
-            # Passed only where it matters: expert parallelism's dispatch does not take it yet
-            # (config/load.py refuses relu2 experts with parallel.ep > 1), and fails loudly if reached.
-            return self.compute(x, counts, self.w_up, self.w_gate, self.w_down, self.gemm, activation="relu2")
-        return self.compute(x, counts, self.w_up, self.w_gate, self.w_down, self.gemm)
+        return self.compute(x, counts, self.w_up, self.w_gate, self.w_down, self.gemm, activation=self.activation)
 
 
 class AddAuxLossGrad(torch.autograd.Function):
