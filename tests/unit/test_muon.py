@@ -133,6 +133,26 @@ def test_user_module_rule():
     assert [name for name, _ in hidden_matrices(User())] == ["body.0.weight", "body.2.weight"]
 
 
+def test_a_model_without_hidden_matrices_is_refused_and_one_without_edges_is_noted(capsys):
+    """Muon on nothing would silently be AdamW; Muon on every 2-D weight of a user module steps its
+    input and output layers too, which the user is told (with the rule that keeps them on AdamW)."""
+    class Gains(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = nn.Embedding(10, 4)
+            self.gain = nn.Parameter(torch.ones(4))
+
+    with pytest.raises(UserError, match=r"no hidden-layer weight matrix in Gains.*--optim.optimizer=adamw"):
+        build_optimizer(Gains(), muon_config())
+    mlp = nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 1, bias=False))
+    optimizer = build_optimizer(mlp, muon_config())
+    assert optimizer.adamw is None and len(optimizer.muon.param_groups[0]["params"]) == 2
+    assert "input and output layers too" in capsys.readouterr().out
+    build_optimizer(Net(8, 16), muon_config())  # an embedding and a head: nothing to say
+    build_optimizer(build_model(muon_config().model), muon_config())
+    assert capsys.readouterr().out == ""
+
+
 def test_schedule_moves_both_groups_from_their_own_peak():
     cfg = muon_config("--optim.lr=1e-3", "--optim.muon_lr=0.02", "--optim.min_lr=1e-4", "--optim.warmup_steps=4")
     optimizer = build_optimizer(build_model(cfg.model), cfg)

@@ -15,7 +15,9 @@ with a part of their dotted name that contains "emb" or is "head", "*_head", "cl
 "router". In slipstream's transformer: the attention q/k/v/o and MLP up/gate/down projections
 (and MoE shared experts'). The token and position embeddings, the output head (tied or not),
 norms, biases, MoE routers and the 3-D expert weights go to AdamW. A user nn.Module trained
-through the Python Trainer follows the same rule: name its output layer `head` or `*_head`.
+through the Python Trainer follows the same rule: name its output layer `head` or `*_head`. A model
+without any hidden matrix is refused (Muon would train nothing), and one whose every 2-D weight is a
+hidden matrix gets a note (its input and output layers are stepped by Muon too).
 
 Learning rate: with muon_adjust_lr = match_rms_adamw (the default) each matrix's step is
 scaled by 0.2 x sqrt(max(rows, cols)), which gives the update the RMS of a typical AdamW
@@ -71,6 +73,10 @@ def build_muon_with_adamw(model: nn.Module, groups: list[dict[str, Any]], o: Opt
     """Muon over the model's hidden matrices, AdamW (o.implementation) over the rest of `groups`
     (the trainer's param groups: decay for matrices, none for biases and norms, split by mesh)."""
     hidden = hidden_matrices(model)
+    if not hidden:  # Muon would step nothing: optim.optimizer = muon would silently be AdamW
+        raise UserError(f"optim.optimizer = muon found no hidden-layer weight matrix in {_model_name(model)} (a "
+                        "trainable 2-D parameter outside embeddings and layers named head, *_head, classifier or "
+                        "router), so Muon would train nothing; use --optim.optimizer=adamw")
     for name, param in hidden:
         if hasattr(param, "device_mesh"):
             raise UserError(f"optim.optimizer = muon orthogonalizes each whole matrix, but '{name}' is sharded over "
@@ -79,11 +85,9 @@ def build_muon_with_adamw(model: nn.Module, groups: list[dict[str, Any]], o: Opt
     taken = {id(param) for _, param in hidden}
     # A group left empty is dropped: DCP's state-dict functions allow at most one empty group.
     rest = [dict(g, params=kept) for g in groups if (kept := [p for p in g["params"] if id(p) not in taken])]
-    muon = None
-    if hidden:
-        muon = torch.optim.Muon([param for _, param in hidden], lr=o.muon_lr or o.lr, weight_decay=o.weight_decay,
-                                momentum=o.muon_momentum, nesterov=True, ns_steps=o.muon_ns_steps,
-                                adjust_lr_fn=o.muon_adjust_lr)
+    muon = torch.optim.Muon([param for _, param in hidden], lr=o.muon_lr or o.lr, weight_decay=o.weight_decay,
+                            momentum=o.muon_momentum, nesterov=True, ns_steps=o.muon_ns_steps,
+                            adjust_lr_fn=o.muon_adjust_lr)
     adamw = None
     if rest:
         from slipstream.optimize.optimizers import make_adamw
@@ -91,6 +95,24 @@ def build_muon_with_adamw(model: nn.Module, groups: list[dict[str, Any]], o: Opt
         adamw = make_adamw(rest, lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                            implementation=o.implementation)
     return MuonWithAdamW(muon, adamw)
+
+
+def layer_rule_note(model: nn.Module) -> str:
+    """A note when Muon takes every trainable 2-D weight of a whole model ("" otherwise): no
+    embedding or output layer was recognized, so its input and output layers are Muon's too.
+    (A pipeline stage may hold blocks only: its edges are on other ranks.)"""
+    if getattr(model, "pipeline", None) is not None:
+        return ""
+    matrices = sum(1 for p in model.parameters() if p.requires_grad and p.dim() == 2)
+    if matrices != len(hidden_matrices(model)):
+        return ""
+    return (f"note: optim.optimizer = muon steps every 2-D weight of {_model_name(model)} with Muon, its input and "
+            "output layers too (Muon is made for hidden layers); to train them with AdamW, name the output layer "
+            "`head` (or `*_head`, `classifier`) and take the inputs through an nn.Embedding")
+
+
+def _model_name(model: nn.Module) -> str:
+    return type(getattr(model, "module", model)).__name__  # the user's module inside a DDP wrapper
 
 
 class MuonWithAdamW(torch.optim.Optimizer):

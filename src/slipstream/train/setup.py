@@ -44,7 +44,7 @@ def build_optimizer(model: nn.Module, cfg: Config, parallel=None):
     hyper = dict(lr=o.lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
                  implementation=o.implementation, state_dtype=o.state_dtype)
     if o.optimizer == "muon":
-        from slipstream.optimize.muon import build_muon_with_adamw
+        from slipstream.optimize.muon import build_muon_with_adamw, layer_rule_note
 
         dims = parallel.dims if parallel is not None else None
         if dims is not None and (dims.strategy in ("zero1", "zero2", "fsdp", "hsdp") or dims.tp > 1):
@@ -53,6 +53,8 @@ def build_optimizer(model: nn.Module, cfg: Config, parallel=None):
                             f"dp_strategy = {dims.strategy}, tp = {dims.tp}; use --parallel.dp_strategy=ddp "
                             "(without tp) or --optim.optimizer=adamw")
         optimizer = build_muon_with_adamw(model, groups, o)
+        if getattr(parallel, "is_main", True) and (note := layer_rule_note(model)):
+            print(note)
         if dims is None or dims.strategy == "none":
             return optimizer
         from slipstream.distributed.data_parallel import wrap_optimizer
