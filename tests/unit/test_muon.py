@@ -22,7 +22,7 @@ from slipstream.optimize.muon import MuonWithAdamW, hidden_matrices
 from slipstream.plan.memory import estimate_memory
 from slipstream.plan.space import PlanModel, Strategy
 from slipstream.train.lm import train_lm
-from slipstream.train.schedule import build_scheduler, lr_multiplier
+from slipstream.train.schedule import build_scheduler, load_scheduler_state, lr_multiplier, scheduler_state
 from slipstream.train.setup import build_optimizer
 
 MUON = ["--optim.optimizer=muon"]
@@ -163,6 +163,34 @@ def test_schedule_moves_both_groups_from_their_own_peak():
         factor = lr_multiplier(step, cfg.optim, 20)
         assert optimizer.muon.param_groups[0]["lr"] == pytest.approx(0.02 * factor)
         assert all(g["lr"] == pytest.approx(1e-3 * factor) for g in optimizer.adamw.param_groups)
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError, reason="train/schedule.py load_scheduler_state stretches the "
+                   "checkpoint's first group lr over another group count, but Muon's group has its own peak "
+                   "(muon_lr): a pipeline stage of blocks only (pp >= 3), or an ep run resumed without ep, cannot "
+                   "resume. The fix is outside this file's owner (see the Muon review); drop this mark with it")
+def test_a_stage_with_other_groups_resumes_the_schedule_rank_0_saved():
+    """Rank 0 saves the scheduler (trainer_state.json); a pipeline stage holding blocks only has no
+    AdamW matrices, so one group fewer, and must still continue each group from its own peak."""
+    cfg = muon_config("--optim.lr=1e-3", "--optim.muon_lr=0.02", "--optim.min_lr=1e-4", "--optim.warmup_steps=4")
+    model = build_model(cfg.model)
+    optimizer = build_optimizer(model, cfg)
+    scheduler = build_scheduler(optimizer, cfg.optim, 20)
+    for _ in range(3):
+        optimizer.step()
+        scheduler.step()
+    state = json.loads(json.dumps(scheduler_state(scheduler)))  # as trainer_state.json holds it
+    stage = nn.Module()
+    stage.blocks = nn.ModuleDict({"1": model.blocks[1]})
+    stage_optimizer = build_optimizer(stage, cfg)
+    assert len(stage_optimizer.param_groups) == 2 < len(optimizer.param_groups)
+    stage_scheduler = build_scheduler(stage_optimizer, cfg.optim, 20)
+    load_scheduler_state(stage_scheduler, state)
+    stage_optimizer.step()
+    stage_scheduler.step()
+    factor = lr_multiplier(4, cfg.optim, 20)
+    assert stage_optimizer.muon.param_groups[0]["lr"] == pytest.approx(0.02 * factor)
+    assert stage_optimizer.adamw.param_groups[0]["lr"] == pytest.approx(1e-3 * factor)
 
 
 @pytest.mark.parametrize("overrides, switch", [
