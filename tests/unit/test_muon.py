@@ -62,7 +62,7 @@ class Net(nn.Module):
 ])
 def test_muon_step_matches_an_independent_newton_schulz(shape, adjust, momentum, ns_steps):
     lr, wd = 0.02, 0.1
-    cfg = muon_config(f"--optim.lr={lr}", f"--optim.weight_decay={wd}", f"--optim.muon_adjust_lr={adjust}",
+    cfg = muon_config(f"--optim.muon_lr={lr}", f"--optim.weight_decay={wd}", f"--optim.muon_adjust_lr={adjust}",
                       f"--optim.muon_momentum={momentum}", f"--optim.muon_ns_steps={ns_steps}")
     torch.manual_seed(0)
     net = Net(*shape)
@@ -202,6 +202,7 @@ def test_a_stage_with_other_groups_resumes_the_schedule_rank_0_saved():
     (["--parallel.dp_strategy=hsdp"], "parallel.dp_strategy = hsdp"),
     (["--parallel.tp=2"], "parallel.tp"),
     (["--parallel.cp=2"], "parallel.cp"),
+    (["--optim.muon_adjust_lr=original"], "optim.muon_lr"),  # Keller's scale wants ~0.02, not AdamW's lr
 ])
 def test_refused_combinations_name_both_switches(overrides, switch):
     with pytest.raises(UserError, match="optim.optimizer = muon") as error:

@@ -280,8 +280,9 @@ def check_training_rules(cfg: Config) -> None:
 
 
 def check_muon_rules(cfg: Config) -> None:
-    """optim.optimizer = muon: the AdamW variants are AdamW-only, and Newton-Schulz orthogonalizes
-    each whole matrix, which a rank holding a shard of it does not have."""
+    """optim.optimizer = muon: the AdamW variants are AdamW-only, the original lr scale needs an lr
+    of its own, and Newton-Schulz orthogonalizes each whole matrix, which a rank holding a shard of
+    it does not have."""
     o, p = cfg.optim, cfg.parallel
     if o.optimizer != "muon":
         return
@@ -294,6 +295,12 @@ def check_muon_rules(cfg: Config) -> None:
         if on:
             raise UserError(f"optim.optimizer = muon cannot be combined with {switch} ({why}); set --optim.{fix} "
                             "or --optim.optimizer=adamw")
+    if o.muon_adjust_lr == "original" and not o.muon_lr:
+        # Only match_rms_adamw scales Muon's step to AdamW's size; with the original scale optim.lr
+        # would drive the matrices several times (0.2 x sqrt(width)) too gently, and silently.
+        raise UserError(f"optim.optimizer = muon with optim.muon_adjust_lr = original scales Muon's step for an lr "
+                        f"near 0.02, so optim.lr = {o.lr:g} (AdamW's, taken by optim.muon_lr = 0) does not carry "
+                        "over; set --optim.muon_lr (e.g. 0.02), or --optim.muon_adjust_lr=match_rms_adamw")
     sharded = (f"parallel.dp_strategy = {p.dp_strategy}" if p.dp_strategy in ("zero1", "zero2", "fsdp", "hsdp")
                else f"parallel.tp = {p.tp}" if p.tp > 1
                else f"parallel.cp = {p.cp} with dp_strategy = auto (fsdp on one data-parallel rank)"
