@@ -112,7 +112,10 @@ def layer_rule_note(model: nn.Module) -> str:
 
 
 def _model_name(model: nn.Module) -> str:
-    return type(getattr(model, "module", model)).__name__  # the user's module inside a DDP wrapper
+    """The class of the user's module inside DDP's and torch.compile's wrappers."""
+    while type(model).__name__ in ("DistributedDataParallel", "OptimizedModule"):
+        model = model.module if hasattr(model, "module") else model._orig_mod
+    return type(model).__name__
 
 
 class MuonWithAdamW(torch.optim.Optimizer):
