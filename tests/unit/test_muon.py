@@ -142,7 +142,12 @@ def test_a_model_without_hidden_matrices_is_refused_and_one_without_edges_is_not
             self.table = nn.Embedding(10, 4)
             self.gain = nn.Parameter(torch.ones(4))
 
-    for model in (Gains(), torch.compile(Gains())):  # named by the user's class, not the wrapper's
+    class OptimizedModule(nn.Module):  # torch.compile's wrapper (by name; compiling costs seconds)
+        def __init__(self, inner):
+            super().__init__()
+            self._orig_mod = inner
+
+    for model in (Gains(), OptimizedModule(Gains())):  # named by the user's class, not the wrapper's
         with pytest.raises(UserError, match=r"no hidden-layer weight matrix in Gains.*--optim.optimizer=adamw"):
             build_optimizer(model, muon_config())
     mlp = nn.Sequential(nn.Linear(8, 16, bias=False), nn.ReLU(), nn.Linear(16, 1, bias=False))
