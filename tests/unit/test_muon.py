@@ -171,10 +171,6 @@ def test_schedule_moves_both_groups_from_their_own_peak():
         assert all(g["lr"] == pytest.approx(1e-3 * factor) for g in optimizer.adamw.param_groups)
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason="train/schedule.py load_scheduler_state stretches the "
-                   "checkpoint's first group lr over another group count, but Muon's group has its own peak "
-                   "(muon_lr): a pipeline stage of blocks only (pp >= 3), or an ep run resumed without ep, cannot "
-                   "resume. The fix is outside this file's owner (see the Muon review); drop this mark with it")
 def test_a_stage_with_other_groups_resumes_the_schedule_rank_0_saved():
     """Rank 0 saves the scheduler (trainer_state.json); a pipeline stage holding blocks only has no
     AdamW matrices, so one group fewer, and must still continue each group from its own peak."""

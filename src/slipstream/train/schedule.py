@@ -76,17 +76,23 @@ def build_scheduler(optimizer, cfg: OptimConfig, max_steps: int):
 
 def load_scheduler_state(scheduler, state: dict) -> None:
     """scheduler.load_state_dict, also from a run whose optimizer had another number of param groups
-    (the groups follow the layout's device meshes: train.setup.param_groups). Every group has the
-    same peak lr, so the saved per-group lists are stretched to this optimizer's groups."""
+    (the groups follow the layout: device meshes in train.setup.param_groups, a pipeline stage's own
+    parameters, and rank 0 saved the state). Groups may have different peaks (Muon's optim.muon_lr),
+    so the saved per-group lists cannot be mapped onto other groups: this run's own peaks (from the
+    config) are kept and the schedule continues from the checkpoint's step; the groups' current lrs
+    came back with the optimizer's state."""
     groups = len(scheduler.optimizer.param_groups)
     state = dict(state)
-    for key in ("base_lrs", "_last_lr", "lr_lambdas"):
-        values = state.get(key)
-        if isinstance(values, list) and values and len(values) != groups:
-            if key != "lr_lambdas" and any(v != values[0] for v in values):
-                raise ValueError(f"the checkpoint's scheduler has different learning rates per group ({values}); "
-                                 f"cannot map them onto {groups} groups")
-            state[key] = [values[0]] * groups
+    saved = state.get("base_lrs")
+    if isinstance(saved, list) and len(saved) != groups:
+        state["base_lrs"] = list(scheduler.base_lrs)
+        state.pop("_last_lr", None)
+        if isinstance(state.get("lr_lambdas"), list):
+            state["lr_lambdas"] = [None] * groups
+        scheduler.load_state_dict(state)
+        if hasattr(scheduler, "_last_lr"):
+            scheduler._last_lr = [group["lr"] for group in scheduler.optimizer.param_groups]
+        return
     scheduler.load_state_dict(state)
 
 
