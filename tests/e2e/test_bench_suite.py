@@ -1,0 +1,161 @@
+"""`slipstream bench suite --size ci` (issue 18): one run of every workload at a tiny size, shared by
+the tests below (module fixture; about a minute on 2 cores, mostly process and torchrun start-up),
+checked against the suite JSON's schema; the quality gate really gates; bad input is a user error;
+the README's suite block is the table of the newest committed result."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slipstream.cli import main
+from slipstream.errors import UserError
+from slipstream.perf import suite_workloads
+from slipstream.perf.suite import SUITE_VERSION, WORKLOADS, run_suite, run_workload
+from slipstream.perf.suite_readme import END, START, latest_suite, readme_block, suite_table, update_readme
+
+ROOT = Path(__file__).resolve().parents[2]
+ENTRY_KEYS = {"name", "title", "definition", "methodology", "metric", "unit", "higher_is_better", "normalize_by",
+              "samples", "median", "ci", "ci_level", "noise_band", "quality", "status", "error", "secondary", "dtype"}
+# The shared run takes about a minute on 2 idle cores; a busy machine may need several times that.
+pytestmark = pytest.mark.timeout(900)
+PARALLEL = ("data_parallel_2", "tensor_parallel_2", "pipeline_parallel_2", "context_parallel_2", "expert_parallel_2")
+
+
+@pytest.fixture(scope="module")
+def suite_ci(tmp_path_factory, data_dir) -> dict:
+    out = tmp_path_factory.mktemp("suite") / "suite-ci.json"
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    proc = subprocess.run([sys.executable, "-m", "slipstream", "bench", "suite", "--size", "ci", "--data-dir",
+                           str(data_dir), "--out", str(out)], cwd=out.parent, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.returncode == 0, \
+        f"bench suite failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-3000:]}"
+    assert f"wrote {out}" in proc.stdout
+    return json.loads(out.read_text())
+
+
+def test_suite_ci_json_follows_the_schema(suite_ci):
+    r = suite_ci
+    assert r["bench"] == "suite" and r["suite_version"] == SUITE_VERSION and r["mode"] == "ci"
+    assert r["env"]["git_sha"] and r["env"]["torch_version"] and r["wall_s"] > 0
+    assert datetime.datetime.fromisoformat(r["started"]).tzinfo is not None
+    m = r["machine"]
+    assert m["device"] == "cpu" and m["matmul_tflops"] > 0 and m["copy_gb_s"] > 0
+    assert m["matmul_tflops_by_dtype"]["fp32"] == m["matmul_tflops"]
+    assert [w["name"] for w in r["workloads"]] == list(WORKLOADS)  # every workload, in the table's order
+    for w in r["workloads"]:
+        assert set(w) == ENTRY_KEYS, w["name"]
+        assert w["status"] == "ok" and w["error"] is None, (w["name"], w["error"])
+        assert w["samples"] and all(math.isfinite(x) for x in w["samples"]), w["name"]
+        low, high = w["ci"]
+        assert min(w["samples"]) <= low <= w["median"] <= high <= max(w["samples"]), w["name"]
+        assert 0 <= w["ci_level"] < 1 and 0 < w["noise_band"] < 1
+        assert w["quality"]["passed"] is True and w["quality"]["criterion"]
+        assert w["normalize_by"] in ("compute", "memory", "none") and isinstance(w["higher_is_better"], bool)
+        assert w["definition"].startswith("ci: ") and "data: the --data-dir corpus" in w["definition"]
+        assert len(w["methodology"]) > 100 and w["title"] and w["metric"] and w["unit"]
+    by_name = {w["name"]: w for w in r["workloads"]}
+    # the step workloads: one sample per timed step after the warm-up steps
+    for name in ("gpt2_124m_fp32", "gpt2_124m_best", *PARALLEL):
+        assert len(by_name[name]["samples"]) == WORKLOADS[name].samples["ci"], name
+    for name in PARALLEL:  # each multi-rank run learned
+        assert by_name[name]["secondary"]["loss_last"] < by_name[name]["secondary"]["loss_first"], name
+        assert "--nproc-per-node=2" in by_name[name]["definition"]
+
+
+def test_suite_ci_time_to_target_stops_at_the_target(suite_ci):
+    ttt = next(w for w in suite_ci["workloads"] if w["name"] == "time_to_target")
+    _, recipe, target = suite_workloads.TIME_TO_TARGET["ci"]
+    cap = int(next(o for o in recipe if o.startswith("--train.max_steps=")).split("=")[1])
+    s = ttt["secondary"]
+    # stopped by the target at an evaluation, well before the step cap: the target was not ignored
+    assert s["val_loss"] <= target and s["steps"] < cap and s["steps"] % 5 == 0
+    assert s["tokens"] == s["steps"] * 4 * 64 and f"--train.target_val_loss={target:g}" in ttt["definition"]
+    assert 0 < s["loop_time_s"] < s["train_wall_s"] < ttt["median"]  # the cold start counts: spawn to exit
+
+
+def test_suite_ci_secondary_numbers(suite_ci):
+    by_name = {w["name"]: w for w in suite_ci["workloads"]}
+    best = by_name["gpt2_124m_best"]
+    # the best run's loss was compared with the fp32 run's at the same step, and the switches are named
+    assert "of the fp32 run's" in best["quality"]["criterion"] and "fused loss" in best["definition"]
+    assert "--train.fused_loss=true" in best["definition"]
+    assert "fused_loss" not in by_name["gpt2_124m_fp32"]["definition"]
+    assert best["secondary"]["mfu"] > 0 and best["secondary"]["process_peak_bytes"] > 0
+    data = by_name["data_path"]
+    rates = data["secondary"]
+    assert data["median"] == pytest.approx(rates["loader_tokens_per_s"] / rates["step_tokens_per_s"])
+    ckpt = by_name["checkpoint_stall"]["secondary"]
+    assert ckpt["sync_save_s"] > 0 and ckpt["async_commit_s"] > 0 and ckpt["state_bytes"] > 1e6
+    over = by_name["trainer_overhead"]
+    assert over["median"] == pytest.approx(over["secondary"]["trainer_step_s"] / over["secondary"]["hand_loop_step_s"])
+
+
+def test_quality_gate_fails_a_run_that_misses_its_target(tmp_path, data_dir, monkeypatch):
+    # an unreachable target within 2 steps: the time is measured but does not count
+    what, _, _ = suite_workloads.TIME_TO_TARGET["ci"]
+    recipe = [*suite_workloads.TINY, "--train.max_steps=2", "--train.eval_interval=2", "--train.eval_tokens=1024",
+              "--checkpoint.save_final=false", "--metrics.memory_breakdown=false", "--logging.tensorboard=false"]
+    monkeypatch.setitem(suite_workloads.TIME_TO_TARGET, "ci", (what, recipe, 0.5))
+    ctx = suite_workloads.SuiteContext(mode="ci", device="cpu", data_dir=str(data_dir), data_note="test",
+                                       workdir=tmp_path)
+    row = run_workload(WORKLOADS["time_to_target"], ctx, 1, {})
+    assert row["status"] == "quality_failed" and row["quality"]["passed"] is False
+    assert row["samples"] and row["median"] > 0 and row["secondary"]["steps"] == 2
+    assert "quality gate" in row["error"] and "0.5" in row["error"]
+
+
+def test_bad_input_is_a_user_error(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    assert main(["bench", "suite", "--size", "ci", "--only", "bogus", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown workload bogus" in err and "time_to_target" in err and not out.exists()
+    with pytest.raises(UserError, match="needs --out"):
+        run_suite(mode="ci")
+    with pytest.raises(UserError, match="--repeats"):
+        run_suite(mode="ci", repeats=-1, out=str(out))
+
+
+def test_readme_table_and_latest_suite(suite_ci, tmp_path):
+    table = suite_table(suite_ci)
+    for w in suite_ci["workloads"]:
+        assert f"| {w['name']} |" in table
+    assert "ci mode" in table and suite_ci["env"]["git_sha"][:10] in table
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n## Measured results\n\n{START}\nplaceholder\n{END}\n\nafter\n")
+    result = tmp_path / "suite" / "suite-cpu-quick-20261205-1500.json"
+    result.parent.mkdir()
+    result.write_text(json.dumps({**suite_ci, "mode": "quick"}))
+    assert update_readme(readme, result) is True and update_readme(readme, result) is False
+    text = readme.read_text()
+    start, end = readme_block(text)
+    assert text[start:end].strip() == suite_table({**suite_ci, "mode": "quick"}) and text.endswith("after\n")
+    # latest_suite: the newest non-ci result of the device, by its "started" time
+    newer = {**suite_ci, "mode": "full", "started": "2099-01-01T00:00:00+00:00"}
+    (tmp_path / "suite" / "suite-cpu-full-a.json").write_text(json.dumps(newer))
+    (tmp_path / "suite" / "suite-cpu-ci-b.json").write_text(json.dumps({**newer, "mode": "ci",
+                                                                       "started": "2100-01-01T00:00:00+00:00"}))
+    cuda = {**newer, "machine": {**newer["machine"], "device": "cuda"}, "started": "2101-01-01T00:00:00+00:00"}
+    (tmp_path / "suite" / "suite-cuda-full-c.json").write_text(json.dumps(cuda))
+    assert latest_suite(tmp_path / "suite", "cpu").name == "suite-cpu-full-a.json"
+    assert latest_suite(tmp_path / "suite", "cuda").name == "suite-cuda-full-c.json"
+    assert latest_suite(tmp_path / "nothing", "cpu") is None
+
+
+def test_readme_block_is_the_latest_committed_suite():
+    latest = latest_suite(ROOT / "benchmarks" / "suite", "cpu")
+    if latest is None:
+        pytest.skip("no CPU suite result is committed under benchmarks/suite/ yet")
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    start, end = readme_block(text)
+    expected = suite_table(json.loads(latest.read_text()))
+    assert text[start:end].strip() == expected, f"README's suite block is stale: regenerate it from {latest.name} " \
+                                                "with slipstream.perf.suite_readme.update_readme"
