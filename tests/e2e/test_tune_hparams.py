@@ -209,7 +209,7 @@ def test_budget_stops_the_running_trial_and_queues_it_again(tmp_path, data_dir):
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("storage, trials, objective",
-                         [("sqlite", 8, "val_loss"), ("journal", 4, "val_loss,tokens_per_s")])
+                         [("sqlite", 4, "val_loss"), ("journal", 4, "val_loss,tokens_per_s")])
 def test_two_workers_share_one_study(tmp_path, data_dir, storage, trials, objective):
     """Two `slipstream tune hparams --config configs/tiny.toml --trials N` processes on one study:
     distinct trials and run directories, N in all, both workers busy. The journal study is a
