@@ -86,9 +86,11 @@ def test_suite_ci_secondary_numbers(suite_ci):
     by_name = {w["name"]: w for w in suite_ci["workloads"]}
     best = by_name["gpt2_124m_best"]
     # the best run's loss was compared with the fp32 run's at the same step, and the switches are named
-    assert "of the fp32 run's" in best["quality"]["criterion"] and "fused loss" in best["definition"]
-    assert "--train.fused_loss=true" in best["definition"]
-    assert "fused_loss" not in by_name["gpt2_124m_fp32"]["definition"]
+    fp32 = by_name["gpt2_124m_fp32"]
+    assert "of the fp32 run's" in best["quality"]["criterion"] and "--optim.implementation=fused" in best["definition"]
+    bf16 = bool(suite_workloads.cpu_bf16_flags())  # bf16 autocast where the CPU has native bf16 matmuls
+    assert ("--precision.autocast=bf16" in best["definition"]) is bf16 and best["dtype"] == ("bf16" if bf16 else "fp32")
+    assert "autocast" not in fp32["definition"].split("switches")[0] and fp32["dtype"] == "fp32"
     assert best["secondary"]["mfu"] > 0 and best["secondary"]["process_peak_bytes"] > 0
     data = by_name["data_path"]
     rates = data["secondary"]
