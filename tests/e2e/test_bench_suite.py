@@ -120,6 +120,9 @@ def test_bad_input_is_a_user_error(tmp_path, capsys):
     assert main(["bench", "suite", "--size", "ci", "--only", "bogus", "--out", str(out)]) == 2
     err = capsys.readouterr().err
     assert "unknown workload bogus" in err and "time_to_target" in err and not out.exists()
+    # a data folder that is not a prepared corpus stops the suite before anything runs
+    assert main(["bench", "suite", "--size", "ci", "--data-dir", str(tmp_path / "nope"), "--out", str(out)]) == 2
+    assert "nope" in capsys.readouterr().err and not out.exists()
     with pytest.raises(UserError, match="needs --out"):
         run_suite(mode="ci")
     with pytest.raises(UserError, match="--repeats"):

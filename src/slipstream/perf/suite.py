@@ -27,7 +27,7 @@ from typing import Any
 
 from slipstream.errors import UserError
 from slipstream.perf import suite_parallel, suite_workloads
-from slipstream.perf.suite_workloads import MODES, SuiteContext, Workload, prepare_default_data
+from slipstream.perf.suite_workloads import MODES, SuiteContext, Workload, prepare_data
 
 SUITE_VERSION = 1  # bump when a workload's definition changes
 WORKLOADS: dict[str, Workload] = {w.name: w for w in (*suite_workloads.WORKLOADS, *suite_parallel.WORKLOADS)}
@@ -56,7 +56,7 @@ def run_suite(mode: str = "full", only: list[str] | None = None, repeats: int = 
     path = Path(out) if out else _default_out(device, mode, started)
     t0 = time.perf_counter()
     data_note = "the --data-dir corpus" if data_dir else "the default corpus (stdlib sources, byte tokens)"
-    data_dir = data_dir or prepare_default_data()  # prepared once, outside every timed region
+    data_dir = prepare_data(data_dir)  # checked or prepared once, outside every timed region
     print(f"[suite] {mode} mode, {len(names)} workloads on {device}; data {data_dir}", flush=True)
     with tempfile.TemporaryDirectory(prefix="slipstream-suite-") as tmp:
         ctx = SuiteContext(mode=mode, device=device, data_dir=str(data_dir), data_note=data_note, workdir=Path(tmp))

@@ -136,7 +136,7 @@ def time_to_target_once(overrides: list[str], mode: str, data_dir: str, workdir:
     fails raises UserError; one that misses the target returns target_reached False."""
     if mode not in MODES:
         raise UserError(f"unknown mode '{mode}'; use {', '.join(MODES)}")
-    data_dir = data_dir or prepare_default_data()
+    data_dir = data_dir or prepare_data()
     recipe = [*_time_to_target_recipe(mode), *overrides]
     wall, summary = spawn_train([*recipe, f"--data.dir={data_dir}"], Path(workdir) / "run",
                                 TIME_TO_TARGET_TIMEOUT_S[mode])
@@ -149,12 +149,14 @@ def time_to_target_once(overrides: list[str], mode: str, data_dir: str, workdir:
             "definition": " ".join(recipe)}
 
 
-def prepare_default_data() -> str:
-    """The default corpus (stdlib, byte tokens), prepared on first use; its folder."""
+def prepare_data(data_dir: str = "") -> str:
+    """The prepared folder `data_dir` checked (a bad one is a UserError before anything runs), or the
+    default corpus (stdlib sources, byte tokens) prepared on first use; its path."""
     from slipstream.config.load import load_config
     from slipstream.data.ensure import ensure_data
 
-    return str(ensure_data(load_config(None, ["--logging.progress=false"]))[0])
+    given = [f"--data.dir={data_dir}"] if data_dir else []
+    return str(ensure_data(load_config(None, ["--logging.progress=false", *given]))[0])
 
 
 def _measure_time_to_target(ctx: SuiteContext, n: int) -> dict[str, Any]:
