@@ -20,7 +20,8 @@ def cmd_bench_suite(args: argparse.Namespace, extra: list[str]) -> int:
     no_extra(extra)
     refuse_existing(args.out, args.force)  # an explicit --out; the default is a new file per run
     result = run_suite(mode=args.mode, only=args.only, repeats=args.repeats, out=args.out, data_dir=args.data_dir)
-    return 0 if all(w["status"] == "ok" for w in result["workloads"]) else 1
+    # skipped (e.g. the world-2 runs on a machine with one GPU) is not a failure; failed or a quality gate missed is
+    return 0 if all(w["status"] in ("ok", "skipped") for w in result["workloads"]) else 1
 
 
 def cmd_bench_compare(args: argparse.Namespace, extra: list[str]) -> int:
