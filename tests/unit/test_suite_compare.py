@@ -25,8 +25,9 @@ def _workload(name: str, samples: list[float], higher: bool = True, normalize_by
                                        "value": 2.9 if status == "quality_failed" else 2.4}, **extra}
 
 
-def _suite(workloads: list[dict], machine: dict | None = None, cpu: str = "Test CPU", version: int = 1) -> dict:
-    return {"bench": "suite", "suite_version": version, "mode": "ci",
+def _suite(workloads: list[dict], machine: dict | None = None, cpu: str = "Test CPU", version: int = 1,
+           mode: str = "ci") -> dict:
+    return {"bench": "suite", "suite_version": version, "mode": mode,
             "env": {"cpu_model": cpu, "git_sha": "abc", "accelerator": None},
             "machine": dict(machine or MACHINE), "started": "2026-12-05T15:00:00+00:00", "wall_s": 1.0,
             "workloads": workloads}
@@ -159,7 +160,8 @@ def test_damaged_files_are_user_errors_naming_them(tmp_path, monkeypatch, capsys
 
 def test_run_noise_writes_the_band_file_compare_reads(tmp_path, monkeypatch, capsys):
     paths = [_write(tmp_path / f"run{i}.json", _suite([_workload("step", [m - 0.5, m, m + 0.5]),
-                                                         _workload("flaky", [1.0], status="failed" if i else "ok")]))
+                                                         _workload("flaky", [1.0], status="failed" if i else "ok")],
+                                                        mode="quick"))
              for i, m in enumerate((100.0, 104.0, 98.0))]
     with pytest.raises(UserError, match="two or more"):
         run_noise(paths[:1])
@@ -178,3 +180,32 @@ def test_run_noise_writes_the_band_file_compare_reads(tmp_path, monkeypatch, cap
     default.unlink()
     run_noise(paths)
     assert load_noise_bands("cpu") == {"step": 0.095}
+
+
+def test_noise_bands_and_comparisons_stay_within_one_mode(tmp_path, monkeypatch, capsys):
+    # The modes run other sizes under the same names: a quick run's band is not a full run's, and a
+    # full result against a quick one compares GPT-2 at 1 x 1024 with GPT-2 at 1 x 128.
+    noise_path = tmp_path / "noise-cpu.json"
+    monkeypatch.setattr(suite_compare, "noise_file", lambda device: noise_path)
+    noise_path.write_text(json.dumps({"bench": "suite_noise", "mode": "quick", "workloads": {"a": {"band": 0.3}}}))
+    assert load_noise_bands("cpu", mode="quick") == {"a": 0.3}
+    assert load_noise_bands("cpu", mode="full") == {} and "measured on quick runs" in capsys.readouterr().err
+    base = _suite([_workload("a", [100.0] * 3)], mode="full")
+    row = _row(compare_suites(base, _suite([_workload("a", [80.0] * 3)], mode="full")), "a")
+    assert (row["band_source"], row["verdict"]) == ("default", "regression")  # the quick band (30 %) would hide it
+
+    quick = _suite([_workload("a", [300.0] * 3, definition="quick: a"), _workload("b", [1.0] * 3)], mode="quick")
+    full = _suite([_workload("a", [100.0] * 3, definition="full: a"), _workload("b", [1.0] * 3)], mode="full")
+    result = compare_suites(quick, full)
+    assert _row(result, "a")["verdict"] == "not compared" and result["regressions"] == []
+    assert _row(result, "b")["verdict"] == "within noise"  # the same definition in both modes: compared
+    assert any("quick mode vs full mode" in w for w in result["warnings"])
+
+    runs = [_write(tmp_path / f"{mode}.json", _suite([_workload("a", [100.0] * 3)], mode=mode))
+            for mode in ("quick", "full")]
+    with pytest.raises(UserError, match="different suite modes"):
+        run_noise(runs, out=str(tmp_path / "noise.json"))
+    ci = [_write(tmp_path / f"ci{i}.json", _suite([_workload("a", [100.0] * 3)])) for i in range(2)]
+    with pytest.raises(UserError, match="ci-mode runs need --out"):
+        run_noise(ci)  # never over the committed bands of the quick or full runs
+    assert json.loads(noise_path.read_text())["mode"] == "quick"

@@ -51,7 +51,7 @@ def run_suite(mode: str = "full", only: list[str] | None = None, repeats: int = 
     if mode == "ci" and not out:
         raise UserError("--size ci needs --out: benchmarks/suite/ holds the quick and full results")
     device = _device()
-    bands = load_noise_bands(device)  # a damaged noise file stops the suite before any work
+    bands = load_noise_bands(device, mode=mode)  # a damaged noise file stops the suite before any work
     started = datetime.datetime.now(datetime.timezone.utc)
     path = Path(out) if out else _default_out(device, mode, started)
     t0 = time.perf_counter()

@@ -51,9 +51,14 @@ def _read_json(path: str | Path, what: str, fix: str) -> Any:
         raise UserError(f"{path} is not valid JSON ({e.msg}), so not {what}; {fix}") from None
 
 
-def load_noise_bands(device: str, path: str | Path | None = None) -> dict[str, float]:
+def load_noise_bands(device: str, path: str | Path | None = None, mode: str | None = None) -> dict[str, float]:
     """Workload name -> measured noise band, from `slipstream bench noise`'s file for this
-    device (benchmarks/suite/noise-<device>.json unless `path` is given). No file: {}."""
+    device (benchmarks/suite/noise-<device>.json unless `path` is given). No file: {}.
+
+    With `mode`, bands measured on another mode's runs are not used ({} and a note): a mode
+    runs other workloads under the same names (other sizes, sample counts and step caps), so
+    their run-to-run noise says little about this mode's, and a ci run's wide band would hide
+    a real regression of a full one."""
     path = Path(path) if path else noise_file(device)
     if not path.exists():
         return {}
@@ -62,6 +67,11 @@ def load_noise_bands(device: str, path: str | Path | None = None) -> dict[str, f
     workloads = record.get("workloads") if isinstance(record, dict) else None
     if not isinstance(record, dict) or record.get("bench") != NOISE_BENCH or not isinstance(workloads, dict):
         raise UserError(f"{path} is not a noise band file written by `slipstream bench noise`; {fix}")
+    measured_mode = record.get("mode")
+    if mode and measured_mode and measured_mode != mode:
+        print(f"note: {path} was measured on {measured_mode} runs, not {mode}: its bands are not used "
+              f"(default {DEFAULT_NOISE_BAND:.0%})", file=sys.stderr)
+        return {}
     bands = {}
     for name, entry in workloads.items():
         band = entry.get("band") if isinstance(entry, dict) else None
@@ -191,8 +201,8 @@ class _Bands:
     """The noise band of a workload: --noise-band, else the larger of the two files' own
     bands, else the measured file for the new result's device, else the default."""
 
-    def __init__(self, explicit: float | None, device: str):
-        self.explicit, self.device, self._measured = explicit, device, None
+    def __init__(self, explicit: float | None, device: str, mode: str | None = None):
+        self.explicit, self.device, self.mode, self._measured = explicit, device, mode, None
 
     def __call__(self, b: dict[str, Any], n: dict[str, Any]) -> tuple[float, str]:
         if self.explicit is not None:
@@ -201,7 +211,7 @@ class _Bands:
         if own:
             return max(own), "suite files"
         if self._measured is None:
-            self._measured = load_noise_bands(self.device)
+            self._measured = load_noise_bands(self.device, mode=self.mode)
         if n["name"] in self._measured:
             return self._measured[n["name"]], f"noise-{self.device}.json"
         return DEFAULT_NOISE_BAND, "default"
@@ -235,6 +245,10 @@ def compare_workload(b: dict[str, Any], n: dict[str, Any], base: dict[str, Any],
             row["verdict"] = "not compared"
             row["notes"].append(f"suite version {base['suite_version']} vs {new['suite_version']} and the "
                                 "definition changed: different workloads under one name")
+            return row
+        if base.get("mode") != new.get("mode"):  # e.g. GPT-2 at 1 x 1024 (full) vs 1 x 128 (quick)
+            row["verdict"] = "not compared"
+            row["notes"].append(f"{base.get('mode')} vs {new.get('mode')} mode: a different size of the workload")
             return row
         row["notes"].append("definition differs: compared anyway")
     if b.get("higher_is_better", False) != higher:
@@ -272,7 +286,11 @@ def compare_suites(base: dict[str, Any], new: dict[str, Any], noise_band: float 
     if base["suite_version"] != new["suite_version"]:
         warnings.append(f"suite version {base['suite_version']} vs {new['suite_version']}: workloads whose "
                         "definition changed are not compared")
-    band_of = _Bands(noise_band, _device(new))
+    if base.get("mode") != new.get("mode"):
+        warnings.append(f"{base.get('mode')} mode vs {new.get('mode')} mode: the modes run the workloads at other "
+                        "sizes, so only workloads whose definition is the same are compared; compare results of "
+                        "one mode")
+    band_of = _Bands(noise_band, _device(new), new.get("mode"))
     by_name = {w["name"]: w for w in base["workloads"]}
     new_names = {w["name"] for w in new["workloads"]}
     rows = []
@@ -363,8 +381,14 @@ def run_noise(runs: list[str], out: str = "") -> dict[str, Any]:
         raise UserError(f"bench noise needs two or more suite results of the same code on the same machine "
                         f"(got {len(runs)}); run `slipstream bench suite` again and pass all the JSONs")
     suites = [load_suite(path) for path in runs]
+    modes = [s.get("mode") for s in suites]
+    if not _same(modes):  # other sizes of the workloads: their differences are not noise
+        raise UserError(f"the runs are of different suite modes ({', '.join(map(str, modes))}); a noise band is "
+                        "measured from runs of one mode: pass the runs of one mode only")
+    if modes[0] == "ci" and not out:
+        raise UserError("ci-mode runs need --out: benchmarks/suite/noise-<device>.json holds the bands of the quick "
+                        "or full runs the committed results use")
     for what, values in (("git sha", [s.get("env", {}).get("git_sha") for s in suites]),
-                         ("mode", [s.get("mode") for s in suites]),
                          ("suite version", [s["suite_version"] for s in suites])):
         if not _same(values):
             print(f"warning: the runs differ in {what} ({', '.join(map(str, values))}): the band then includes "
