@@ -164,3 +164,54 @@ def test_readme_block_is_the_latest_committed_suite():
     expected = suite_table(json.loads(latest.read_text()))
     assert text[start:end].strip() == expected, f"README's suite block is stale: regenerate it from {latest.name} " \
                                                 "with slipstream.perf.suite_readme.update_readme"
+
+
+def _fake_time_to_target(outcomes: dict[str, object]):
+    """A stand-in for suite_workloads.time_to_target_once: each switch's wall seconds (None: the target
+    was missed; an exception: the run crashed), found by its overrides."""
+    from slipstream.perf.speedrun import SWITCHES
+
+    calls = []
+
+    def run(overrides, mode, data_dir, workdir):
+        name = next(n for n, (o, _) in SWITCHES.items() if o == overrides)
+        calls.append((name, data_dir))
+        outcome = outcomes[name]
+        if isinstance(outcome, Exception):
+            raise outcome
+        recipe = [*suite_workloads.TIME_TO_TARGET[mode][1], *overrides]
+        return {"wall_s": outcome or 9.0, "target_reached": outcome is not None, "steps": 10, "tokens": 2560,
+                "val_loss": 4.7, "loop_time_s": 1.0, "train_wall_s": 2.0, "definition": " ".join(recipe)}
+    return run, calls
+
+
+def test_speedrun_rows_recipe_failures_and_output(tmp_path, data_dir, monkeypatch, capsys):
+    from slipstream.perf.speedrun import run_speedrun
+
+    fake, calls = _fake_time_to_target({"baseline": 100.0, "muon": 80.0, "qk_norm": None,
+                                        "relu2": FileNotFoundError("summary.json")})
+    monkeypatch.setattr(suite_workloads, "time_to_target_once", fake)
+    out = tmp_path / "speedrun.json"
+    args = ["bench", "speedrun", "--size", "ci", "--switches", "relu2", "muon", "qk_norm", "baseline",
+            "--data-dir", str(data_dir), "--out", str(out)]
+    assert main(args) == 1  # a crashed switch is a row (the others ran) and fails the exit code
+    result = json.loads(out.read_text())
+    rows = {row["name"]: row for row in result["switches"]}
+    assert [row["name"] for row in result["switches"]] == ["baseline", "muon", "qk_norm", "relu2"]  # the table's order
+    assert rows["muon"]["time_ratio"]["ratio"] == pytest.approx(0.8) and rows["baseline"]["status"] == "ok"
+    assert rows["qk_norm"]["status"] == "target_missed" and "time_ratio" not in rows["qk_norm"]
+    assert rows["relu2"]["status"] == "failed" and "FileNotFoundError" in rows["relu2"]["error"]
+    assert "--optim.optimizer=muon" not in result["recipe"] and "--train.max_steps=60" in result["recipe"]
+    assert {d for _, d in calls} == {str(data_dir)}  # the corpus is checked once, before the runs
+    table = capsys.readouterr().out
+    assert "| qk_norm |" in table and "target_missed" in table and "0.80x" in table
+    # the default output is never a file `bench speedrun` did not write
+    monkeypatch.chdir(tmp_path)
+    mine = tmp_path / "benchmarks" / "suite" / "speedrun-cpu-quick.json"
+    mine.parent.mkdir(parents=True)
+    mine.write_text("my notes")
+    assert main(["bench", "speedrun", "--quick", "--switches", "muon", "--data-dir", str(data_dir)]) == 2
+    assert "not a `bench speedrun` result" in capsys.readouterr().err and mine.read_text() == "my notes"
+    assert len(calls) == 4  # refused before any run
+    assert main(["bench", "speedrun", "--size", "ci", "--data-dir", str(tmp_path / "nope"), "--out", str(out),
+                 "--force"]) == 2 and len(calls) == 4

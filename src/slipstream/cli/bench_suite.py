@@ -46,8 +46,10 @@ def cmd_bench_speedrun(args: argparse.Namespace, extra: list[str]) -> int:
 
     no_extra(extra)
     refuse_existing(args.out, args.force)
-    run_speedrun(mode=args.mode, switches=args.switches, repeats=args.repeats, out=args.out, data_dir=args.data_dir)
-    return 0
+    result = run_speedrun(mode=args.mode, switches=args.switches, repeats=args.repeats, out=args.out,
+                          data_dir=args.data_dir)
+    # a switch that missed the target is a measured answer; one whose run crashed is a failure
+    return 1 if any(row["status"] == "failed" for row in result["switches"]) else 0
 
 
 def _add_mode(p: argparse.ArgumentParser) -> None:

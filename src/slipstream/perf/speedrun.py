@@ -42,8 +42,8 @@ DEFAULT_REPEATS = {"full": 3, "quick": 2, "ci": 1}
 def run_speedrun(mode: str = "full", switches: list[str] | None = None, repeats: int = 0, out: str = "",
                  data_dir: str = "") -> dict[str, Any]:
     from slipstream.observe.env import collect_env, write_json_atomic
+    from slipstream.perf import suite_workloads
     from slipstream.perf.suite_stats import ratio_ci, summarize
-    from slipstream.perf.suite_workloads import time_to_target_once
 
     names = _chosen(switches)
     if mode not in DEFAULT_REPEATS:
@@ -53,6 +53,10 @@ def run_speedrun(mode: str = "full", switches: list[str] | None = None, repeats:
     repeats = repeats or DEFAULT_REPEATS[mode]
     if repeats < 1:
         raise UserError(f"--repeats must be >= 1, got {repeats}")
+    path = Path(out) if out else Path("benchmarks") / "suite" / f"speedrun-{_device()}-{mode}.json"
+    if not out and path.exists():
+        _refuse_foreign(path)  # before the runs: an explicit --out that exists needs --force (the CLI)
+    data_dir = suite_workloads.prepare_data(data_dir)  # checked (or prepared) once, outside every timed run
     started = datetime.datetime.now(datetime.timezone.utc)
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     with tempfile.TemporaryDirectory(prefix="slipstream-speedrun-") as tmp:
@@ -63,15 +67,16 @@ def run_speedrun(mode: str = "full", switches: list[str] | None = None, repeats:
                 workdir.mkdir()
                 print(f"[speedrun] round {r + 1}/{repeats}: {name}", file=sys.stderr, flush=True)
                 try:
-                    run = time_to_target_once(SWITCHES[name][0], mode, data_dir, workdir)
-                except UserError as e:  # one switch's failure is a row, not the end of the track
-                    run = {"error": str(e).splitlines()[0], "target_reached": False}
+                    run = suite_workloads.time_to_target_once(SWITCHES[name][0], mode, data_dir, workdir)
+                except Exception as e:  # one switch's failure is a row, not the end of the track
+                    lines = [line for line in str(e).splitlines() if line.strip()] or [""]
+                    run = {"error": f"{type(e).__name__}: {lines[0]}", "target_reached": False}
                 runs[name].append(run)
     rows = [_row(name, runs[name], runs.get("baseline"), summarize, ratio_ci) for name in names]
+    # the recipe every switch appends its overrides to (not the first switch's run, which has its overrides)
     result = {"bench": "speedrun", "mode": mode, "repeats": repeats, "env": collect_env(),
               "started": started.isoformat(timespec="seconds"),
-              "recipe": runs[names[0]][0].get("definition") if runs[names[0]] else None, "switches": rows}
-    path = Path(out) if out else Path("benchmarks") / "suite" / f"speedrun-{_device()}-{mode}.json"
+              "recipe": " ".join(suite_workloads.time_to_target_recipe(mode)), "switches": rows}
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, result)
     print(speedrun_table(result))
@@ -86,7 +91,21 @@ def _chosen(switches: list[str] | None) -> list[str]:
         raise UserError(f"unknown speed-run switch {', '.join(unknown)}; choose from {', '.join(SWITCHES)}")
     if len(set(names)) != len(names):
         raise UserError("a speed-run switch is named twice in --switches")
-    return names
+    return [name for name in SWITCHES if name in names]  # the table's order: the baseline first
+
+
+def _refuse_foreign(path: Path) -> None:
+    """The default output is replaced only when it is an earlier `bench speedrun` result."""
+    from slipstream.perf.suite_compare import SUITE_JSON
+    from slipstream.safe_read import load_json_capped
+
+    try:
+        record = load_json_capped(path, SUITE_JSON)
+    except (OSError, ValueError, UserError):  # unreadable, not JSON (a ValueError), or too big
+        record = None
+    if not (isinstance(record, dict) and record.get("bench") == "speedrun"):
+        raise UserError(f"{path} exists and is not a `bench speedrun` result; move it away, or pass --out to write "
+                        "elsewhere")
 
 
 def _device() -> str:

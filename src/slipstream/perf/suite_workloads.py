@@ -123,7 +123,7 @@ TIME_TO_TARGET = {
 TIME_TO_TARGET_TIMEOUT_S = {"full": 1800.0, "quick": 900.0, "ci": 300.0}
 
 
-def _time_to_target_recipe(mode: str) -> list[str]:
+def time_to_target_recipe(mode: str) -> list[str]:
     _, overrides, target = TIME_TO_TARGET[mode]
     return [*overrides, f"--train.target_val_loss={target:g}", "--logging.progress=false"]
 
@@ -137,7 +137,7 @@ def time_to_target_once(overrides: list[str], mode: str, data_dir: str, workdir:
     if mode not in MODES:
         raise UserError(f"unknown mode '{mode}'; use {', '.join(MODES)}")
     data_dir = data_dir or prepare_data()
-    recipe = [*_time_to_target_recipe(mode), *overrides]
+    recipe = [*time_to_target_recipe(mode), *overrides]
     wall, summary = spawn_train([*recipe, f"--data.dir={data_dir}"], Path(workdir) / "run",
                                 TIME_TO_TARGET_TIMEOUT_S[mode])
     stopped = summary.get("stopped_early") or {}
@@ -439,7 +439,7 @@ def _same_tensors(a: Any, b: Any) -> bool:
 # ----------------------------------------------------------------------------------------------- the table
 
 def _time_to_target_definition(ctx: SuiteContext) -> list[str]:
-    return [f"slipstream train, {TIME_TO_TARGET[ctx.mode][0]}:", *_time_to_target_recipe(ctx.mode)]
+    return [f"slipstream train, {TIME_TO_TARGET[ctx.mode][0]}:", *time_to_target_recipe(ctx.mode)]
 
 
 WORKLOADS = [
