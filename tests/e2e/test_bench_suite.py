@@ -215,3 +215,14 @@ def test_speedrun_rows_recipe_failures_and_output(tmp_path, data_dir, monkeypatc
     assert len(calls) == 4  # refused before any run
     assert main(["bench", "speedrun", "--size", "ci", "--data-dir", str(tmp_path / "nope"), "--out", str(out),
                  "--force"]) == 2 and len(calls) == 4
+
+
+def test_gpt2_warmup_covers_compilation_in_every_cuda_mode(tmp_path):
+    # The best switches compile the blocks on CUDA in every mode (the methodology and docs: 3 warm-up steps
+    # on CUDA); fp32 and best share the shape and warm-up, so their losses are compared at the same step.
+    for mode in suite_workloads.MODES:
+        ctx = {device: suite_workloads.SuiteContext(mode=mode, device=device, data_dir="", data_note="",
+                                                    workdir=tmp_path) for device in ("cpu", "cuda")}
+        assert "--compile.scope=blocks" in WORKLOADS["gpt2_124m_best"].recipe(ctx["cuda"])
+        assert suite_workloads._gpt2_shape(ctx["cuda"])[1] == 3 and suite_workloads._gpt2_shape(ctx["cpu"])[1] == 2
+        assert "(warm-up steps: 3;" in " ".join(WORKLOADS["gpt2_124m_fp32"].recipe(ctx["cuda"]))
