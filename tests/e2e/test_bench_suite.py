@@ -23,7 +23,8 @@ from slipstream.perf.suite_readme import END, START, latest_suite, readme_block,
 
 ROOT = Path(__file__).resolve().parents[2]
 ENTRY_KEYS = {"name", "title", "definition", "methodology", "metric", "unit", "higher_is_better", "normalize_by",
-              "samples", "median", "ci", "ci_level", "noise_band", "quality", "status", "error", "secondary", "dtype"}
+              "samples", "median", "ci", "ci_level", "noise_band", "noise_band_source", "quality", "status", "error",
+              "secondary", "dtype"}
 # The shared run takes about a minute on 2 idle cores; a busy machine may need several times that.
 pytestmark = pytest.mark.timeout(900)
 PARALLEL = ("data_parallel_2", "tensor_parallel_2", "pipeline_parallel_2", "context_parallel_2", "expert_parallel_2")
@@ -57,7 +58,7 @@ def test_suite_ci_json_follows_the_schema(suite_ci):
         assert w["samples"] and all(math.isfinite(x) for x in w["samples"]), w["name"]
         low, high = w["ci"]
         assert min(w["samples"]) <= low <= w["median"] <= high <= max(w["samples"]), w["name"]
-        assert 0 <= w["ci_level"] < 1 and 0 < w["noise_band"] < 1
+        assert 0 <= w["ci_level"] < 1 and 0 < w["noise_band"] < 1 and w["noise_band_source"] in ("measured", "default")
         assert w["quality"]["passed"] is True and w["quality"]["criterion"]
         assert w["normalize_by"] in ("compute", "memory", "none") and isinstance(w["higher_is_better"], bool)
         assert w["definition"].startswith("ci: ") and "data: the --data-dir corpus" in w["definition"]
@@ -186,8 +187,6 @@ def _fake_time_to_target(outcomes: dict[str, object]):
 
 
 def test_speedrun_rows_recipe_failures_and_output(tmp_path, data_dir, monkeypatch, capsys):
-    from slipstream.perf.speedrun import run_speedrun
-
     fake, calls = _fake_time_to_target({"baseline": 100.0, "muon": 80.0, "qk_norm": None,
                                         "relu2": FileNotFoundError("summary.json")})
     monkeypatch.setattr(suite_workloads, "time_to_target_once", fake)

@@ -209,3 +209,21 @@ def test_noise_bands_and_comparisons_stay_within_one_mode(tmp_path, monkeypatch,
     with pytest.raises(UserError, match="ci-mode runs need --out"):
         run_noise(ci)  # never over the committed bands of the quick or full runs
     assert json.loads(noise_path.read_text())["mode"] == "quick"
+
+
+def test_a_measured_band_is_used_against_a_baseline_run_before_it(tmp_path, monkeypatch):
+    # The natural order: run the suite a few times, `bench noise` them, commit one run as the baseline.
+    # That baseline (and any run before the noise file) carries the default band, marked as the default:
+    # it must not outvote the measured one.
+    noise_path = tmp_path / "noise-cpu.json"
+    monkeypatch.setattr(suite_compare, "noise_file", lambda device: noise_path)
+    noise_path.write_text(json.dumps({"bench": "suite_noise", "mode": "ci", "workloads": {"a": {"band": 0.02}}}))
+    base = _suite([_workload("a", [100.0] * 3, noise_band=0.05, noise_band_source="default")])
+    new = _suite([_workload("a", [96.0] * 3, noise_band=0.02, noise_band_source="measured")])
+    row = _row(compare_suites(base, new), "a")
+    assert (row["noise_band"], row["band_source"], row["verdict"]) == (0.02, "suite files", "regression")
+    new["workloads"][0].update(noise_band=0.05, noise_band_source="default")  # neither file measured it
+    row = _row(compare_suites(base, new), "a")
+    assert (row["noise_band"], row["band_source"], row["verdict"]) == (0.02, "noise-cpu.json", "regression")
+    noise_path.unlink()
+    assert _row(compare_suites(base, new), "a")["verdict"] == "within noise"  # the default 5 %

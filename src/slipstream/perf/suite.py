@@ -88,7 +88,8 @@ def run_workload(workload: Workload, ctx: SuiteContext, n: int, bands: dict[str,
         "methodology": workload.methodology, "metric": workload.metric, "unit": workload.unit,
         "higher_is_better": workload.higher_is_better, "normalize_by": workload.normalize_by,
         "samples": [], "median": None, "ci": None, "ci_level": None,
-        "noise_band": bands.get(workload.name, DEFAULT_NOISE_BAND), "quality": None, "status": "failed",
+        "noise_band": bands.get(workload.name, DEFAULT_NOISE_BAND),
+        "noise_band_source": "measured" if workload.name in bands else "default", "quality": None, "status": "failed",
         "error": None, "secondary": {},
         # the matmul dtype a compute-bound workload runs in: compare normalizes by that dtype's peak
         "dtype": "fp32" if workload.normalize_by == "compute" else None}

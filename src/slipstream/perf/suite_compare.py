@@ -199,7 +199,9 @@ def _status_note(w: dict[str, Any]) -> str:
 
 class _Bands:
     """The noise band of a workload: --noise-band, else the larger of the two files' own
-    bands, else the measured file for the new result's device, else the default."""
+    measured bands, else the measured file for the new result's device and mode, else the
+    default. A file's band that the suite marked "default" (no noise file when it ran, as for
+    the runs `bench noise` measures from) is not a measurement: it must not outvote one."""
 
     def __init__(self, explicit: float | None, device: str, mode: str | None = None):
         self.explicit, self.device, self.mode, self._measured = explicit, device, mode, None
@@ -207,7 +209,8 @@ class _Bands:
     def __call__(self, b: dict[str, Any], n: dict[str, Any]) -> tuple[float, str]:
         if self.explicit is not None:
             return self.explicit, "--noise-band"
-        own = [w["noise_band"] for w in (b, n) if _is_number(w.get("noise_band")) and 0 <= w["noise_band"] < 1]
+        own = [w["noise_band"] for w in (b, n) if _is_number(w.get("noise_band")) and 0 <= w["noise_band"] < 1
+               and w.get("noise_band_source") != "default"]
         if own:
             return max(own), "suite files"
         if self._measured is None:
