@@ -77,8 +77,9 @@ def add_commands(bench) -> None:
     p.add_argument("base", help="the baseline suite JSON")
     p.add_argument("new", help="the suite JSON to check")
     p.add_argument("--noise-band", type=float, default=None,
-                   help="relative change that counts as noise, for every workload (default: each workload's measured "
-                        "band from benchmarks/suite/noise-<device>.json, else 0.05)")
+                   help="relative change that counts as noise, for every workload (default: each workload's "
+                        "measured band, from the two files or else benchmarks/suite/noise-<device>.json of their "
+                        "mode; else 0.05)")
     p.add_argument("--json", action="store_true", help="print the comparison as JSON")
     p.set_defaults(func=cmd_bench_compare)
     p = bench.add_parser("noise", help="measure the noise band from repeated suite runs of the same code on one machine")
