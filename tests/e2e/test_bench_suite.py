@@ -225,3 +225,19 @@ def test_gpt2_warmup_covers_compilation_in_every_cuda_mode(tmp_path):
         assert "--compile.scope=blocks" in WORKLOADS["gpt2_124m_best"].recipe(ctx["cuda"])
         assert suite_workloads._gpt2_shape(ctx["cuda"])[1] == 3 and suite_workloads._gpt2_shape(ctx["cpu"])[1] == 2
         assert "(warm-up steps: 3;" in " ".join(WORKLOADS["gpt2_124m_fp32"].recipe(ctx["cuda"]))
+
+
+def test_checkpoint_stall_is_not_normalized_by_device_memory_on_a_gpu(tmp_path):
+    # On a GPU the async stall is the copy to host memory over the host link, which the device's own copy
+    # bandwidth (HBM: 3.35 TB/s on an H100, 4.8 on an H200) does not scale: normalizing by it made an unchanged
+    # stall a 1.4x "regression" between the two. On a CPU the copy is in the memory the probe measures.
+    assert suite_workloads.stall_normalize_by("cpu") == "memory"
+    assert suite_workloads.stall_normalize_by("cuda") == "none"
+    fake = suite_workloads.Workload(
+        name="checkpoint_stall", title="t", metric="stall_s", unit="s", higher_is_better=False, normalize_by="memory",
+        samples={"ci": 1}, methodology="m", recipe=lambda ctx: [],
+        measure=lambda ctx, n: {"samples": [0.1], "secondary": {}, "normalize_by": "none",
+                                "quality": {"passed": True, "criterion": "c", "value": 1.0}})
+    ctx = suite_workloads.SuiteContext(mode="ci", device="cuda", data_dir="", data_note="", workdir=tmp_path)
+    row = run_workload(fake, ctx, 1, {})
+    assert row["status"] == "ok" and row["normalize_by"] == "none"

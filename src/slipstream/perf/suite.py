@@ -104,6 +104,7 @@ def run_workload(workload: Workload, ctx: SuiteContext, n: int, bands: dict[str,
     samples = [float(x) for x in measured["samples"]]
     entry.update(samples=samples, quality=measured["quality"], secondary=measured["secondary"])
     entry["dtype"] = measured.get("dtype", entry["dtype"])
+    entry["normalize_by"] = measured.get("normalize_by", entry["normalize_by"])  # may depend on the device
     if not samples or not all(math.isfinite(x) for x in samples):
         entry["error"] = f"the measurement gave no usable samples: {samples}"
         return entry

@@ -365,6 +365,13 @@ CHECKPOINT_CI_MODEL = ["--model.preset=gpt2", "--model.n_layer=2", "--model.d_mo
                        "--model.vocab_size=512", "--train.seq_len=32"]
 
 
+def stall_normalize_by(device: str) -> str:
+    """What the async stall scales with across machines: on a CPU the copy stays in the memory the probe
+    measures (copy_gb_s); on a GPU it crosses the host link, which the device's own bandwidth does not
+    describe (an H200's HBM is 1.4x an H100's, their PCIe the same), so it is compared raw."""
+    return "memory" if device == "cpu" else "none"
+
+
 def _checkpoint_model(ctx: SuiteContext) -> list[str]:
     from slipstream.perf.checkpoint_bench import MODEL
 
@@ -402,7 +409,7 @@ def _measure_checkpoint(ctx: SuiteContext, n: int) -> dict[str, Any]:
     load_checkpoint(last, other_model, other_optimizer)
     saved, loaded = state_payload(model, optimizer), state_payload(other_model, other_optimizer)
     equal = _same_tensors(saved, loaded)
-    return {"samples": async_s,
+    return {"samples": async_s, "normalize_by": stall_normalize_by(ctx.device),
             "secondary": {"sync_save_s": median_of(sync_s), "async_commit_s": median_of(commit_s),
                           "state_bytes": state_bytes(saved)},
             "quality": {"passed": equal, "value": 1.0 if equal else 0.0,
@@ -465,9 +472,10 @@ WORKLOADS = [
         methodology=(
             "One `slipstream train` process of GPT-2 124M (model.preset=gpt2, vocabulary 50257; ci: the tiny preset) "
             "on the default corpus, every step logged. The first 2 steps (3 on CUDA, where the best run compiles its "
-            "blocks) are warm-up and excluded; every later step is one sample, its tokens/s from metrics.jsonl: 5 steps (full), "
-            "3 (quick), 2 (ci). Secondary: MFU (the trainer's: measured CPU peak or the GPU's datasheet peak), step "
-            "time, the step's peak memory (step 2's breakdown) and the process peak, the last loss."),
+            "blocks) are warm-up and excluded; every later step is one sample, its tokens/s from metrics.jsonl: 5 "
+            "steps (full), 3 (quick), 2 (ci). Secondary: MFU (the trainer's: measured CPU peak or the GPU's "
+            "datasheet peak), step time, the step's peak memory (step 2's breakdown) and the process peak, the last "
+            "loss."),
         recipe=_gpt2_recipe(False), measure=_measure_gpt2(False)),
     Workload(
         name="gpt2_124m_best", title="GPT-2 124M training step, the best switches for the device",
@@ -508,7 +516,8 @@ WORKLOADS = [
             "width, 4 blocks, vocabulary 8192; ci: 2 blocks of width 128) saved through the trainer's "
             "CheckpointWriter, synchronous and asynchronous alternated, after one untimed save of each. One sample "
             "per repeat: the asynchronous save's stall (the copy to host memory; the write and commit run in the "
-            "background). Secondary: the synchronous save's seconds, the asynchronous commit's, the state bytes."),
+            "background). Secondary: the synchronous save's seconds, the asynchronous commit's, the state bytes. "
+            "Across machines it scales with the memory copy bandwidth on a CPU; on a GPU (the host link) it is raw."),
         recipe=lambda ctx: [*_checkpoint_model(ctx), "CheckpointWriter(keep_last=1), sync and async"],
         measure=_measure_checkpoint),
 ]
