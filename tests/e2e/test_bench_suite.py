@@ -241,3 +241,30 @@ def test_checkpoint_stall_is_not_normalized_by_device_memory_on_a_gpu(tmp_path):
     ctx = suite_workloads.SuiteContext(mode="ci", device="cuda", data_dir="", data_note="", workdir=tmp_path)
     row = run_workload(fake, ctx, 1, {})
     assert row["status"] == "ok" and row["normalize_by"] == "none"
+
+
+def test_a_crashed_workload_is_a_row_and_fails_the_exit_code(tmp_path, data_dir, monkeypatch):
+    from slipstream.perf import suite
+    from slipstream.perf.suite_compare import load_suite
+
+    def workload(name, measure):
+        return suite_workloads.Workload(name=name, title=name, metric="m", unit="s", higher_is_better=False,
+                                        normalize_by="none", samples={"ci": 2}, methodology="m",
+                                        recipe=lambda ctx: [name], measure=measure)
+
+    def crash(ctx, n):
+        raise RuntimeError("boom\nsecond line")
+
+    ok = {"samples": [1.0, 2.0], "secondary": {}, "quality": {"passed": True, "criterion": "c", "value": 1.0}}
+    fakes = [workload("crashes", crash), workload("runs", lambda ctx, n: ok),
+             workload("skips", lambda ctx, n: {"skipped": "needs 2 GPUs"})]
+    monkeypatch.setattr(suite, "WORKLOADS", {w.name: w for w in fakes})
+    monkeypatch.setattr(suite, "measure_machine", lambda device, mode: {"device": device})
+    out = tmp_path / "s.json"
+    args = ["bench", "suite", "--size", "ci", "--data-dir", str(data_dir), "--out", str(out)]
+    assert main(args) == 1
+    rows = {w["name"]: w for w in load_suite(out)["workloads"]}  # what the suite writes, compare reads
+    assert rows["crashes"]["status"] == "failed" and rows["crashes"]["error"] == "RuntimeError: boom\nsecond line"
+    assert rows["runs"]["status"] == "ok" and rows["runs"]["median"] == 1.5 and rows["skips"]["status"] == "skipped"
+    assert main(args) == 2  # the --out that exists needs --force
+    assert main([*args, "--force", "--only", "runs", "skips"]) == 0  # skipped is no failure
