@@ -205,7 +205,7 @@ def test_noise_bands_and_comparisons_stay_within_one_mode(tmp_path, monkeypatch,
             for mode in ("quick", "full")]
     with pytest.raises(UserError, match="different suite modes"):
         run_noise(runs, out=str(tmp_path / "noise.json"))
-    ci = [_write(tmp_path / f"ci{i}.json", _suite([_workload("a", [100.0] * 3)])) for i in range(2)]
+    ci = [_write(tmp_path / f"ci{i}.json", _suite([_workload("a", [100.0 + i] * 3)])) for i in range(2)]
     with pytest.raises(UserError, match="ci-mode runs need --out"):
         run_noise(ci)  # never over the committed bands of the quick or full runs
     assert json.loads(noise_path.read_text())["mode"] == "quick"
@@ -227,3 +227,13 @@ def test_a_measured_band_is_used_against_a_baseline_run_before_it(tmp_path, monk
     assert (row["noise_band"], row["band_source"], row["verdict"]) == (0.02, "noise-cpu.json", "regression")
     noise_path.unlink()
     assert _row(compare_suites(base, new), "a")["verdict"] == "within noise"  # the default 5 %
+
+
+def test_bench_noise_refuses_one_run_passed_twice(tmp_path):
+    # The same run twice agrees with itself perfectly: a band at the floor that real reruns exceed.
+    run = _suite([_workload("step", [99.0, 100.0, 101.0])], mode="quick")
+    first, copy = _write(tmp_path / "a.json", run), _write(tmp_path / "b.json", run)
+    for paths in ([first, first], [first, copy]):
+        with pytest.raises(UserError, match="same run"):
+            run_noise(paths, out=str(tmp_path / "noise.json"))
+    assert not (tmp_path / "noise.json").exists()

@@ -384,6 +384,12 @@ def run_noise(runs: list[str], out: str = "") -> dict[str, Any]:
         raise UserError(f"bench noise needs two or more suite results of the same code on the same machine "
                         f"(got {len(runs)}); run `slipstream bench suite` again and pass all the JSONs")
     suites = [load_suite(path) for path in runs]
+    seen: dict[str, str] = {}
+    for path, suite in zip(runs, suites):  # one run twice agrees with itself: a band narrower than reruns show
+        key = json.dumps([suite.get("started"), suite.get("mode"), [w["samples"] for w in suite["workloads"]]])
+        if key in seen:
+            raise UserError(f"{path} is the same run as {seen[key]} (same start and samples); pass each run once")
+        seen[key] = str(path)
     modes = [s.get("mode") for s in suites]
     if not _same(modes):  # other sizes of the workloads: their differences are not noise
         raise UserError(f"the runs are of different suite modes ({', '.join(map(str, modes))}); a noise band is "
