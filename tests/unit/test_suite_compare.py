@@ -225,6 +225,8 @@ def test_a_measured_band_is_used_against_a_baseline_run_before_it(tmp_path, monk
     new["workloads"][0].update(noise_band=0.05, noise_band_source="default")  # neither file measured it
     row = _row(compare_suites(base, new), "a")
     assert (row["noise_band"], row["band_source"], row["verdict"]) == (0.02, "noise-cpu.json", "regression")
+    del base["workloads"][0]["noise_band_source"]  # a file from before the field: its 5 % is the default's
+    assert _row(compare_suites(base, new), "a")["band_source"] == "noise-cpu.json"
     noise_path.unlink()
     assert _row(compare_suites(base, new), "a")["verdict"] == "within noise"  # the default 5 %
 

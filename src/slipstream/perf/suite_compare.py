@@ -197,6 +197,11 @@ def _status_note(w: dict[str, Any]) -> str:
     return f"{w['status']}: {w.get('error') or 'no reason given'}"
 
 
+def _band_source(w: dict[str, Any]) -> str:
+    # Files from before noise_band_source existed: their default band is the default's exact value.
+    return w.get("noise_band_source") or ("default" if w.get("noise_band") == DEFAULT_NOISE_BAND else "measured")
+
+
 class _Bands:
     """The noise band of a workload: --noise-band, else the larger of the two files' own
     measured bands, else the measured file for the new result's device and mode, else the
@@ -210,7 +215,7 @@ class _Bands:
         if self.explicit is not None:
             return self.explicit, "--noise-band"
         own = [w["noise_band"] for w in (b, n) if _is_number(w.get("noise_band")) and 0 <= w["noise_band"] < 1
-               and w.get("noise_band_source") != "default"]
+               and _band_source(w) == "measured"]
         if own:
             return max(own), "suite files"
         if self._measured is None:
