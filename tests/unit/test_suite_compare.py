@@ -87,6 +87,18 @@ def test_failed_quality_gates_and_missing_workloads(tmp_path):
     assert sorted(result["regressions"]) == ["fresh_fail", "gate"]
 
 
+def test_one_machine_with_a_noisy_copy_probe_is_not_normalized():
+    """Two runs on one shared VM: the copy bandwidth moved 29 %, the matmul peak 3 % (measured):
+    still one machine, so verdicts use the raw ratios."""
+    base = _suite([_workload("data", [10.0, 10.1, 9.9], normalize_by="memory")],
+                  machine={"device": "cpu", "matmul_tflops": 0.198, "copy_gb_s": 46.8})
+    new = _suite([_workload("data", [10.0, 10.1, 9.9], normalize_by="memory")],
+                 machine={"device": "cpu", "matmul_tflops": 0.204, "copy_gb_s": 36.4})
+    result = compare_suites(base, new, noise_band=0.05)
+    assert not result["normalized"] and result["machine_differences"] == []
+    assert _row(result, "data")["verdict"] == "within noise"
+
+
 def test_other_machine_is_normalized_by_its_measured_peaks(tmp_path):
     twice = {"device": "cpu", "matmul_tflops": 0.66, "copy_gb_s": 24.0}
     base = _suite([_workload("step", [100.0, 101.0, 99.0]), _workload("ttt", [60.0, 61.0, 59.0], higher=False),

@@ -85,7 +85,7 @@ def load_noise_bands(device: str, path: str | Path | None = None, mode: str | No
 
 STATUSES = ("ok", "failed", "quality_failed", "skipped")
 NORMALIZE_BY = ("compute", "memory", "none")
-MACHINE_TOLERANCE = 0.10  # measured peaks this close are one machine (probe's own run-to-run noise)
+MACHINE_TOLERANCE = 0.15  # matmul peaks this close are one machine (probe's run-to-run noise on a shared VM)
 SUITE_FIX = "give a result JSON written by `slipstream bench suite` (benchmarks/suite/suite-*.json)"
 
 
@@ -164,10 +164,12 @@ def machine_differences(base: dict[str, Any], new: dict[str, Any]) -> list[str]:
                         ("accelerator", _accelerator_name(env_b), _accelerator_name(env_n))):
         if b and n and b != n:
             reasons.append(f"{label} {b!r} vs {n!r}")
-    for key, unit in (("matmul_tflops", "TFLOP/s"), ("copy_gb_s", "GB/s")):
-        b, n = _peak(base.get("machine", {}), key), _peak(new.get("machine", {}), key)
-        if b and n and max(b, n) / min(b, n) > 1 + MACHINE_TOLERANCE:
-            reasons.append(f"{key} {b:.3g} vs {n:.3g} {unit}")
+    # The matmul peak tells machines of one CPU model apart (other cores or clocks behind the same
+    # name). The copy bandwidth does not: on a shared VM it moved 29 % between two runs 4 minutes
+    # apart on one machine (46.8 vs 36.4 GB/s, AMD EPYC, 2026-12-05), while the matmul peak moved 3 %.
+    b, n = _peak(base.get("machine", {}), "matmul_tflops"), _peak(new.get("machine", {}), "matmul_tflops")
+    if b and n and max(b, n) / min(b, n) > 1 + MACHINE_TOLERANCE:
+        reasons.append(f"matmul_tflops {b:.3g} vs {n:.3g} TFLOP/s")
     return reasons
 
 
