@@ -369,3 +369,35 @@ def test_relu2_experts_under_expert_parallelism_dispatch(tmp_path):
 def test_negative_softcap_is_refused():
     with pytest.raises(UserError, match="logit_softcap"):
         load_config(None, ["--model.logit_softcap=-1"])
+
+
+# --- QK-norm -----------------------------------------------------------------------------------------
+
+def test_qk_norm_normalizes_each_heads_queries_and_keys_before_rope():
+    """Attention with model.qk_norm equals the formula written here: RMS-normalize each head's
+    queries and keys (times their own weights), then RoPE, causal attention, output projection."""
+    from slipstream.models.transformer import apply_rope, rope_tables
+
+    cfg = _cfg("llama-tiny", qk_norm=True)
+    attn = build_model(cfg, seed=1).blocks[0].attn
+    with torch.no_grad():  # weights away from 1, so a norm that skipped its weight shows
+        attn.q_norm.weight.uniform_(0.5, 1.5)
+        attn.k_norm.weight.uniform_(0.5, 1.5)
+    B, T, hd = 2, 16, attn.head_dim
+    x = torch.randn(B, T, cfg.d_model, generator=torch.Generator().manual_seed(0))
+    cos, sin = rope_tables(hd, T, cfg.rope_theta)
+
+    def heads(t):
+        return t.view(B, T, -1, hd).transpose(1, 2)
+
+    def rms(t, w):
+        return t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + cfg.norm_eps) * w
+
+    q = apply_rope(rms(heads(attn.q_proj(x)), attn.q_norm.weight), cos, sin)
+    k = apply_rope(rms(heads(attn.k_proj(x)), attn.k_norm.weight), cos, sin)
+    v = heads(attn.v_proj(x))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=attn.n_kv_head != attn.n_head)
+    expected = attn.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+    torch.testing.assert_close(attn(x, rope=(cos, sin)), expected, rtol=1e-5, atol=1e-6)
+    plain = build_model(_cfg("llama-tiny"), seed=1).blocks[0].attn  # the switch off: no norms, other output
+    assert plain.q_norm is None and not torch.allclose(plain(x, rope=(cos, sin)), expected, atol=1e-3)
