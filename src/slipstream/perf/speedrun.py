@@ -128,7 +128,8 @@ def _row(name: str, runs: list[dict[str, Any]], baseline: list[dict[str, Any]] |
         return row
     wall = [run["wall_s"] for run in runs]
     row.update(status="ok", wall_s=summarize(wall), steps=summarize([run["steps"] for run in runs]),
-               tokens=summarize([run["tokens"] for run in runs]))
+               tokens=summarize([run["tokens"] for run in runs]),
+               val_loss=summarize([run["val_loss"] for run in runs]))  # at the stop: lower = further past the target
     base_wall = [run["wall_s"] for run in baseline or [] if run.get("target_reached")]
     if name != "baseline" and baseline and len(base_wall) == len(baseline):
         ratio, lo, hi = ratio_ci(base_wall, wall)
@@ -138,16 +139,18 @@ def _row(name: str, runs: list[dict[str, Any]], baseline: list[dict[str, Any]] |
 
 def speedrun_table(result: dict[str, Any]) -> str:
     """The result as a markdown table (also printed by the command)."""
-    lines = ["| switch | overrides | time to target, s (median [CI]) | vs baseline | steps | tokens |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| switch | overrides | time to target, s (median [CI]) | vs baseline | steps | tokens | val loss at the stop |",
+             "|---|---|---|---|---|---|---|"]
     for row in result["switches"]:
         overrides = " ".join(f"`{o}`" for o in row["overrides"]) or "-"
         if row["status"] != "ok":
-            lines.append(f"| {row['name']} | {overrides} | {row['status']}: {row.get('error', '')} | - | - | - |")
+            lines.append(f"| {row['name']} | {overrides} | {row['status']}: {row.get('error', '')} | - | - | - | - |")
             continue
         wall = row["wall_s"]
         ratio = row.get("time_ratio")
         vs = f"{ratio['ratio']:.2f}x [{ratio['ci'][0]:.2f}, {ratio['ci'][1]:.2f}]" if ratio else "-"
         lines.append(f"| {row['name']} | {overrides} | {wall['median']:.1f} [{wall['ci'][0]:.1f}, {wall['ci'][1]:.1f}] "
-                     f"| {vs} | {row['steps']['median']:.0f} | {row['tokens']['median']:.0f} |")
+                     f"| {vs} | {row['steps']['median']:.0f} | {row['tokens']['median']:.0f} "
+                     f"| {row['val_loss']['median']:.4f} |" if "val_loss" in row else
+                     f"| {vs} | {row['steps']['median']:.0f} | {row['tokens']['median']:.0f} | - |")
     return "\n".join(lines)
