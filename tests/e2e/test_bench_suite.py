@@ -43,7 +43,9 @@ def suite_ci(tmp_path_factory, data_dir) -> dict:
     return json.loads(out.read_text())
 
 
-def test_suite_ci_json_follows_the_schema(suite_ci):
+def test_suite_ci_json_follows_the_schema(suite_ci, tmp_path):
+    from slipstream.perf.suite_compare import compare_suites, load_suite
+
     r = suite_ci
     assert r["bench"] == "suite" and r["suite_version"] == SUITE_VERSION and r["mode"] == "ci"
     assert r["env"]["git_sha"] and r["env"]["torch_version"] and r["wall_s"] > 0
@@ -70,6 +72,11 @@ def test_suite_ci_json_follows_the_schema(suite_ci):
     for name in PARALLEL:  # each multi-rank run learned
         assert by_name[name]["secondary"]["loss_last"] < by_name[name]["secondary"]["loss_first"], name
         assert "--nproc-per-node=2" in by_name[name]["definition"]
+    # what the suite writes, compare reads: the run against itself has no verdict but noise
+    path = tmp_path / "suite.json"
+    path.write_text(json.dumps(r))
+    same = compare_suites(load_suite(path), load_suite(path))
+    assert {row["verdict"] for row in same["rows"]} == {"within noise"} and not same["warnings"]
 
 
 def test_suite_ci_time_to_target_stops_at_the_target(suite_ci):
@@ -80,6 +87,7 @@ def test_suite_ci_time_to_target_stops_at_the_target(suite_ci):
     # stopped by the target at an evaluation, well before the step cap: the target was not ignored
     assert s["val_loss"] <= target and s["steps"] < cap and s["steps"] % 5 == 0
     assert s["tokens"] == s["steps"] * 4 * 64 and f"--train.target_val_loss={target:g}" in ttt["definition"]
+    assert s["checkpoints"] >= 1  # checkpointing on, as in a real run
     assert 0 < s["loop_time_s"] < s["train_wall_s"] < ttt["median"]  # the cold start counts: spawn to exit
 
 
@@ -114,6 +122,8 @@ def test_quality_gate_fails_a_run_that_misses_its_target(tmp_path, data_dir, mon
     assert row["status"] == "quality_failed" and row["quality"]["passed"] is False
     assert row["samples"] and row["median"] > 0 and row["secondary"]["steps"] == 2
     assert "quality gate" in row["error"] and "0.5" in row["error"]
+    # nor does a time without the checkpoints the definition promises (this recipe saves none)
+    assert row["secondary"]["checkpoints"] == 0 and "repeats [0] saved no checkpoint" in row["error"]
 
 
 def test_bad_input_is_a_user_error(tmp_path, capsys):

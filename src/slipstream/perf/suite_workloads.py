@@ -142,10 +142,12 @@ def time_to_target_once(overrides: list[str], mode: str, data_dir: str, workdir:
                                 TIME_TO_TARGET_TIMEOUT_S[mode])
     stopped = summary.get("stopped_early") or {}
     reached = bool(stopped.get("target_reached"))
+    # the trainer logs one checkpoint_stall_s record per save: the checkpoints this time paid for
+    saves = sum(1 for record in read_metrics(Path(workdir) / "run") if "checkpoint_stall_s" in record)
     return {"wall_s": wall, "target_reached": reached, "target": TIME_TO_TARGET[mode][2],
             "steps": stopped.get("step", summary["steps"]), "tokens": summary["tokens"],
             "val_loss": stopped.get("best_val_loss") if reached else summary.get("val_loss"),
-            "loop_time_s": summary["loop_time_s"], "train_wall_s": summary["wall_time_s"],
+            "loop_time_s": summary["loop_time_s"], "train_wall_s": summary["wall_time_s"], "checkpoints": saves,
             "definition": " ".join(recipe)}
 
 
@@ -169,13 +171,16 @@ def _measure_time_to_target(ctx: SuiteContext, n: int) -> dict[str, Any]:
               f"val {runs[-1]['val_loss']:.4f}", flush=True)
     target = TIME_TO_TARGET[ctx.mode][2]
     missed = [i for i, run in enumerate(runs) if not run["target_reached"]]
+    unsaved = [i for i, run in enumerate(runs) if not run["checkpoints"]]  # a time without checkpointing is cheaper
     worst = max(run["val_loss"] if run["val_loss"] is not None else math.inf for run in runs)
     return {"samples": [run["wall_s"] for run in runs],
             "secondary": {key: median_of([run[key] for run in runs])
-                          for key in ("steps", "tokens", "loop_time_s", "train_wall_s", "val_loss")},
-            "quality": {"passed": not missed, "value": worst,
+                          for key in ("steps", "tokens", "loop_time_s", "train_wall_s", "val_loss", "checkpoints")},
+            "quality": {"passed": not missed and not unsaved, "value": worst,
                         "criterion": f"every repeat's val loss <= {target:g} within the step cap (summary: "
-                                     f"target_reached)" + (f"; repeats {missed} missed it" if missed else "")}}
+                                     f"target_reached) and it saved checkpoints"
+                                     + (f"; repeats {missed} missed the target" if missed else "")
+                                     + (f"; repeats {unsaved} saved no checkpoint" if unsaved else "")}}
 
 
 # ----------------------------------------------------------------------------------------------- GPT-2 124M steps
@@ -463,8 +468,9 @@ WORKLOADS = [
             "train.eval_tokens sample of the val split) and the checkpoint saves (checkpoint.interval, asynchronous) "
             "all count, as in a real run; nothing is excluded as warm-up. The run stops at the first evaluation at or "
             "below the target (train.target_val_loss). One sample per repeat: 3 (full), 2 (quick), 1 (ci); the "
-            "median with a distribution-free order-statistic confidence interval. Secondary (medians): steps and "
-            "tokens at the stop, the training loop's seconds, the run's own wall time, the val loss reached."),
+            "median with a distribution-free order-statistic confidence interval. The quality gate: every repeat "
+            "reached the target and saved checkpoints. Secondary (medians): steps and tokens at the stop, the "
+            "training loop's seconds, the run's own wall time, the val loss reached, the checkpoints saved."),
         recipe=_time_to_target_definition, measure=_measure_time_to_target),
     Workload(
         name="gpt2_124m_fp32", title="GPT-2 124M training step, fp32", metric="tokens_per_s", unit="tokens/s",
