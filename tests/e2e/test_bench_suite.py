@@ -278,3 +278,14 @@ def test_a_crashed_workload_is_a_row_and_fails_the_exit_code(tmp_path, data_dir,
     assert rows["runs"]["status"] == "ok" and rows["runs"]["median"] == 1.5 and rows["skips"]["status"] == "skipped"
     assert main(args) == 2  # the --out that exists needs --force
     assert main([*args, "--force", "--only", "runs", "skips"]) == 0  # skipped is no failure
+
+
+def test_speedrun_table_of_a_result_without_the_val_loss_keeps_every_column():
+    # results written before the rows carried the val loss at the stop (e.g. an older committed track)
+    from slipstream.perf.speedrun import speedrun_table
+
+    stats = {"median": 5.0, "ci": [4.0, 6.0]}
+    row = {"name": "muon", "overrides": ["--optim.optimizer=muon"], "status": "ok", "wall_s": stats,
+           "steps": {"median": 10}, "tokens": {"median": 2560}, "time_ratio": {"ratio": 0.8, "ci": [0.7, 0.9]}}
+    line = speedrun_table({"switches": [row]}).splitlines()[-1]
+    assert line == "| muon | `--optim.optimizer=muon` | 5.0 [4.0, 6.0] | 0.80x [0.70, 0.90] | 10 | 2560 | - |"

@@ -149,8 +149,7 @@ def speedrun_table(result: dict[str, Any]) -> str:
         wall = row["wall_s"]
         ratio = row.get("time_ratio")
         vs = f"{ratio['ratio']:.2f}x [{ratio['ci'][0]:.2f}, {ratio['ci'][1]:.2f}]" if ratio else "-"
+        val = f"{row['val_loss']['median']:.4f}" if "val_loss" in row else "-"  # older results have none
         lines.append(f"| {row['name']} | {overrides} | {wall['median']:.1f} [{wall['ci'][0]:.1f}, {wall['ci'][1]:.1f}] "
-                     f"| {vs} | {row['steps']['median']:.0f} | {row['tokens']['median']:.0f} "
-                     f"| {row['val_loss']['median']:.4f} |" if "val_loss" in row else
-                     f"| {vs} | {row['steps']['median']:.0f} | {row['tokens']['median']:.0f} | - |")
+                     f"| {vs} | {row['steps']['median']:.0f} | {row['tokens']['median']:.0f} | {val} |")
     return "\n".join(lines)
