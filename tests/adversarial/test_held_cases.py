@@ -305,8 +305,11 @@ def test_sigint_exits_130_and_keeps_the_last_checkpoint_intact(data_dir, tmp_pat
     what SIGTERM/SIGUSR1 are for); the checkpoints already written stay intact."""
     before = snapshots(tmp_path, data_dir, outputs=("run",))
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="2")
+    # A shell starts background jobs with SIGINT ignored, and an ignored SIGINT is inherited through
+    # exec (Python then installs no handler): `make test &` would make Ctrl-C a no-op in the child.
     proc = subprocess.Popen([sys.executable, "-m", "slipstream", *tiny(data_dir, "--run.dir=run", steps=400)],
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for line in proc.stdout:
             if line.startswith("train step 7/"):
