@@ -43,9 +43,10 @@ def run_speedrun(mode: str = "full", switches: list[str] | None = None, repeats:
                  data_dir: str = "") -> dict[str, Any]:
     from slipstream.observe.env import collect_env, write_json_atomic
     from slipstream.perf import suite_workloads
+    from slipstream.perf.suite import chosen
     from slipstream.perf.suite_stats import ratio_ci, summarize
 
-    names = _chosen(switches)
+    names = chosen(switches, SWITCHES, "speed-run switch", "--switches")
     if mode not in DEFAULT_REPEATS:
         raise UserError(f"unknown mode '{mode}'; use full, quick or ci")
     if mode == "ci" and not out:
@@ -82,16 +83,6 @@ def run_speedrun(mode: str = "full", switches: list[str] | None = None, repeats:
     print(speedrun_table(result))
     print(f"wrote {path}")
     return result
-
-
-def _chosen(switches: list[str] | None) -> list[str]:
-    names = list(switches) if switches else list(SWITCHES)
-    unknown = [name for name in names if name not in SWITCHES]
-    if unknown:
-        raise UserError(f"unknown speed-run switch {', '.join(unknown)}; choose from {', '.join(SWITCHES)}")
-    if len(set(names)) != len(names):
-        raise UserError("a speed-run switch is named twice in --switches")
-    return [name for name in SWITCHES if name in names]  # the table's order: the baseline first
 
 
 def _refuse_foreign(path: Path) -> None:

@@ -45,7 +45,7 @@ def run_suite(mode: str = "full", only: list[str] | None = None, repeats: int = 
 
     if mode not in MODES:
         raise UserError(f"unknown suite mode '{mode}'; use {', '.join(MODES)}")
-    names = _chosen(only)
+    names = chosen(only, WORKLOADS, "workload", "--only")
     if repeats < 0:
         raise UserError(f"--repeats must be >= 1 (or 0 for the mode's default), got {repeats}")
     if mode == "ci" and not out:
@@ -140,14 +140,16 @@ def measure_machine(device: str, mode: str) -> dict[str, Any]:
     return machine
 
 
-def _chosen(only: list[str] | None) -> list[str]:
-    names = list(only) if only else list(WORKLOADS)
-    unknown = [name for name in names if name not in WORKLOADS]
+def chosen(names: list[str] | None, table, what: str, flag: str) -> list[str]:
+    """The entries of `table` named on the command line (all when none), each known and named once,
+    in the table's order (gpt2_124m_best after its fp32 run; the speed-run baseline first)."""
+    names = list(names) if names else list(table)
+    unknown = [name for name in names if name not in table]
     if unknown:
-        raise UserError(f"unknown workload {', '.join(unknown)}; choose from {', '.join(WORKLOADS)}")
+        raise UserError(f"unknown {what} {', '.join(unknown)}; choose from {', '.join(table)}")
     if len(set(names)) != len(names):
-        raise UserError("a workload is named twice in --only")
-    return [name for name in WORKLOADS if name in names]  # the table's order: gpt2_124m_best after its fp32 run
+        raise UserError(f"a {what} is named twice in {flag}")
+    return [name for name in table if name in names]
 
 
 def _device() -> str:
