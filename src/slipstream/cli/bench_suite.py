@@ -52,6 +52,15 @@ def cmd_bench_speedrun(args: argparse.Namespace, extra: list[str]) -> int:
     return 1 if any(row["status"] == "failed" for row in result["switches"]) else 0
 
 
+def _add_run_options(p: argparse.ArgumentParser, what: str, default_out: str) -> None:
+    """--quick / --size ci, --repeats, --data-dir, --out and --force of a command that trains."""
+    _add_mode(p)
+    p.add_argument("--repeats", type=int, default=0, help=f"repeats per {what} (default: the mode's)")
+    p.add_argument("--data-dir", default="", help="prepared data folder (default: the stdlib corpus, prepared once)")
+    p.add_argument("--out", default="", help=f"JSON file (default {default_out})")
+    add_force(p)
+
+
 def _add_mode(p: argparse.ArgumentParser) -> None:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--quick", dest="mode", action="store_const", const="quick",
@@ -65,12 +74,8 @@ def add_commands(bench) -> None:
     """Register `bench suite|compare|noise|speedrun` on the `bench` subparsers."""
     p = bench.add_parser("suite", help="the fixed benchmark suite: time-to-target, GPT-2 step, overhead, data, "
                                        "checkpoint, data- and model-parallel runs; median and confidence interval")
-    _add_mode(p)
     p.add_argument("--only", nargs="+", default=None, metavar="WORKLOAD", help="run only these workloads")
-    p.add_argument("--repeats", type=int, default=0, help="repeats per workload (default: the mode's)")
-    p.add_argument("--data-dir", default="", help="prepared data folder (default: the stdlib corpus, prepared once)")
-    p.add_argument("--out", default="", help="JSON file (default benchmarks/suite/suite-<device>-<mode>-<date>.json)")
-    add_force(p)
+    _add_run_options(p, "workload", "benchmarks/suite/suite-<device>-<mode>-<date>.json")
     p.set_defaults(func=cmd_bench_suite)
     p = bench.add_parser("compare", help="compare two suite results: ratio and confidence interval per workload, "
                                          "regressions beyond the noise band (exit 1)")
@@ -88,10 +93,6 @@ def add_commands(bench) -> None:
     add_force(p)
     p.set_defaults(func=cmd_bench_noise)
     p = bench.add_parser("speedrun", help="time-to-target of each speed-run switch against the default recipe")
-    _add_mode(p)
     p.add_argument("--switches", nargs="+", default=None, metavar="SWITCH", help="run only these switches")
-    p.add_argument("--repeats", type=int, default=0, help="repeats per switch (default: the mode's)")
-    p.add_argument("--data-dir", default="", help="prepared data folder (default: the stdlib corpus, prepared once)")
-    p.add_argument("--out", default="", help="JSON file (default benchmarks/suite/speedrun-<device>-<mode>.json)")
-    add_force(p)
+    _add_run_options(p, "switch", "benchmarks/suite/speedrun-<device>-<mode>.json")
     p.set_defaults(func=cmd_bench_speedrun)

@@ -81,8 +81,10 @@ def spawn_train(overrides: list[str], run_dir: Path, timeout_s: float) -> tuple[
 
 
 def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
-    """metrics.jsonl of a run the suite itself started (trusted: our own file)."""
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+    """metrics.jsonl of a run the suite itself started (the doctor's bounded reader)."""
+    from slipstream.perf.doctor_moe import metrics_records
+
+    return list(metrics_records(run_dir / "metrics.jsonl"))
 
 
 def timed_steps(records: list[dict[str, Any]], warmup: int) -> list[dict[str, Any]]:
