@@ -256,7 +256,7 @@ def _cpu_spec(processes: int, measured: dict[str, float], cpu: CpuFacts | None) 
         tflops[key] = whole / processes
     tflops["tf32"] = tflops["fp32"]  # fp32 matmuls run at the fp32 rate
     ram_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return GpuSpec(f"CPU {cpu.name}", tflops, ram_gib, CPU_MEMORY_BW_GBS)
+    return GpuSpec(f"CPU {cpu.name}", tflops, ram_gib, CPU_MEMORY_BW_GBS, "cpu")
 
 
 def _read_probe(path: str) -> dict:

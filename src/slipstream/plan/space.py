@@ -45,6 +45,11 @@ ROUND_SCHEDULES = ("interleaved-1f1b", "interleaved-zero-bubble")
 SCHEDULE_ALIASES = {"interleaved": "interleaved-1f1b", "zero-bubble": "zbv"}
 PP_SCHEDULES = (*SCHEDULE_VIRTUAL, *SCHEDULE_ALIASES)
 AC_MODES = ("none", "selective", "full")
+# How attention is computed (a planner input, `--attention`): flash (fused kernel, the T x T scores
+# never reach memory; backward recomputes them: FlashAttention, torch SDPA, what slipstream runs),
+# efficient (memory-efficient fused kernel: the same memory, a slower kernel) or materialized (the
+# scores and softmax written out and kept for backward: pre-2022 stacks, Megatron's unfused softmax).
+ATTENTION_IMPLEMENTATIONS = ("flash", "efficient", "materialized")
 PRECISIONS = ("fp32", "bf16", "fp16")
 # What slipstream runs today; the rest is planned and flagged. Tensor parallelism runs at any
 # degree the model divides (the search only proposes those), with dp_strategy none, fsdp or hsdp.
@@ -125,12 +130,20 @@ class Strategy:
     fsdp_mixed: bool = True
     fused_loss: bool = False   # chunked linear + cross-entropy: logits never materialized whole
     loss_chunk: int = 4096
+    # pp > 1: blocks per stage (pp x virtual stages of them, in stage order); () = the trainer's
+    # balanced split (plan/stages.split_layers). The busiest rank sizes memory and time.
+    pp_layers: tuple[int, ...] = ()
+    attention: str = "flash"   # ATTENTION_IMPLEMENTATIONS
 
     def __post_init__(self) -> None:
         schedule = schedule_name(self.pp_schedule)
         object.__setattr__(self, "pp_schedule", schedule)
         if self.pp_virtual < 1:
             object.__setattr__(self, "pp_virtual", SCHEDULE_VIRTUAL[schedule])
+        if self.attention not in ATTENTION_IMPLEMENTATIONS:
+            raise UserError(f"unknown attention implementation {self.attention!r}; valid: "
+                            f"{', '.join(ATTENTION_IMPLEMENTATIONS)}")
+        object.__setattr__(self, "pp_layers", tuple(self.pp_layers))
 
     @property
     def world(self) -> int:
@@ -282,7 +295,7 @@ def strategy_overrides(s: Strategy, seq_len: int) -> dict[str, object]:
     values["parallel.pp_schedule"] = s.pp_schedule if piped else "1f1b"
     values["parallel.pp_microbatches"] = s.grad_accum if piped else 0
     values["parallel.pp_virtual_stages"] = s.pp_virtual if piped else 0
-    values["parallel.pp_layers"] = ""   # balanced: the planner sizes even stages
+    values["parallel.pp_layers"] = ",".join(map(str, s.pp_layers)) if piped else ""  # "": the balanced split
     values["parallel.sequence_parallel"] = s.sequence_parallel
     values["parallel.loss_parallel"] = True  # what the planner's memory model assumes: logits stay sharded
     return values
