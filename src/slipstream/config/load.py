@@ -328,6 +328,22 @@ def check_data_rules(cfg: Config) -> None:
         raise UserError(f"data.mixture = {d.mixture}: weights must be >= 0 and at least one > 0")
 
 
+def check_architecture_rules(cfg: Config) -> None:
+    """The architecture switches of [model] that only mean something together, and the parallelisms
+    an option cannot run under (each named with its fix)."""
+    m = cfg.model
+    if m.rotary_fraction != 1.0 and m.position != "rope":
+        raise UserError(f"model.rotary_fraction = {m.rotary_fraction:g} sets how much of each head RoPE rotates, but "
+                        f"model.position = {m.position}; set --model.position=rope, or --model.rotary_fraction=1")
+    if m.position == "alibi" and cfg.parallel.cp > 1:
+        # Each cp rank holds chunks of the sequence and attends over the gathered keys: the bias would
+        # have to follow the absolute positions of both chunks (not built yet).
+        raise UserError(f"model.position = alibi with parallel.cp = {cfg.parallel.cp} is not supported (the ALiBi "
+                        "bias of a sequence chunk depends on where the query and key chunks sit in the sequence); "
+                        "use --parallel.cp=1 (tensor or pipeline parallelism split an ALiBi model), or "
+                        "--model.position=rope")
+
+
 def check_consistency(cfg: Config) -> None:
     """Rules that involve several fields and need nothing but the config: checked when the
     config is loaded, before any data is prepared or model built. Rules that need the world
@@ -377,6 +393,7 @@ def check_consistency(cfg: Config) -> None:
         raise UserError(f"train.target_val_loss = {t.target_val_loss:g} is checked at each evaluation, but evaluation "
                         "is off or only at the end (train.eval_interval, eval_steps and eval_tokens must all be > 0); "
                         "set them, or train.target_val_loss = 0")
+    check_architecture_rules(cfg)
     check_training_rules(cfg)
     check_data_rules(cfg)
     check_pipeline_config(cfg)

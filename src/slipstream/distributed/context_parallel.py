@@ -45,6 +45,10 @@ def check_context_parallel(cfg: Config, cp: int, tp: int) -> None:
         raise UserError(f"parallel.cp = {cp}: train.seq_len = {cfg.train.seq_len} must be divisible by {what} = "
                         f"{pieces * sp} (the sequence is cut into {pieces} equal chunks"
                         f"{', each split again over tp by sequence parallel' if sp > 1 else ''})")
+    if cfg.model.position == "alibi":  # also refused when the config loads (config/load.py)
+        raise UserError(f"model.position = alibi with parallel.cp = {cp} is not supported (the ALiBi bias of a "
+                        "sequence chunk depends on where the query and key chunks sit in the sequence); use "
+                        "--parallel.cp=1, or --model.position=rope")
     if cfg.model.dropout > 0 and cfg.compile.scope != "off":
         # As under tp (check_tensor_parallel): the per-rank dropout streams break the compiled graphs.
         raise UserError(f"model.dropout > 0 with compile.scope = {cfg.compile.scope} and parallel.cp > 1 is not "

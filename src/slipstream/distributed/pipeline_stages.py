@@ -20,7 +20,8 @@ import torch.nn as nn
 
 from slipstream.config.schema import ModelConfig
 from slipstream.errors import UserError
-from slipstream.models.transformer import Transformer, finish_logits, rope_tables
+from slipstream.models.transformer import (Transformer, alibi_bias, attention_dtype, embed, finish_logits,
+                                           register_position_buffers, reset_position_buffers)
 from slipstream.plan.stages import StageCosts, split_layers, stage_costs  # noqa: F401  (re-exported)
 
 # parallel.pp_schedule -> the class in torch.distributed.pipelining.schedules
@@ -79,7 +80,7 @@ def stage_rank(schedule: str, stage: int, pp_size: int) -> int:
 
 class TransformerStage(nn.Module):
     """The part of a Transformer one pipeline stage runs, holding the model's own submodules under
-    their own names: `tok_emb`/`pos_emb` on the first stage, `blocks.<original index>`, `final_norm`
+    their own names: `tok_emb`/`pos_emb`/`emb_norm` on the first stage, `blocks.<original index>`, `final_norm`
     and `lm_head` on the last. Its forward is Transformer.forward's part: token ids -> hidden states
     on the first stage, hidden -> hidden in the middle, hidden -> logits (soft-capped, padded columns -inf) on
     the last."""
@@ -94,20 +95,17 @@ class TransformerStage(nn.Module):
         if is_first:
             self.tok_emb = model.tok_emb
             self.pos_emb = model.pos_emb
+            self.emb_norm = model.emb_norm
             self.emb_dropout = model.emb_dropout
         # Keyed by the block's index in the unsplit model: the names stay `blocks.3.attn...`.
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
         if is_last:
             self.final_norm = model.final_norm
             self.lm_head = model.lm_head
-        if model.cfg.position == "rope":  # every stage's blocks need them; recomputed by init_stage_buffers
-            head_dim = model.cfg.d_model // model.cfg.n_head
-            where = model.tok_emb.weight.device  # meta for a model not yet materialized
-            cos, sin = rope_tables(head_dim, model.cfg.max_seq_len, model.cfg.rope_theta, device=where)
-            self.register_buffer("rope_cos", cos, persistent=False)  # derived from the config: not saved
-            self.register_buffer("rope_sin", sin, persistent=False)
-        else:
-            self.rope_cos = self.rope_sin = None
+        # Every stage's blocks need the position buffers (RoPE tables, ALiBi slopes): derived from
+        # the config, not saved; recomputed by init_stage_buffers. On the model's device: meta
+        # for a model not yet materialized.
+        register_position_buffers(self, model.cfg, device=model.tok_emb.weight.device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # The full sequence length (the RoPE tables' rows): a later stage's input is the residual
@@ -116,13 +114,12 @@ class TransformerStage(nn.Module):
         if T > self.cfg.max_seq_len:
             raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
         if self.is_first:  # x: token ids (B, T)
-            h = self.tok_emb(x)
-            if self.pos_emb is not None:
-                h = h + self.pos_emb(torch.arange(T, device=x.device))
-            x = self.emb_dropout(h)
+            x = embed(self, x, torch.arange(T, device=x.device))
         rope = None if self.rope_cos is None else (self.rope_cos[:T], self.rope_sin[:T])
+        # ALiBi: as Transformer.forward, one bias (over the full sequence) for every block of the stage.
+        bias = None if self.alibi_slopes is None else alibi_bias(self.alibi_slopes, T, attention_dtype(x))
         for block in self.blocks.values():  # insertion order = ascending layer index
-            x = block(x, rope)
+            x = block(x, rope) if bias is None else block(x, rope, bias)
         if not self.is_last:
             return x
         logits = self.lm_head(self.final_norm(x))
@@ -136,11 +133,7 @@ class TransformerStage(nn.Module):
         for module in self.modules():
             if fresh and module is not self and hasattr(module, "reset_state"):
                 module.reset_state()
-        if self.rope_cos is not None:
-            cos, sin = rope_tables(self.cfg.d_model // self.cfg.n_head, self.cfg.max_seq_len, self.cfg.rope_theta,
-                                   device=self.rope_cos.device)
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
+        reset_position_buffers(self)
 
 
 def build_stage_modules(cfg: ModelConfig, stages: list[int], splits: list[range],

@@ -22,10 +22,15 @@ Kernels:
          device and dtype, with dropout, at the cost of a T x T mask per row and attention
          over the whole row (no skipped blocks).
   auto   flex on CUDA (without attention dropout, which flex lacks), dense elsewhere.
+
+ALiBi (model.position = alibi, `with_alibi`): the bias slope x (j - i) of a query i and a key j
+of the same document is the one it has in the document alone (only the distance counts), so the
+mask adds it to the scores it keeps: a (B, heads, T, T) float mask (dense) or a score_mod (flex).
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import torch
@@ -110,6 +115,8 @@ class DocumentMask:
                 raise UserError(f"document mask kernel 'flex' has no attention dropout (model.dropout = {dropout}); "
                                 "use kernel 'dense' or 'auto', or model.dropout = 0")
         self.kernel, self.doc_ids = kernel, doc_ids
+        self.alibi_slopes: torch.Tensor | None = None
+        self._score_mod = None
         self.compiled = device.type == "cuda" if compiled is None else compiled
         self.positions = positions_in_document(doc_ids)
         B, T = doc_ids.shape
@@ -138,6 +145,27 @@ class DocumentMask:
 
                 self._flex = eager
 
+    def with_alibi(self, slopes: torch.Tensor, dtype: torch.dtype | None = None) -> DocumentMask:
+        """This mask with ALiBi's bias slope[h] x (j - i) added to the scores it keeps (slopes: one
+        per head the attention computes). A copy: the caller's mask stays as it was. dtype: the
+        attention's (dense: the float mask is built in it once, for every layer)."""
+        out = copy.copy(self)
+        out.alibi_slopes = slopes
+        if self.dense is not None:
+            from slipstream.models.transformer import alibi_bias
+
+            T = self.doc_ids.shape[1]
+            bias = alibi_bias(slopes, T, dtype or torch.float32)  # (H, T, T), causal -inf in it
+            out.dense = torch.where(self.dense, bias, float("-inf"))  # (B, H, T, T)
+        else:
+            float_slopes = slopes.float()
+
+            def alibi(score, b, h, q_idx, kv_idx):
+                return score + float_slopes[h] * (kv_idx - q_idx)
+
+            out._score_mod = alibi
+        return out
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float = 0.0,
                enable_gqa: bool = False) -> torch.Tensor:
         """(B, H, T, D) queries, (B, H_kv, T, D) keys and values -> (B, H, T, D)."""
@@ -146,4 +174,4 @@ class DocumentMask:
                                                   enable_gqa=enable_gqa)
         if dropout_p > 0:
             raise UserError("document mask kernel 'flex' has no attention dropout; use kernel 'dense' or 'auto'")
-        return self._flex(q, k, v, block_mask=self.block_mask, enable_gqa=enable_gqa)
+        return self._flex(q, k, v, score_mod=self._score_mod, block_mask=self.block_mask, enable_gqa=enable_gqa)

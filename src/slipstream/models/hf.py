@@ -36,7 +36,8 @@ import torch
 from slipstream.config.schema import ModelConfig
 from slipstream.errors import UserError
 from slipstream.safe_read import HF_JSON, load_json_capped
-from slipstream.models.transformer import Transformer, kv_heads, mlp_hidden, padded_vocab_size, rope_tables
+from slipstream.models.transformer import (Transformer, kv_heads, mlp_hidden, padded_vocab_size,
+                                           reset_position_buffers)
 
 SUPPORTED_ARCHITECTURES = {"GPT2LMHeadModel": "gpt2", "LlamaForCausalLM": "llama",
                            "MixtralForCausalLM": "mixtral", "Qwen3MoeForCausalLM": "qwen3_moe"}
@@ -313,10 +314,7 @@ def _build_with_weights(cfg: ModelConfig, ours: dict[str, torch.Tensor], device)
             model.load_state_dict(ours, strict=True)
         except RuntimeError as e:  # shape mismatch: the weights do not fit their own config
             raise UserError(f"Hugging Face weights do not match their config: {e}") from None
-        if model.rope_cos is not None:  # non-persistent buffers: recompute from the config
-            cos, sin = rope_tables(cfg.d_model // cfg.n_head, cfg.max_seq_len, cfg.rope_theta)
-            model.rope_cos.copy_(cos)
-            model.rope_sin.copy_(sin)
+        reset_position_buffers(model)  # non-persistent buffers: recompute from the config
     return model
 
 
@@ -333,6 +331,18 @@ def hf_family(cfg: ModelConfig) -> str:
     if cfg.mlp == "relu2":
         raise UserError("model.mlp = relu2 (ReLU² MLP) has no Hugging Face equivalent: GPT-2 uses GELU and "
                         "Llama-family models SwiGLU; export a model trained with model.mlp = gelu or swiglu")
+    # Architecture switches GPT2LMHeadModel, LlamaForCausalLM and the MoE families cannot express.
+    unexpressed = [(cfg.position == "alibi", "model.position = alibi", "BLOOM's / MPT's ALiBi attention bias"),
+                   (cfg.rotary_fraction != 1.0, f"model.rotary_fraction = {cfg.rotary_fraction:g}",
+                    "GPT-NeoX's partial rotary"),
+                   (cfg.mlp == "relu", "model.mlp = relu", "OPT's ReLU MLP"),
+                   (cfg.parallel_block, "model.parallel_block = true", "GPT-J's / GPT-NeoX's parallel block"),
+                   (cfg.embedding_norm, "model.embedding_norm = true", "BLOOM's embedding norm")]
+    for on, switch, what in unexpressed:
+        if on:
+            raise UserError(f"{switch} ({what}) has no equivalent in the Hugging Face architectures slipstream "
+                            f"exports ({', '.join(SUPPORTED_ARCHITECTURES)}); export a model trained without it, "
+                            "or keep the slipstream checkpoint")
     if cfg.moe_experts:
         from slipstream.models.hf_moe import moe_family
 

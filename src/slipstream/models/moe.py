@@ -109,7 +109,7 @@ def expert_ffn(x: torch.Tensor, counts: torch.Tensor, w_up: torch.Tensor, w_gate
                w_down: torch.Tensor, gemm: str = "auto", activation: str = "gelu") -> torch.Tensor:
     """The experts' MLPs on tokens sorted by expert: x (N, d), counts (E,) tokens per expert in
     order, weights (E, out, in) as nn.Linear stores them. SwiGLU when w_gate is given, else
-    `activation` (gelu, or relu2: relu(up x)^2, as the dense MLP of model.mlp = relu2).
+    `activation` (gelu, relu, or relu2: relu(up x)^2), as the dense MLP of that model.mlp.
     gemm: grouped (one torch._grouped_mm per matrix), loop (a matmul per expert) or auto."""
     # Autocast does not cover torch._grouped_mm (nor the loop's inputs, which arrive in fp32 from
     # the norm): the experts run in the autocast dtype, like the dense MLP's matmuls.
@@ -132,6 +132,8 @@ def expert_ffn(x: torch.Tensor, counts: torch.Tensor, w_up: torch.Tensor, w_gate
         h = F.silu(mm(x, counts, w_gate)) * mm(x, counts, w_up)
     elif activation == "relu2":
         h = relu2(mm(x, counts, w_up))
+    elif activation == "relu":
+        h = F.relu(mm(x, counts, w_up))
     else:
         h = F.gelu(mm(x, counts, w_up), approximate="tanh")
     return mm(h, counts, w_down)

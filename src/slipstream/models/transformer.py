@@ -2,6 +2,10 @@
 
 GPT-2: learned positions, LayerNorm, GELU(tanh) MLP, biases, tied embeddings.
 Llama:  RoPE, RMSNorm, SwiGLU MLP, grouped-query attention, no biases, untied head.
+Others people trained, from the same switches: ALiBi (model.position = alibi) and a norm after
+the embedding (model.embedding_norm) for BLOOM / MPT; partial rotary (model.rotary_fraction) and
+the parallel block (model.parallel_block) for GPT-J / GPT-NeoX / Pythia / Falcon; a ReLU MLP
+(model.mlp = relu) for OPT.
 Speed-run switches (modded-nanogpt): ReLU² MLP (model.mlp = relu2), soft-capped logits
 (model.logit_softcap) and zero-initialized output projections (model.zero_init_proj).
 
@@ -37,7 +41,7 @@ def kv_heads(cfg: ModelConfig) -> int:
 def mlp_hidden(cfg: ModelConfig) -> int:
     if cfg.d_ff:
         return cfg.d_ff
-    if cfg.mlp in ("gelu", "relu2"):
+    if cfg.mlp in ("gelu", "relu2", "relu"):
         return 4 * cfg.d_model
     # SwiGLU has three matrices; 2/3 of 4*d keeps the parameter count of a GELU MLP.
     return math.ceil(int(8 * cfg.d_model / 3) / 64) * 64
@@ -99,10 +103,60 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple
     return angles.cos(), angles.sin()
 
 
+def rotary_dims(cfg: ModelConfig) -> int:
+    """How many of each head's dimensions RoPE rotates: the first round(head_dim x
+    model.rotary_fraction), made even (they rotate in pairs); the rest carry no position."""
+    head_dim = cfg.d_model // cfg.n_head
+    return min(head_dim - head_dim % 2, max(2, 2 * round(head_dim * cfg.rotary_fraction / 2)))
+
+
+def model_rope_tables(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The model's RoPE tables (max_seq_len, rotary_dims): as wide as the rotated part of a head
+    (its frequencies spread over that part, as GPT-NeoX computes them)."""
+    return rope_tables(rotary_dims(cfg), cfg.max_seq_len, cfg.rope_theta, device=device)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
+    """Rotate the first cos.shape[-1] dimensions of every head of x; a narrower table than the
+    head (partial rotary, model.rotary_fraction < 1) leaves the other dimensions as they are."""
+    width = cos.shape[-1]
+    if width < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :width], cos, sin), x[..., width:]], dim=-1)
+    half = width // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
+
+
+def alibi_slopes(n_head: int) -> torch.Tensor:
+    """ALiBi's per-head slopes (Press et al. 2022, https://arxiv.org/abs/2108.12409, section 3):
+    the geometric sequence 2^(-8/n), 2^(-16/n), ... for n heads. For n not a power of two, the
+    slopes of the largest power of two c below n, then every other slope of 2c (2^(-8/2c),
+    2^(-24/2c), ...) up to n: the paper's code and BLOOM's build_alibi_tensor / MPT's gen_slopes."""
+    def geometric(n: int) -> list[float]:
+        return [2.0 ** (-8.0 * (i + 1) / n) for i in range(n)]
+
+    closest = 2 ** int(math.log2(n_head))
+    slopes = geometric(closest)
+    if closest < n_head:
+        slopes += geometric(2 * closest)[0::2][: n_head - closest]
+    return torch.tensor(slopes, dtype=torch.float32)
+
+
+def alibi_bias(slopes: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """The (heads, T, T) additive attention bias of ALiBi with the causal mask in it: query i,
+    key j <= i gets slope x (j - i) (0 on the diagonal, more negative with distance), a later key
+    -inf. Built in the attention's dtype, once per forward, and shared by every layer (and by
+    their saved tensors for backward): a per-layer cast would keep a copy per layer."""
+    index = torch.arange(seq_len, device=slopes.device)
+    distance = (index[None, :] - index[:, None]).float()  # (T, T): j - i
+    bias = slopes.float()[:, None, None] * distance
+    return bias.masked_fill(distance > 0, float("-inf")).to(dtype)
+
+
+def attention_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the attention kernel sees for hidden states x: autocast's when it is on."""
+    device = x.device.type
+    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
 
 
 class Attention(nn.Module):
@@ -123,7 +177,9 @@ class Attention(nn.Module):
         self.attend = F.scaled_dot_product_attention
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-                mask: DocumentMask | None = None) -> torch.Tensor:
+                mask: DocumentMask | torch.Tensor | None = None) -> torch.Tensor:
+        """mask: None (causal), a DocumentMask, or a float (heads, T, T) additive bias with the
+        causal mask in it (ALiBi: alibi_bias)."""
         B, T, _ = x.shape
         # Heads from the projections' widths (-1), not the config: a tensor-parallel rank holds
         # n_head / tp of them (their ratio, hence GQA, is unchanged).
@@ -135,12 +191,14 @@ class Attention(nn.Module):
         if rope is not None:  # (T, head_dim) tables, or (B, 1, T, head_dim) of per-document positions
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         dropout_p, gqa = self.dropout if self.training else 0.0, self.n_kv_head != self.n_head
-        if mask is not None:
+        if isinstance(mask, DocumentMask):
             if self.attend is not F.scaled_dot_product_attention:
                 # A replaced kernel (context parallelism) knows only the causal mask.
                 raise UserError("a document mask cannot go through a replaced attention kernel (context "
                                 "parallelism); use data.packing = eos with parallel.cp > 1")
             y = mask.attend(q, k, v, dropout_p=dropout_p, enable_gqa=gqa)
+        elif mask is not None:  # an additive bias that holds the causal mask (ALiBi)
+            y = self.attend(q, k, v, attn_mask=mask, dropout_p=dropout_p, enable_gqa=gqa)
         else:
             y = self.attend(q, k, v, is_causal=True, dropout_p=dropout_p, enable_gqa=gqa)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
@@ -161,6 +219,8 @@ class MLP(nn.Module):
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         if self.kind == "relu2":
             return self.down_proj(relu2(self.up_proj(x)))
+        if self.kind == "relu":
+            return self.down_proj(F.relu(self.up_proj(x)))
         return self.down_proj(F.gelu(self.up_proj(x), approximate="tanh"))
 
 
@@ -174,8 +234,12 @@ class Block(nn.Module):
         self.mlp_norm = make_norm(cfg)
         self.mlp = MoE(cfg) if is_moe_layer(cfg, index) else MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
+        self.parallel = cfg.parallel_block
 
-    def forward(self, x: torch.Tensor, rope, mask: DocumentMask | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope, mask: DocumentMask | torch.Tensor | None = None) -> torch.Tensor:
+        if self.parallel:  # GPT-J / GPT-NeoX: both read the block's input, one residual add
+            attn = self.attn(self.attn_norm(x), rope=rope, mask=mask)
+            return x + self.dropout(attn) + self.dropout(self.mlp(self.mlp_norm(x)))
         x = x + self.dropout(self.attn(self.attn_norm(x), rope=rope, mask=mask))
         return x + self.dropout(self.mlp(self.mlp_norm(x)))
 
@@ -189,19 +253,16 @@ class Transformer(nn.Module):
         vocab = padded_vocab_size(cfg)
         self.tok_emb = nn.Embedding(vocab, cfg.d_model)
         self.pos_emb = nn.Embedding(cfg.max_seq_len, cfg.d_model) if cfg.position == "learned" else None
+        self.emb_norm = make_norm(cfg) if cfg.embedding_norm else None  # BLOOM's word_embeddings_layernorm
         self.emb_dropout = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
         self.final_norm = make_norm(cfg)
         self.lm_head = nn.Linear(cfg.d_model, vocab, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.tok_emb.weight
-        if cfg.position == "rope":
-            cos, sin = rope_tables(cfg.d_model // cfg.n_head, cfg.max_seq_len, cfg.rope_theta)
-            # Non-persistent: derived from the config, recomputed by init_weights after to_empty().
-            self.register_buffer("rope_cos", cos, persistent=False)
-            self.register_buffer("rope_sin", sin, persistent=False)
-        else:
-            self.rope_cos = self.rope_sin = None
+        # Position buffers: non-persistent (derived from the config), recomputed by init_weights
+        # after to_empty().
+        register_position_buffers(self, cfg)
         # True when the head caps and masks its logits itself (a vocabulary-sharded head, per shard).
         self.logits_masked_by_head = False
 
@@ -231,10 +292,11 @@ class Transformer(nn.Module):
             if T > self.cfg.max_seq_len:
                 raise ValueError(f"sequence length {T} exceeds max_seq_len {self.cfg.max_seq_len}")
             positions = torch.arange(T, device=idx.device)
-        x = self.tok_emb(idx)
-        if self.pos_emb is not None:
-            x = x + self.pos_emb(positions)
-        x = self.emb_dropout(x)
+        x = embed(self, idx, positions)
+        if self.alibi_slopes is not None:  # one bias for every layer (documents: inside the mask)
+            dtype = attention_dtype(x)
+            mask = mask.with_alibi(self.alibi_slopes, dtype) if mask is not None else \
+                alibi_bias(self.alibi_slopes, T, dtype)
         rope = None
         if self.rope_cos is not None:  # the default positions are a slice (a view); given ones a gather
             where = slice(0, T) if given is None else given
@@ -288,10 +350,58 @@ class Transformer(nn.Module):
         for module in self.modules():  # derived state (MoE balancing bias and statistics) starts fresh
             if module is not self and hasattr(module, "reset_state"):
                 module.reset_state()
-        if self.rope_cos is not None:
-            cos, sin = rope_tables(self.cfg.d_model // self.cfg.n_head, self.cfg.max_seq_len, self.cfg.rope_theta)
-            self.rope_cos.copy_(cos)
-            self.rope_sin.copy_(sin)
+        reset_position_buffers(self)
+
+
+def register_position_buffers(module: nn.Module, cfg: ModelConfig, device=None) -> None:
+    """The buffers a position encoding needs, on `module` (a Transformer or a pipeline stage):
+    rope_cos / rope_sin (position = rope) and alibi_slopes (position = alibi), None otherwise.
+    `alibi_heads` is which of the model's heads the module's attention computes (all of them;
+    tensor parallelism keeps a rank's own, `keep_alibi_heads`)."""
+    if cfg.position == "rope":
+        cos, sin = model_rope_tables(cfg, device=device)
+        module.register_buffer("rope_cos", cos, persistent=False)
+        module.register_buffer("rope_sin", sin, persistent=False)
+    else:
+        module.rope_cos = module.rope_sin = None
+    module.alibi_heads = slice(0, cfg.n_head)
+    if cfg.position == "alibi":
+        slopes = alibi_slopes(cfg.n_head)
+        module.register_buffer("alibi_slopes", slopes if device is None else slopes.to(device), persistent=False)
+    else:
+        module.alibi_slopes = None
+
+
+@torch.no_grad()
+def reset_position_buffers(module: nn.Module) -> None:
+    """Recompute the buffers of register_position_buffers in place (after to_empty())."""
+    if module.rope_cos is not None:
+        cos, sin = model_rope_tables(module.cfg, device=module.rope_cos.device)
+        module.rope_cos.copy_(cos)
+        module.rope_sin.copy_(sin)
+    if module.alibi_slopes is not None:
+        module.alibi_slopes.copy_(alibi_slopes(module.cfg.n_head)[module.alibi_heads])
+
+
+def keep_alibi_heads(module: nn.Module, heads: slice) -> None:
+    """The module's attention computes only the model's heads `heads` (a tensor-parallel rank's):
+    its ALiBi slopes become theirs."""
+    if module.alibi_slopes is None:
+        return
+    module.alibi_heads = heads
+    module.alibi_slopes = alibi_slopes(module.cfg.n_head)[heads].to(module.alibi_slopes.device)
+
+
+def embed(module: nn.Module, idx: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Token ids -> the residual stream entering the first block: token embedding (+ learned
+    positions), the embedding norm (model.embedding_norm), dropout. `module` is a Transformer or
+    the first pipeline stage (the same submodules under the same names)."""
+    x = module.tok_emb(idx)
+    if module.pos_emb is not None:
+        x = x + module.pos_emb(positions)
+    if module.emb_norm is not None:
+        x = module.emb_norm(x)
+    return module.emb_dropout(x)
 
 
 def build_model(cfg: ModelConfig, device: str | torch.device = "cpu", seed: int = 0) -> Transformer:
