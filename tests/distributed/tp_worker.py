@@ -41,6 +41,8 @@ COMMON = [
 GPT2 = ("--model.preset=tiny",)  # learned positions, LayerNorm, GELU, biases, tied embeddings
 LLAMA = ("--model.preset=tiny", "--model.position=rope", "--model.norm=rmsnorm", "--model.mlp=swiglu",
          "--model.n_head=4", "--model.n_kv_head=2", "--model.bias=false", "--model.tie_embeddings=false")
+ARCH = ("--model.preset=tiny", "--model.n_head=4", "--model.position=alibi", "--model.embedding_norm=true",
+        "--model.parallel_block=true", "--model.mlp=relu")
 NO_SP = ("--parallel.sequence_parallel=false", "--parallel.loss_parallel=false")
 SP = ("--parallel.sequence_parallel=true", "--parallel.loss_parallel=false")
 SP_LOSS = ("--parallel.sequence_parallel=true", "--parallel.loss_parallel=true")
@@ -76,6 +78,9 @@ SCENARIOS: dict[int, list[dict[str, Any]]] = {
         # device guard lifted (FP8_ON_CPU): torch 2.13 has CPU fp8 matmuls, gloo cannot all-gather
         # fp8 tensors, so no sequence parallel (its gathers are fp8); on CUDA both run.
         scenario("llama_tp2_fp8", LLAMA, 2, extra=(*NO_SP, FP8)),
+        # BLOOM / GPT-J-style switches (issue 19): each rank's ALiBi slopes are its own heads', the embedding
+        # norm is a sequence-parallel norm, the parallel block and the ReLU MLP split like the others.
+        scenario("arch_tp2_sp_loss", ARCH, 2, extra=SP_LOSS),
         # Context parallel: the cp ranks average gradients through FSDP over the folded (dp_shard, cp) mesh.
         scenario("gpt2_cp2", GPT2, 1, "fsdp", cp=2),
         scenario("llama_cp2_no_balance", LLAMA, 1, "fsdp", ("--parallel.cp_load_balance=false",), cp=2),

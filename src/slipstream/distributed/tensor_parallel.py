@@ -5,7 +5,9 @@ The `tp` dimension of the mesh splits every block's matmuls:
     attention   q/k/v column-parallel (each rank computes n_head/tp heads, GQA: n_kv_head/tp),
                 o_proj row-parallel (partial sums reduced)
     MLP         up/gate column-parallel, down row-parallel (GELU and SwiGLU alike)
-    embedding   vocab-parallel: each rank holds vocab/tp rows of the table
+    embedding   vocab-parallel: each rank holds vocab/tp rows of the table (its norm,
+                model.embedding_norm, works on the stream as the block norms do)
+    ALiBi       each rank's bias uses the slopes of its own heads
     head        column-parallel over the vocabulary; with loss parallel the cross-entropy runs
                 on the vocabulary shards (torch's loss_parallel) and the logits are never gathered
 
@@ -174,7 +176,7 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
 
     from slipstream.distributed.pipeline_stages import TransformerStage
     from slipstream.models.moe import MoE
-    from slipstream.models.transformer import Transformer, block_slots, padded_vocab_size
+    from slipstream.models.transformer import Transformer, block_slots, keep_alibi_heads, padded_vocab_size
 
     if not isinstance(model, (Transformer, TransformerStage)):
         return apply_user_plan(model, tp_mesh, cfg)
@@ -203,6 +205,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
         # The position table split by position: with SP each rank then adds the positions of
         # its own sequence shard (dim 0 of the (T, d) output is the sequence).
         plan["pos_emb"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0) if sp else Replicate())
+    if has_embedding and model.emb_norm is not None:
+        # The embedding norm (model.embedding_norm) works on the stream like the block norms:
+        # sequence shards with SP, whole without; its output is the residual stream the first
+        # block adds to, a local tensor like the row-parallel outputs it meets there.
+        plan["emb_norm"] = SequenceParallel(use_local_output=True) if sp else ReplicateParallel()
     if plan:
         parallelize_module(model, tp_mesh, plan)
     for _, block in block_slots(model):
@@ -237,6 +244,12 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, cfg: Config) -> nn.Module:
         # parallelize_module gave the head its own copy of the shared table: share the table's again.
         # (A pipeline stage's head keeps a copy of its own: distributed/pipeline_parallel.py.)
         model.lm_head.weight = model.tok_emb.weight
+    if model.alibi_slopes is not None:
+        # ALiBi: this rank computes heads [rank x n_head/tp, (rank + 1) x n_head/tp) (the column-parallel
+        # q/k/v hold them in order): its bias takes their slopes.
+        local_heads = model.cfg.n_head // tp_mesh.size()
+        first = tp_mesh.get_local_rank() * local_heads
+        keep_alibi_heads(model, slice(first, first + local_heads))
     model.logits_masked_by_head = True  # VocabParallelHead caps each shard and masks its padded columns
     # How many pieces the residual stream is cut into along the sequence (a pipeline stage that
     # receives the stream rebuilds the full length for its RoPE tables from it).
