@@ -10,6 +10,12 @@ as in the usual "6N" convention, which overcounts by well under 0.1%) and 6 = 2
 (multiply + add) x 3 (forward + backward for inputs and weights). The second term is the
 attention score/value matmuls (QK^T and AV: 2 x 2 x T x d per layer forward, x3 for
 backward), counted without discounting the causal mask, as PaLM and nanoGPT do.
+
+The architecture switches change the counts only through their parameters: ALiBi has no
+position table (its bias is an elementwise add on the scores, like the causal mask: not a
+matmul), partial rotary changes no matmul, a ReLU MLP has the matmuls of a GELU one, the parallel
+block runs the same matmuls as the sequential one, and the embedding norm is a norm (its gains
+count in `total`, not in the matmuls, like the final norm's).
 """
 
 from __future__ import annotations
@@ -27,12 +33,14 @@ class ParamCount:
     matmul: int         # parameters that take part in matmuls (blocks + output head)
     attn: int = 0       # per block: attention projections (+ biases)
     mlp: int = 0        # per block: the MLP (an MoE block's: every routed expert + router + shared experts)
-    norm: int = 0       # per block: the two norms (+ the query/key norms)
+    norm: int = 0       # per block: the two norms (+ the query/key norms; a parallel block has two as well)
     head: int = 0       # untied output head (0 when tied to the embedding)
     active_matmul: int = 0  # matmul parameters one token passes through (MoE: its top_k experts); = matmul when dense
     experts: int = 0    # the routed experts' parameters of the whole model (what expert parallelism splits)
     moe_layers: int = 0  # blocks with experts
     dense_mlp: int = 0  # per dense block: the MLP
+    embedding_norm: int = 0  # the norm after the embedding (model.embedding_norm); not in `embedding`, not a matmul
+    final_norm: int = 0      # the norm before the output head
 
 
 def param_count(cfg: ModelConfig, experts: tuple[int, int] | None = None) -> ParamCount:
@@ -77,10 +85,12 @@ def param_count(cfg: ModelConfig, experts: tuple[int, int] | None = None) -> Par
     tok = vocab * d
     pos = cfg.max_seq_len * d if cfg.position == "learned" else 0
     head = 0 if cfg.tie_embeddings else vocab * d
-    total = blocks + norm + tok + pos + head
+    emb_norm = norm if cfg.embedding_norm else 0
+    total = blocks + norm + emb_norm + tok + pos + head
     return ParamCount(total=total, embedding=tok + pos, matmul=blocks + vocab * d, attn=attn,
                       mlp=moe_mlp if n_moe else dense_mlp, norm=2 * norm + qk_norm, head=head,
-                      active_matmul=active_blocks + vocab * d, experts=routed, moe_layers=n_moe, dense_mlp=dense_mlp)
+                      active_matmul=active_blocks + vocab * d, experts=routed, moe_layers=n_moe, dense_mlp=dense_mlp,
+                      embedding_norm=emb_norm, final_norm=norm)
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int, experts: tuple[int, int] | None = None) -> float:
