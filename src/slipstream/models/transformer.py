@@ -104,10 +104,12 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple
 
 
 def rotary_dims(cfg: ModelConfig) -> int:
-    """How many of each head's dimensions RoPE rotates: the first round(head_dim x
-    model.rotary_fraction), made even (they rotate in pairs); the rest carry no position."""
+    """How many of each head's dimensions RoPE rotates: the first head_dim x model.rotary_fraction,
+    rounded to the nearest integer and then down to an even one (they rotate in pairs), at least
+    2; the rest carry no position. GPT-NeoX: 128 x 0.25 = 32 of 128."""
     head_dim = cfg.d_model // cfg.n_head
-    return min(head_dim - head_dim % 2, max(2, 2 * round(head_dim * cfg.rotary_fraction / 2)))
+    nearest = math.floor(head_dim * cfg.rotary_fraction + 0.5)
+    return max(2, nearest - nearest % 2)
 
 
 def model_rope_tables(cfg: ModelConfig, device=None) -> tuple[torch.Tensor, torch.Tensor]:
