@@ -1,12 +1,17 @@
 """The cluster a plan runs on: GPU model, how many, and the links between them.
 
-`make_cluster("8xH100", nodes=4)` builds a Cluster from three sources, in rising priority:
-  1. the datasheet table in plan/gpus.py (peak TFLOP/s, memory, memory bandwidth),
+`make_cluster("8xH100", nodes=4)` builds a Cluster from these sources, in rising priority:
+  1. the datasheet table in plan/gpus.py (peak TFLOP/s, memory, memory bandwidth), or the
+     user's own GPU description (`--gpus 8xmy_gpu.toml`, and/or `gpu=gpus.gpu_from_flags(...)`
+     for a GPU named by flags or a known GPU with some numbers changed),
   2. documented defaults here (link bandwidths, matmul efficiency, memory reserve),
-  3. a `slipstream probe --out FILE` result and explicit overrides (`memory_gib`, link names).
-Every number that did not come from 1 or 2 is listed in Cluster.sources, so a plan can say
-what it assumed. `cpu` plans for this machine: its peaks are measured (cached) rates, which
-the caller reads and passes in (`cpu=observe.peaks.this_cpu()`; this module measures nothing).
+  3. `slipstream probe --out FILE` results (one or several files, merged),
+  4. explicit overrides: `memory_gib`, `intra` / `inter` (a link name or a bandwidth such as
+     "12.5GB/s", "ib:400Gb/s@5us", see parse_link), `nics_per_node`.
+Every number that did not come from 1's table or 2 is listed in Cluster.sources, so a plan
+can say what it assumed. `cpu` plans for this machine: its peaks are measured (cached) rates,
+which the caller reads and passes in (`cpu=observe.peaks.this_cpu()`; this module measures
+nothing).
 """
 
 from __future__ import annotations
@@ -16,11 +21,12 @@ import json
 import math
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 from slipstream.errors import UserError
-from slipstream.plan.gpus import GpuSpec, lookup_gpu
+from slipstream.plan.gpus import DTYPE_KEYS, GpuDescription, GpuSpec, lookup_gpu, read_gpu_file
 
 
 @dataclass(frozen=True)
@@ -42,9 +48,23 @@ class Link:
 # - PCIe: x16 raw rate per direction is ~16/32/64 GB/s for gen 3/4/5; rings between GPUs go
 #   through switches or the CPU root complex and rarely reach the copy-engine rate, so we
 #   take ~65 % of it (NCCL itself models a gen3 x16 path at 12 GB/s).
+# - Export NVLink (400 GB/s bidirectional = 8 links, 200 GB/s per direction): A800 = NVLink 3,
+#   NCCL's model 8 x 20 = 160 times the A100's measured/model ratio (230/240) = 153; H800 =
+#   NVLink 4, NCCL's model 8 x 20.6 = 165, and DeepEP measured 153-158 GB/s of NVLink traffic
+#   on H800 ("~160 GB/s NVLink maximum bandwidth", github.com/deepseek-ai/DeepEP docs/legacy.md).
+# - AMD Infinity Fabric (xGMI): 8 MI300X are fully connected by 7 links each (ROCm docs,
+#   docs/conceptual/gpu-arch/mi300.md; 128 GB/s bidirectional per link, 448 GB/s per direction
+#   in all); AMD's own rccl-tests all_reduce on 8 MI300X reaches 309-316 GB/s busbw from 512 MiB
+#   to 8 GiB, and an 8-byte all_reduce takes 40.9 us = 2.9 us per ring step (ROCm docs image
+#   docs/data/how-to/rocm-for-ai/rccl-tests-8-gpu.png). MI250X: the 8 GCDs of a node are joined
+#   by single or double 50 GB/s-per-direction links between packages (4 between the two GCDs of
+#   one package, mi250.md), so a ring over all 8 is bounded by one 50 GB/s link: an ESTIMATE of
+#   80 % of it (the NVLink fraction), not a measurement.
 # - Networks: ~88 % of the wire rate for InfiniBand (nccl-tests#119: 4xHDR per 8 A100 gave
-#   85-96 of 100 GB/s), ~80 % for RoCE and TCP Ethernet. ib-* and roce-* are one NIC per GPU
-#   (rail-optimised HGX/DGX); ethernet-* is one NIC per NODE, shared by its GPUs (see below).
+#   85-96 of 100 GB/s), ~80 % for RoCE and TCP Ethernet (and HPE Slingshot, Ethernet-based).
+#   A network link's bandwidth is ONE NIC's. ib-*, roce-* and slingshot-* default to one NIC per
+#   GPU (rail-optimised HGX/DGX); ethernet-* to one NIC per NODE, shared by its GPUs; a GPU's
+#   table entry or nics_per_node (--nics-per-node) can say otherwise (see _inter_per_gpu).
 # Latencies are per ring step, order of magnitude only (they matter for small messages):
 # NCCL's tuning model (src/graph/tuning.cc) has ~0.5-3.4 us per NVLink step and several us
 # per network step; TCP sockets and gloo add tens of us.
@@ -55,12 +75,17 @@ LINKS: dict[str, Link] = {
         Link("nvlink3", 230.0, 2.0, "NVLink 3 (A100 SXM): 600 GB/s bidirectional = 300 per direction"),
         Link("nvlink4", 370.0, 2.0, "NVLink 4 (H100/H200 SXM): 900 GB/s bidirectional = 450 per direction"),
         Link("nvlink5", 720.0, 2.0, "NVLink 5 (B200): 1800 GB/s bidirectional = 900 per direction"),
+        Link("nvlink3-400", 150.0, 2.0, "NVLink 3 at 400 GB/s bidirectional (A800): 8 links, 200 per direction"),
+        Link("nvlink4-400", 155.0, 2.0, "NVLink 4 at 400 GB/s bidirectional (H800): 8 links, 200 per direction"),
+        Link("xgmi-mi300x", 315.0, 3.0, "AMD Infinity Fabric, 8 MI300X fully connected (7 links per GPU)"),
+        Link("xgmi-mi250x", 40.0, 3.0, "AMD Infinity Fabric between the 8 GCDs of 4 MI250X (estimate)"),
         Link("pcie3", 10.0, 3.0, "PCIe gen3 x16 (~16 GB/s raw per direction)"),
         Link("pcie4", 20.0, 3.0, "PCIe gen4 x16 (~32 GB/s raw per direction)"),
         Link("pcie5", 40.0, 3.0, "PCIe gen5 x16 (~64 GB/s raw per direction)"),
         Link("ib-hdr", 22.0, 5.0, "InfiniBand HDR, one 200 Gb/s NIC per GPU"),
         Link("ib-ndr", 44.0, 5.0, "InfiniBand NDR, one 400 Gb/s NIC per GPU"),
         Link("roce-400g", 40.0, 6.0, "RoCE, one 400 Gb/s NIC per GPU"),
+        Link("slingshot-200g", 20.0, 6.0, "HPE Slingshot, a 200 Gb/s NIC"),
         Link("ethernet-100g", 10.0, 25.0, "TCP Ethernet, one 100 Gb/s NIC per node"),
         Link("ethernet-25g", 2.5, 25.0, "TCP Ethernet, one 25 Gb/s NIC per node"),
         # gloo between processes of one machine (TCP over loopback / shared memory). A rough
@@ -68,48 +93,106 @@ LINKS: dict[str, Link] = {
         Link("shm", 3.0, 50.0, "gloo between processes of one machine"),
     )
 }
-# These NICs serve a whole node: each GPU's share is the bandwidth / GPUs per node.
+# These NICs serve a whole node by default: each GPU's share is the bandwidth / GPUs per node.
 PER_NODE_LINKS = frozenset({"ethernet-100g", "ethernet-25g"})
+
+# A link given by its number instead of its name (parse_link): "KIND:RATE" is a WIRE rate, of
+# which the kind's achievable fraction applies; a bare rate is an achievable bus bandwidth.
+# Fractions from the figures above: InfiniBand 0.88, RoCE / Ethernet 0.80 (the network note);
+# NVLink 0.80 (H100 370 of 450, B200 720 of 900, A100 230 of 300 GB/s per direction); PCIe 0.65;
+# xGMI 0.70 (MI300X 315 of 448). Latencies per ring step as the named links of each kind.
+WIRE_KINDS: dict[str, tuple[float, float, str]] = {  # kind -> (achievable fraction, latency us, what)
+    "ib": (0.88, 5.0, "InfiniBand"),
+    "roce": (0.80, 6.0, "RoCE"),
+    "eth": (0.80, 25.0, "TCP Ethernet"),
+    "slingshot": (0.80, 6.0, "HPE Slingshot"),
+    "nvlink": (0.80, 2.0, "NVLink"),
+    "pcie": (0.65, 3.0, "PCIe"),
+    "xgmi": (0.70, 3.0, "AMD Infinity Fabric"),
+}
+_KIND_ALIASES = {"infiniband": "ib", "ethernet": "eth", "tcp": "eth"}
+_UNIT_SCALE = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
+_LATENCY_SCALE = {"ns": 1e-3, "us": 1.0, "µs": 1.0, "ms": 1e3}
+_NUMBER = r"(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?"
+_LINK_SPEC = re.compile(
+    rf"\s*(?:(?P<kind>[A-Za-z]+)\s*:\s*)?(?P<value>{_NUMBER})\s*(?P<prefix>[kKMGT]?)(?P<unit>[Bb])(?:/s|ps)"
+    rf"(?:\s*@\s*(?P<latency>{_NUMBER})\s*(?P<latency_unit>ns|us|µs|ms))?\s*")
+MAX_NICS_PER_NODE = 64
 # A group of one rank communicates with nobody: infinite bandwidth, no latency.
 LOCAL = Link("local", math.inf, 0.0, "no communication (group of one rank)")
 
-# short name -> (device-name-like string for plan.gpus.lookup_gpu, intra link, inter
-# link, host<->device GB/s per GPU). The spec numbers live only in plan/gpus.py.
-# Defaults: SXM parts get their NVLink and InfiniBand (A100 HDR, Hopper/Blackwell NDR);
-# PCIe, NVL (bridged pairs only) and consumer cards get PCIe and a 100 Gb/s node NIC.
-# Host links: achievable pinned copies, ~12/24/48 GB/s on PCIe gen 3/4/5 x16.
-_GPUS: dict[str, tuple[str, str, str, float]] = {
-    "B200": ("NVIDIA B200", "nvlink5", "ib-ndr", 48.0),
-    "B100": ("NVIDIA B100", "nvlink5", "ib-ndr", 48.0),
-    "H200": ("NVIDIA H200", "nvlink4", "ib-ndr", 48.0),
-    "H200-NVL": ("NVIDIA H200 NVL", "pcie5", "ethernet-100g", 48.0),
-    "H100": ("NVIDIA H100 SXM", "nvlink4", "ib-ndr", 48.0),
-    "H100-NVL": ("NVIDIA H100 NVL", "pcie5", "ethernet-100g", 48.0),
-    "H100-PCIe": ("NVIDIA H100 PCIe", "pcie5", "ethernet-100g", 48.0),
-    "A100": ("NVIDIA A100 SXM 80GB", "nvlink3", "ib-hdr", 24.0),
-    "A100-40GB": ("NVIDIA A100 SXM 40GB", "nvlink3", "ib-hdr", 24.0),
-    "A100-PCIe": ("NVIDIA A100 PCIe 80GB", "pcie4", "ethernet-100g", 24.0),
-    "A100-PCIe-40GB": ("NVIDIA A100 PCIe 40GB", "pcie4", "ethernet-100g", 24.0),
-    "A10G": ("NVIDIA A10G", "pcie4", "ethernet-100g", 24.0),
-    "A10": ("NVIDIA A10", "pcie4", "ethernet-100g", 24.0),
-    "L40S": ("NVIDIA L40S", "pcie4", "ethernet-100g", 24.0),
-    "L40": ("NVIDIA L40", "pcie4", "ethernet-100g", 24.0),
-    "L4": ("NVIDIA L4", "pcie4", "ethernet-100g", 24.0),
-    "V100": ("Tesla V100-SXM2-16GB", "nvlink2", "ethernet-100g", 12.0),
-    "V100-32GB": ("Tesla V100-SXM2-32GB", "nvlink2", "ethernet-100g", 12.0),
-    "V100-PCIe": ("Tesla V100-PCIE-16GB", "pcie3", "ethernet-100g", 12.0),
-    "V100-PCIe-32GB": ("Tesla V100-PCIE-32GB", "pcie3", "ethernet-100g", 12.0),
-    "T4": ("Tesla T4", "pcie3", "ethernet-100g", 12.0),
-    "RTX4090": ("NVIDIA GeForce RTX 4090", "pcie4", "ethernet-100g", 24.0),
-    "RTX3090": ("NVIDIA GeForce RTX 3090", "pcie4", "ethernet-100g", 24.0),
-    "RTX6000-Ada": ("NVIDIA RTX 6000 Ada", "pcie4", "ethernet-100g", 24.0),
-    "RTX-A6000": ("NVIDIA RTX A6000", "pcie4", "ethernet-100g", 24.0),
+
+class _Usual(NamedTuple):
+    """What a short name stands for: the plan.gpus lookup string and the usual links."""
+    device: str               # device-name-like string for plan.gpus.lookup_gpu
+    intra: str
+    inter: str
+    host_gbs: float           # host<->device GB/s per GPU
+    nics_per_node: int = 0    # 0: the inter link's own default (see _inter_per_gpu)
+
+
+# short name -> its usual setup. The spec numbers live only in plan/gpus.py.
+# Defaults: SXM/OAM parts get their NVLink / Infinity Fabric and InfiniBand (A100/A800 HDR,
+# Hopper/Blackwell NDR: one 400 Gb/s CX7 per GPU on DGX/HGX H100 and on DeepSeek's H800s, DeepEP
+# docs/legacy.md); PCIe, NVL (bridged pairs only) and consumer cards get PCIe and a 100 Gb/s node
+# NIC. MI300X: RoCE, one 400 Gb/s NIC per GPU (the rail-optimised rdma0..rdma7 of AMD's 4-node
+# rccl-tests run, ROCm docs how-to/rocm-for-ai/training/prerequisite-system-validation.rst).
+# MI250X/MI250 (Frontier-like nodes of 4 packages = 8 GCDs): 4 Slingshot 200 Gb/s NICs per node
+# (glennklockwood.com/garden/systems/frontier). H20: full NVLink 4, 900 GB/s (willitrunai.com,
+# see plan/gpus.py). GH200: NVLink 4 through NVLink switches (DGX GH200 / NVL32; boards with
+# fewer links: --intra) and NDR; its host link is NVLink-C2C, 450 GB/s per direction (GH200
+# whitepaper, via MLCommons inference_results_v3.1 DGX-GH200 notes): 337 is an ESTIMATE, the
+# 75 % that pinned PCIe copies reach of their per-direction rate, until a probe measures it.
+# Host links: achievable pinned copies, ~12/24/48 GB/s on PCIe gen 3/4/5 x16 (MI250X: one
+# gen 4 x16 per GCD, MI300X gen 5 x16: ROCm docs mi250.md / mi300.md).
+_GPUS: dict[str, _Usual] = {
+    "B200": _Usual("NVIDIA B200", "nvlink5", "ib-ndr", 48.0),
+    "B100": _Usual("NVIDIA B100", "nvlink5", "ib-ndr", 48.0),
+    "H200": _Usual("NVIDIA H200", "nvlink4", "ib-ndr", 48.0),
+    "H200-NVL": _Usual("NVIDIA H200 NVL", "pcie5", "ethernet-100g", 48.0),
+    "GH200": _Usual("NVIDIA GH200 96GB HBM3", "nvlink4", "ib-ndr", 337.0),
+    "GH200-144GB": _Usual("NVIDIA GH200 144GB HBM3e", "nvlink4", "ib-ndr", 337.0),
+    "H100": _Usual("NVIDIA H100 SXM", "nvlink4", "ib-ndr", 48.0),
+    "H100-NVL": _Usual("NVIDIA H100 NVL", "pcie5", "ethernet-100g", 48.0),
+    "H100-PCIe": _Usual("NVIDIA H100 PCIe", "pcie5", "ethernet-100g", 48.0),
+    "H800": _Usual("NVIDIA H800", "nvlink4-400", "ib-ndr", 48.0),
+    "H800-PCIe": _Usual("NVIDIA H800 PCIe", "pcie5", "ethernet-100g", 48.0),
+    "H20": _Usual("NVIDIA H20", "nvlink4", "ib-ndr", 48.0),
+    "A100": _Usual("NVIDIA A100 SXM 80GB", "nvlink3", "ib-hdr", 24.0),
+    "A100-40GB": _Usual("NVIDIA A100 SXM 40GB", "nvlink3", "ib-hdr", 24.0),
+    "A100-PCIe": _Usual("NVIDIA A100 PCIe 80GB", "pcie4", "ethernet-100g", 24.0),
+    "A100-PCIe-40GB": _Usual("NVIDIA A100 PCIe 40GB", "pcie4", "ethernet-100g", 24.0),
+    "A800": _Usual("NVIDIA A800 SXM 80GB", "nvlink3-400", "ib-hdr", 24.0),
+    "A800-PCIe": _Usual("NVIDIA A800 PCIe 80GB", "pcie4", "ethernet-100g", 24.0),
+    "A10G": _Usual("NVIDIA A10G", "pcie4", "ethernet-100g", 24.0),
+    "A10": _Usual("NVIDIA A10", "pcie4", "ethernet-100g", 24.0),
+    "L40S": _Usual("NVIDIA L40S", "pcie4", "ethernet-100g", 24.0),
+    "L40": _Usual("NVIDIA L40", "pcie4", "ethernet-100g", 24.0),
+    "L4": _Usual("NVIDIA L4", "pcie4", "ethernet-100g", 24.0),
+    "MI300X": _Usual("AMD Instinct MI300X", "xgmi-mi300x", "roce-400g", 48.0),
+    "MI250X": _Usual("AMD Instinct MI250X", "xgmi-mi250x", "slingshot-200g", 24.0, nics_per_node=4),
+    "MI250": _Usual("AMD Instinct MI250", "xgmi-mi250x", "slingshot-200g", 24.0, nics_per_node=4),
+    "V100": _Usual("Tesla V100-SXM2-16GB", "nvlink2", "ethernet-100g", 12.0),
+    "V100-32GB": _Usual("Tesla V100-SXM2-32GB", "nvlink2", "ethernet-100g", 12.0),
+    "V100-PCIe": _Usual("Tesla V100-PCIE-16GB", "pcie3", "ethernet-100g", 12.0),
+    "V100-PCIe-32GB": _Usual("Tesla V100-PCIE-32GB", "pcie3", "ethernet-100g", 12.0),
+    "T4": _Usual("Tesla T4", "pcie3", "ethernet-100g", 12.0),
+    "RTX4090": _Usual("NVIDIA GeForce RTX 4090", "pcie4", "ethernet-100g", 24.0),
+    "RTX3090": _Usual("NVIDIA GeForce RTX 3090", "pcie4", "ethernet-100g", 24.0),
+    "RTX6000-Ada": _Usual("NVIDIA RTX 6000 Ada", "pcie4", "ethernet-100g", 24.0),
+    "RTX-A6000": _Usual("NVIDIA RTX A6000", "pcie4", "ethernet-100g", 24.0),
 }
+# A GPU described only by numbers (a file or flags without `base`) gets the links of a PCIe card,
+# the most conservative default; Cluster.sources says so, and the file or --intra/--inter fix it.
+_CUSTOM_USUAL = _Usual("", "pcie4", "ethernet-100g", 24.0)
 # Other spellings people use; matched after dropping case and separators ("a100_80gb").
 _SYNONYMS = {
     "A100-80GB": "A100", "A100-SXM": "A100", "A100-SXM-80GB": "A100", "A100-SXM-40GB": "A100-40GB",
     "A100-PCIe-80GB": "A100-PCIe", "H100-SXM": "H100", "H100-80GB": "H100", "H200-SXM": "H200",
     "B200-SXM": "B200", "V100-SXM2": "V100", "V100-16GB": "V100", "A6000": "RTX-A6000",
+    "A800-SXM": "A800", "A800-80GB": "A800", "A800-SXM-80GB": "A800", "A800-PCIe-80GB": "A800-PCIe",
+    "H800-SXM": "H800", "H800-80GB": "H800", "H20-96GB": "H20", "GH200-96GB": "GH200", "GH200-480GB": "GH200",
+    "L40S-48GB": "L40S",
 }
 CPU = "cpu"
 
@@ -222,25 +305,166 @@ def canonical_gpu_name(name: str) -> str | None:
 
 
 def parse_gpus(text: str) -> tuple[int, str]:
-    """"8xH100" -> (8, "H100"); "H100" -> (1, "H100"); "8 x a100-80gb" -> (8, "a100-80gb")."""
-    match = re.fullmatch(r"\s*(?:(\d+)\s*[x×*]\s*)?([A-Za-z][\w\-. ]*?)\s*", str(text), flags=re.IGNORECASE)
+    """"8xH100" -> (8, "H100"); "H100" -> (1, "H100"); "8 x a100-80gb" -> (8, "a100-80gb");
+    "8xmy_gpu.toml" -> (8, "my_gpu.toml"), a GPU described by a file (plan.gpus.read_gpu_file)."""
+    text = str(text)
+    match = (re.fullmatch(r"\s*(?:(\d+)\s*[x×*]\s*)?(\S.*?\.toml)\s*", text, flags=re.IGNORECASE)
+             or re.fullmatch(r"\s*(?:(\d+)\s*[x×*]\s*)?([A-Za-z][\w\-. ]*?)\s*", text, flags=re.IGNORECASE))
     if not match or (match.group(1) is not None and int(match.group(1)) < 1):
-        raise UserError(f"cannot read --gpus {text!r}; write COUNTxNAME per node, e.g. 8xH100, "
-                        f"4xA100-40GB or 2xcpu (count >= 1). Known names: {', '.join(known_gpus())}.")
+        raise UserError(f"cannot read --gpus {text!r}; write COUNTxNAME per node, e.g. 8xH100, 4xA100-40GB or "
+                        f"2xcpu (count >= 1), or COUNTxFILE.toml for a GPU described by a file. Known names: "
+                        f"{', '.join(known_gpus())}.")
     return int(match.group(1) or 1), match.group(2)
 
 
 def _unknown_gpu(name: str) -> UserError:
     close = difflib.get_close_matches(_normalize(name), list(_BY_NORMAL) + ["CPU"], n=1, cutoff=0.5)
     hint = f" Did you mean {canonical_gpu_name(close[0])}?" if close else ""
-    return UserError(f"unknown GPU {name!r}.{hint} Known: {', '.join(known_gpus())}. For a GPU not "
-                     "listed, plan with the most similar one (same generation, memory and form factor).")
+    return UserError(f"unknown GPU {name!r}.{hint} Known: {', '.join(known_gpus())}. For a GPU not listed, "
+                     "describe it: --gpus 8xmy_gpu.toml (a small TOML file, see docs/planner.md), or name it and "
+                     "give its numbers: --gpus 8xmy_gpu --peak-tflops bf16=400,fp8=800 --gpu-memory-gib 64 "
+                     "--gpu-mem-bw 2000.")
 
 
-def _link(name: str, flag: str) -> Link:
-    if name not in LINKS:
-        raise UserError(f"unknown {flag} link {name!r}; choose one of {', '.join(LINKS)}.")
-    return LINKS[name]
+def parse_link(text: str, flag: str, replaces: Link | None = None) -> Link:
+    """A link by name (LINKS) or by its numbers.
+
+    "12.5GB/s", "100Gb/s": an ACHIEVABLE bus bandwidth per GPU (what nccl-tests' busbw and
+        `slipstream probe --sections comm` report), used as given; GB = 10^9 bytes, Gb = 10^9
+        bits (so 100Gb/s is 12.5 GB/s); k, M, T prefixes and "Gbps" spellings work too.
+    "ib:400Gb/s": a WIRE rate (per direction) of a kind in WIRE_KINDS; its achievable fraction
+        applies (ib 0.88: 400Gb/s -> 44 GB/s, as the named ib-ndr).
+    "...@5us": the latency per ring step (ns, us, ms). Default: the kind's; for a bare bandwidth
+        the latency of the link it replaces (`replaces`, the GPU's usual one), else 5 us.
+    """
+    text = str(text)
+    if text.strip() in LINKS:
+        return LINKS[text.strip()]
+    how = (f"give a link name ({', '.join(LINKS)}), an achievable bus bandwidth such as 12.5GB/s or "
+           f"100Gb/s (GB = bytes, Gb = bits), or a wire rate with its kind such as ib:400Gb/s "
+           f"({', '.join(f'{k} x{f:g}' for k, (f, _, _) in WIRE_KINDS.items())}); add @5us for the latency "
+           "per ring step")
+    match = _LINK_SPEC.fullmatch(text)
+    if not match:
+        raise UserError(f"{flag} {text!r}: not a link; {how}.")
+    kind = match["kind"]
+    if kind is not None:
+        kind = _KIND_ALIASES.get(kind.lower(), kind.lower())
+        if kind not in WIRE_KINDS:
+            raise UserError(f"{flag} {text!r}: unknown link kind {match['kind']!r}; {how}.")
+    rate = float(match["value"]) * _UNIT_SCALE[match["prefix"]] / 1e9 / (8 if match["unit"] == "b" else 1)
+    if not 0 < rate < math.inf:
+        raise UserError(f"{flag} {text!r}: the bandwidth must be greater than 0; {how}.")
+    if rate > 100_000:  # 100 TB/s per GPU: a unit slip (B for b, or T for G), not a real link
+        raise UserError(f"{flag} {text!r} is {rate:g} GB/s per GPU, implausibly fast; check the unit: {how}.")
+    if kind is None:
+        bandwidth, what = rate, f"{rate:.4g} GB/s achievable bus bandwidth"
+    else:
+        fraction, _, kind_name = WIRE_KINDS[kind]
+        bandwidth, what = rate * fraction, f"{kind_name} wire rate {rate:.4g} GB/s x {fraction:g} achievable"
+    if match["latency"] is not None:
+        latency = float(match["latency"]) * _LATENCY_SCALE[match["latency_unit"]]
+        said = "given"
+        if latency > 1e6:  # a second per ring step is no network
+            raise UserError(f"{flag} {text!r}: a latency of {latency:g} us per step is implausible; give e.g. @5us.")
+    elif kind is not None:
+        latency, said = WIRE_KINDS[kind][1], f"the usual {WIRE_KINDS[kind][2]} one"
+    elif replaces is not None:
+        latency, said = replaces.latency_us, f"that of {replaces.name}"
+    else:
+        latency, said = 5.0, "assumed"
+    return Link(re.sub(r"\s+", "", text), bandwidth, latency,
+                f"{flag} {text.strip()}: {what}, {latency:g} us per step ({said})")
+
+
+def _inter_per_gpu(link: Link, per_node: int, nics: int) -> Link:
+    """The network per GPU when `nics` NICs of `link` serve a node of `per_node` GPUs: NCCL runs
+    one ring per NIC side by side, so a node moves nics x one NIC and each GPU gets its share."""
+    if nics == per_node:
+        return link
+    share = link.bandwidth_gbs * nics / per_node
+    return replace(link, bandwidth_gbs=share,
+                   description=f"{link.description}; {nics} per node for {per_node} GPUs: {share:.3g} GB/s per GPU")
+
+
+def _resolve_gpu(name: str, described: GpuDescription | None) -> tuple[str, GpuSpec | None, _Usual,
+                                                                        GpuDescription | None, list[str]]:
+    """(short name, spec, usual links, the user's description, source lines) for --gpus' NAME.
+    NAME is a known short name (optionally with some numbers changed by `described`), a FILE.toml,
+    or a new name whose numbers all come from `described`. spec is None for the cpu."""
+    described = described if described is not None and described.given() else None
+    if name.lower().endswith(".toml"):
+        from_file = read_gpu_file(name)
+        described = from_file.merged(described) if described else from_file
+        label = described.name or os.path.splitext(os.path.basename(name))[0]
+        base = canonical_gpu_name(described.base) if described.base else None
+        if described.base and base in (None, CPU):
+            raise UserError(f"GPU file {name}: base {described.base!r} is not a known GPU; use one of "
+                            f"{', '.join(_GPUS)}, or drop base and give every number.")
+    else:
+        base, label = canonical_gpu_name(name), ""
+        if base == CPU:
+            if described:
+                raise UserError("--peak-tflops, --gpu-memory-gib, --gpu-mem-bw and --gpu-generation describe a "
+                                "GPU; a cpu cluster measures this machine instead. Drop them, or plan for a GPU.")
+            return CPU, None, _Usual("", "shm", "ethernet-25g", CPU_MEMORY_BW_GBS), None, []
+        if base is None:
+            if not described:
+                raise _unknown_gpu(name)
+            label = name
+    usual = _GPUS[base] if base else _CUSTOM_USUAL
+    spec = lookup_gpu(usual.device) if base else None
+    assert base is None or spec is not None, f"{usual.device} missing from plan.gpus"
+    if not described:
+        return base, spec, usual, None, []
+    if spec is None:
+        missing = [key for key, have in (("peak_tflops", described.peaks), ("memory_gib", described.memory_gib),
+                                         ("mem_bw_gbs", described.mem_bw_gbs)) if not have]
+        if missing:
+            raise UserError(f"GPU {label!r} is not in the table, so its description needs {', '.join(missing)} "
+                            "(missing). Give them in the GPU file ([peak_tflops] with bf16 = ..., memory_gib, "
+                            "mem_bw_gbs), or as --peak-tflops bf16=...,fp8=... --gpu-memory-gib N --gpu-mem-bw "
+                            "GB/s; or start from a known GPU with base = \"H100\" in the file.")
+    origin = described.origin
+    sources = [f"peak {key} {value:g} TFLOP/s (dense): {origin[f'peak_tflops.{key}']}"
+               for key, value in sorted(described.peaks.items(), key=lambda kv: DTYPE_KEYS.index(kv[0]))]
+    for key, what, unit in (("memory_gib", "GPU memory", "GiB"), ("mem_bw_gbs", "memory bandwidth", "GB/s"),
+                            ("host_link_gbs", "host<->device", "GB/s")):
+        if key in origin:
+            sources.append(f"{what} {getattr(described, key):g} {unit}: {origin[key]}")
+    if "generation" in origin:
+        sources.append(f"generation {described.generation}: {origin['generation']}")
+    spec = GpuSpec(
+        name=label or spec.name,
+        peaks={**(spec.peaks if spec else {}), **described.peaks},
+        memory_gib=described.memory_gib or spec.memory_gib,
+        mem_bw_gbs=described.mem_bw_gbs or spec.mem_bw_gbs,
+        generation=described.generation if described.generation is not None else (spec.generation if spec else ""))
+    return label or base, spec, usual, described, sources
+
+
+def _usual_links(short: str, usual: _Usual, described: GpuDescription | None,
+                 sources: list[str]) -> tuple[Link, Link, int, float]:
+    """(intra, inter, NICs per node or 0 for the link's own default, host GB/s) before probes and flags."""
+    intra_link, inter_link = LINKS[usual.intra], LINKS[usual.inter]
+    nics, host_gbs = usual.nics_per_node, usual.host_gbs
+    where = lambda key: described.origin[key] if described else ""  # noqa: E731
+    if described and described.intra:
+        intra_link = parse_link(described.intra, f"{where('intra')}: intra", intra_link)
+        sources.append(f"intra-node link {described.intra}: {where('intra')}")
+    if described and described.inter:
+        inter_link, nics = parse_link(described.inter, f"{where('inter')}: inter", inter_link), 0
+        sources.append(f"inter-node link {described.inter}: {where('inter')}")
+    if described and described.host_link_gbs:
+        host_gbs = described.host_link_gbs
+    if usual is _CUSTOM_USUAL:  # a GPU known only by its numbers: say what was assumed
+        for key, value, flag in (("intra", usual.intra, "--intra"), ("inter", usual.inter, "--inter"),
+                                 ("host_link_gbs", f"{usual.host_gbs:g} GB/s", "")):
+            if not (described and getattr(described, key)):
+                fix = f" or {flag}" if flag else ""
+                sources.append(f"GPU {short}: no {key} given, assumed {value} (the table's default for a PCIe "
+                               f"card); set {key} in the GPU file{fix}")
+    return intra_link, inter_link, nics, host_gbs
 
 
 def _cpu_spec(processes: int, measured: dict[str, float], cpu: CpuFacts | None) -> GpuSpec:
@@ -259,18 +483,37 @@ def _cpu_spec(processes: int, measured: dict[str, float], cpu: CpuFacts | None) 
     return GpuSpec(f"CPU {cpu.name}", tflops, ram_gib, CPU_MEMORY_BW_GBS, "cpu")
 
 
+# A probe file is a few KB (our own JSON); the cap keeps a wrong or hostile file from exhausting memory.
+PROBE_MAX_BYTES = 16 * 2**20
+# Two probe files may measure the same thing (a single-node probe and a multi-node one both time
+# the intra-node ring). Repeated nccl-tests runs on one machine agree within a few percent; a
+# different link or GPU is 2x or more apart. 25 % keeps noise apart from a real contradiction.
+PROBE_AGREEMENT = 0.25
+PROBE_HOW = "make one with `slipstream probe --out FILE` (add --sections comm under torchrun for links)"
+
+
+class _Fact(NamedTuple):
+    value: float   # the number compared when two probe files measure the same thing
+    detail: dict
+    path: str
+
+
 def _read_probe(path: str) -> dict:
-    how = "make one with `slipstream probe --out FILE` (add --sections comm under torchrun for links)"
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
+        with open(path, "rb") as f:
+            raw = f.read(PROBE_MAX_BYTES + 1)
     except OSError as e:
-        raise UserError(f"cannot read probe file {path}: {e.strerror or e}; {how}.") from None
+        raise UserError(f"cannot read probe file {path}: {e.strerror or e}; {PROBE_HOW}.") from None
+    if len(raw) > PROBE_MAX_BYTES:
+        raise UserError(f"probe file {path} is larger than {PROBE_MAX_BYTES // 2**20} MiB: not a probe result; "
+                        f"{PROBE_HOW}.")
+    try:
+        data = json.loads(raw)
     except ValueError as e:
-        raise UserError(f"probe file {path} is not valid JSON ({e}); {how}.") from None
+        raise UserError(f"probe file {path} is not valid JSON ({e}); {PROBE_HOW}.") from None
     sections = data.get("sections") if isinstance(data, dict) else None
     if not isinstance(sections, dict) or not any(s in sections for s in ("compute", "memory", "comm")):
-        raise UserError(f"probe file {path} has no compute, memory or comm section; {how}.")
+        raise UserError(f"probe file {path} has no compute, memory or comm section; {PROBE_HOW}.")
     return data
 
 
@@ -291,103 +534,198 @@ def _host_gbs(memory: dict, path: str) -> tuple[float, str] | None:
     return None
 
 
+def _ring(section: dict, path: str, where: str) -> dict | None:
+    """A link measured by all_reduce over one group: the largest message's bus bandwidth, and
+    the smallest message's time per ring step (a ring all_reduce takes 2(n-1) steps; a tiny
+    message is all latency). None when the group had fewer than 2 ranks or no rows."""
+    world = int(_number(section.get("world_size"), path, f"{where}.world_size"))
+    rows = (section.get("collectives") or {}).get("all_reduce") or []
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("bytes"), int) for r in rows):
+        raise UserError(f"probe file {path}: {where}.collectives.all_reduce should be a list of rows with bytes; "
+                        "re-run `slipstream probe --sections comm`.")
+    if world < 2 or not rows:
+        return None
+    largest, smallest = max(rows, key=lambda r: r["bytes"]), min(rows, key=lambda r: r["bytes"])
+    bandwidth = _number(largest.get("busbw_gbs"), path, f"{where}.collectives.all_reduce.busbw_gbs")
+    seconds = _number(smallest.get("seconds"), path, f"{where}.collectives.all_reduce.seconds")
+    return {"bandwidth": bandwidth, "latency": seconds * 1e6 / (2 * (world - 1)), "world": world,
+            "bytes": largest["bytes"], "groups": section.get("groups")}
+
+
+def _probe_facts(data: dict, path: str, per_node: int, notes: list[str]) -> dict[str, _Fact]:
+    """What one probe file measured, by name: "<dtype> matmul" (TFLOP/s), "host<->device" and
+    "memory copy" (GB/s), "intra-node link" and "inter-node link" (bus bandwidth GB/s)."""
+    sections, facts = data["sections"], {}
+    compute = sections.get("compute") if isinstance(sections.get("compute"), dict) else {}
+    for key, entry in (compute.get("dtypes") or {}).items():
+        if isinstance(entry, dict) and entry.get("status") == "ok":
+            tflops = _number(entry.get("best_tflops"), path, f"sections.compute.dtypes.{key}.best_tflops")
+            facts[f"{key} matmul"] = _Fact(tflops, {}, path)
+    memory = sections.get("memory")
+    if isinstance(memory, dict):
+        host = _host_gbs(memory, path)
+        if host is not None:
+            facts["host<->device"] = _Fact(host[0], {"kind": host[1]}, path)
+        if isinstance(memory.get("copy"), dict):
+            facts["memory copy"] = _Fact(_number(memory["copy"].get("gbs"), path, "sections.memory.copy.gbs"), {}, path)
+    comm = sections.get("comm")
+    if not isinstance(comm, dict):
+        return facts
+    if "intra" in comm or "inter" in comm:
+        # Two-level probe (multi-node, or a single node that says so): each level is its own group.
+        for level, label in (("intra", "intra-node link"), ("inter", "inter-node link")):
+            ring = _ring(comm[level], path, f"sections.comm.{level}") if isinstance(comm.get(level), dict) else None
+            if ring is not None:
+                facts[label] = _Fact(ring["bandwidth"], ring, path)
+        return facts
+    # One group over the whole launch (older probes): a node's link only if it fits in one node.
+    ring = _ring(comm, path, "sections.comm")
+    if ring is not None and ring["world"] <= per_node:
+        facts["intra-node link"] = _Fact(ring["bandwidth"], ring, path)
+    elif ring is not None:
+        notes.append(f"probe file {path}: comm over {ring['world']} rank(s) does not measure one node of "
+                     f"{per_node}; link defaults kept (probe under torchrun on several nodes to measure both "
+                     "levels)")
+    return facts
+
+
+def _check_machine(data: dict, path: str, short: str, spec: GpuSpec | None, seen: dict[str, str]) -> None:
+    """Refuse a probe from another kind of machine: a CPU for a GPU plan, another GPU model, or
+    a device other than the one an earlier probe file measured."""
+    machine = data.get("machine") if isinstance(data.get("machine"), dict) else {}
+    on_cpu = str(machine.get("device", "")).startswith("cpu")
+    if on_cpu != (short == CPU):
+        raise UserError(f"probe file {path} was measured on {'a CPU' if on_cpu else 'a GPU'} but --gpus asks for "
+                        f"{short}; probe the machine you plan for, or drop --probe.")
+    compute = data["sections"].get("compute") if isinstance(data["sections"].get("compute"), dict) else {}
+    device = str(machine.get("device_name") or compute.get("datasheet") or "")
+    if spec is not None and short != CPU:
+        probed = lookup_gpu(device)
+        if probed is not None and probed.name != spec.name:
+            raise UserError(f"probe file {path} was measured on {probed.name} but --gpus asks for {spec.name}; "
+                            "probe the GPU you plan for, or drop --probe.")
+    if device:
+        for other_path, other in seen.items():
+            if other != device:
+                raise UserError(f"probe files {other_path} and {path} were measured on different devices ({other!r} "
+                                f"and {device!r}); pass probes of the machine you plan for only.")
+        seen[path] = device
+
+
+def _read_probes(paths: Sequence[str], per_node: int, short: str, spec: GpuSpec | None,
+                 sources: list[str]) -> dict[str, _Fact]:
+    """The facts of every probe file, merged: each from the first file that has it; a fact two
+    files measured more than PROBE_AGREEMENT apart is a contradiction and refused."""
+    facts: dict[str, _Fact] = {}
+    seen: dict[str, str] = {}
+    for path in paths:
+        data = _read_probe(path)
+        _check_machine(data, path, short, spec, seen)
+        for key, fact in _probe_facts(data, path, per_node, sources).items():
+            first = facts.setdefault(key, fact)
+            if first is fact:
+                continue
+            low, high = sorted((first.value, fact.value))
+            if high > low * (1 + PROBE_AGREEMENT):
+                raise UserError(f"probe files {first.path} and {path} disagree on the {key}: {first.value:.4g} vs "
+                                f"{fact.value:.4g}, more than {PROBE_AGREEMENT:.0%} apart. They measured different "
+                                "hardware or one run was disturbed: re-probe, or pass only one of them.")
+            sources.append(f"{key}: probe file {path} agrees with {first.path} ({fact.value:.4g} vs "
+                           f"{first.value:.4g}); the first is used")
+    return facts
+
+
 def make_cluster(gpus: str, nodes: int = 1, intra: str | None = None, inter: str | None = None,
-                 probe: str | None = None, memory_gib: float | None = None,
-                 cpu: CpuFacts | None = None) -> Cluster:
-    """A Cluster for `--gpus NxNAME` (N per node) times `nodes`; see the module doc. `cpu`
-    (observe.peaks.this_cpu()) is needed for a `cpu` cluster only, and ignored otherwise."""
+                 probe: str | Sequence[str] | None = None, memory_gib: float | None = None,
+                 cpu: CpuFacts | None = None, *, gpu: GpuDescription | None = None,
+                 nics_per_node: int | None = None) -> Cluster:
+    """A Cluster for `--gpus NxNAME` (N per node) times `nodes`; see the module doc.
+
+    gpus: NAME is a known short name, FILE.toml (plan.gpus.read_gpu_file), or a new name whose
+        numbers all come from `gpu` (plan.gpus.gpu_from_flags); `gpu` also changes a known one.
+    intra, inter: a link name or a bandwidth (parse_link). nics_per_node: the NICs of a node;
+        the inter link (one NIC's bandwidth) is then shared by the node's GPUs.
+    probe: one probe file or several (merged; contradictions refused).
+    cpu: observe.peaks.this_cpu(), needed for a `cpu` cluster only and ignored otherwise.
+    """
     per_node, name = parse_gpus(gpus)
-    short = canonical_gpu_name(name)
-    if short is None:
-        raise _unknown_gpu(name)
+    short, spec, usual, described, sources = _resolve_gpu(name, gpu)
     if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
         raise UserError(f"--nodes must be a whole number >= 1, got {nodes!r}.")
-    sources: list[str] = []
     limit = MAX_CPU_PROCESSES if short == CPU else MAX_GPUS_PER_NODE
     if per_node > limit:
         if nodes == 1 and short != CPU and per_node % MAX_GPUS_PER_NODE == 0:
             nodes, per_node = per_node // MAX_GPUS_PER_NODE, MAX_GPUS_PER_NODE
-            sources.append(f"--gpus {gpus}: more than {limit} per node, read as {nodes} nodes of {per_node}")
+            sources.insert(0, f"--gpus {gpus}: more than {limit} per node, read as {nodes} nodes of {per_node}")
         else:
             raise UserError(f"--gpus {gpus}: {per_node} per node is more than the {limit} a node holds. The "
                             f"count is per node: write e.g. --gpus {limit}x{name} --nodes {max(2, nodes)}.")
+    if nics_per_node is not None and (isinstance(nics_per_node, bool) or not isinstance(nics_per_node, int)
+                                      or not 1 <= nics_per_node <= MAX_NICS_PER_NODE):
+        raise UserError(f"--nics-per-node must be a whole number from 1 to {MAX_NICS_PER_NODE}, got "
+                        f"{nics_per_node!r}.")
 
-    data = _read_probe(probe) if probe is not None else None
-    probed = data["sections"] if data else {}
-    machine = data.get("machine", {}) if data else {}
-    probe_on_cpu = str(machine.get("device", "")).startswith("cpu")
-    if data and probe_on_cpu != (short == CPU):
-        raise UserError(f"probe file {probe} was measured on {'a CPU' if probe_on_cpu else 'a GPU'} but "
-                        f"--gpus asks for {short}; probe the machine you plan for, or drop --probe.")
-
-    # Matmul rates measured by the probe, TFLOP/s per dtype.
-    compute = probed.get("compute", {})
-    measured = {key: _number(entry.get("best_tflops"), probe, f"sections.compute.dtypes.{key}.best_tflops")
-                for key, entry in compute.get("dtypes", {}).items()
-                if isinstance(entry, dict) and entry.get("status") == "ok"}
+    paths = [probe] if isinstance(probe, str) else list(probe or ())
+    facts = _read_probes(paths, per_node, short, spec, sources)
+    measured = {key.split()[0]: fact for key, fact in facts.items() if key.endswith(" matmul")}
 
     if short == CPU:
-        spec = _cpu_spec(per_node, {k: v for k, v in measured.items() if k in ("fp32", "bf16", "fp16")}, cpu)
+        spec = _cpu_spec(per_node, {k: f.value for k, f in measured.items() if k in ("fp32", "bf16", "fp16")}, cpu)
         efficiency = dict.fromkeys(spec.peaks, 1.0)  # measured rates already are achievable rates
-        intra_link, inter_link, host_gbs = LINKS["shm"], LINKS["ethernet-25g"], CPU_MEMORY_BW_GBS
         reserve_gib = CPU_MEMORY_RESERVE_GIB
         sources.append(f"cpu peaks: measured matmul rates of this machine / {per_node} process(es)")
     else:
-        lookup_name, intra_name, inter_name, host_gbs = _GPUS[short]
-        spec = lookup_gpu(lookup_name)
-        assert spec is not None, f"{lookup_name} missing from plan.gpus"
         efficiency = {k: DEFAULT_MATMUL_EFFICIENCY.get(k, 0.75) for k in spec.peaks}
-        intra_link, inter_link = LINKS[intra_name], LINKS[inter_name]
         reserve_gib = GPU_MEMORY_RESERVE_GIB
-        probe_spec = lookup_gpu(str(machine.get("device_name") or compute.get("datasheet") or ""))
-        if probe_spec is not None and probe_spec.name != spec.name:
-            raise UserError(f"probe file {probe} was measured on {probe_spec.name} but --gpus asks for "
-                            f"{spec.name}; probe the GPU you plan for, or drop --probe.")
-        for key, tflops in measured.items():
+        for key, fact in measured.items():
             if key in spec.peaks:
-                efficiency[key] = tflops / spec.peaks[key]
-                sources.append(f"{key} matmul {efficiency[key]:.2f} of peak ({tflops:.1f} TFLOP/s): probe file {probe}")
+                efficiency[key] = fact.value / spec.peaks[key]
+                sources.append(f"{key} matmul {efficiency[key]:.2f} of peak ({fact.value:.1f} TFLOP/s): "
+                               f"probe file {fact.path}")
 
+    intra_link, inter_link, nics, host_gbs = _usual_links(short, usual, described, sources)
+    inter_measured = False
+    for key, level in (("intra-node link", "intra"), ("inter-node link", "inter")):
+        if key in facts:
+            ring, path = facts[key].detail, facts[key].path
+            base = intra_link if level == "intra" else inter_link
+            link = Link(base.name, ring["bandwidth"], ring["latency"], f"{base.description} (measured)")
+            sources.append(f"{key} {link.bandwidth_gbs:.1f} GB/s, {link.latency_us:.1f} us/step: all_reduce of "
+                           f"{ring['bytes']} B over {ring['world']} ranks, probe file {path}")
+            groups = ring.get("groups")
+            if level == "inter" and isinstance(groups, int) and groups != per_node:
+                sources.append(f"{key}: measured with {groups} rank(s) per node sharing the NICs, planned with "
+                               f"{per_node}; re-probe with {per_node} per node for this share")
+            if level == "intra":
+                intra_link = link
+            else:
+                inter_link, inter_measured = link, True
     if intra is not None:
-        intra_link = _link(intra, "--intra")
+        intra_link = parse_link(intra, "--intra", intra_link)
         sources.append(f"intra-node link {intra}: --intra")
     if inter is not None:
-        inter_link = _link(inter, "--inter")
+        inter_link, nics, inter_measured = parse_link(inter, "--inter", inter_link), 0, False
         sources.append(f"inter-node link {inter}: --inter")
-    if inter_link.name in PER_NODE_LINKS and per_node > 1:
-        share = inter_link.bandwidth_gbs / per_node
-        inter_link = replace(inter_link, bandwidth_gbs=share,
-                             description=f"{inter_link.description}, {share:.3g} GB/s per GPU of {per_node}")
+    if nics_per_node is not None:
+        if inter_measured:
+            raise UserError("--nics-per-node shares a network link given by name or bandwidth among a node's GPUs; "
+                            "the probe's inter-node measurement already is per GPU. Drop --nics-per-node, or "
+                            "give --inter as well.")
+        nics = nics_per_node
+        sources.append(f"{nics_per_node} NIC(s) per node: --nics-per-node")
+    if not inter_measured:
+        nics = nics or (1 if inter_link.name in PER_NODE_LINKS else per_node)
+        inter_link = _inter_per_gpu(inter_link, per_node, nics)
 
-    comm = probed.get("comm")
-    if isinstance(comm, dict):
-        world = int(_number(comm.get("world_size"), probe, "sections.comm.world_size"))
-        rows = comm.get("collectives", {}).get("all_reduce") or []
-        if world >= 2 and rows and world <= per_node:
-            largest = max(rows, key=lambda r: r.get("bytes", 0))
-            smallest = min(rows, key=lambda r: r.get("bytes", 0))
-            bandwidth = _number(largest.get("busbw_gbs"), probe, "sections.comm.collectives.all_reduce.busbw_gbs")
-            # A ring all_reduce takes 2(n-1) steps; the smallest message is all latency.
-            seconds = _number(smallest.get("seconds"), probe, "sections.comm.collectives.all_reduce.seconds")
-            latency = seconds * 1e6 / (2 * (world - 1))
-            intra_link = Link(intra_link.name, bandwidth, latency, f"{intra_link.description} (measured)")
-            sources.append(f"intra-node link {bandwidth:.1f} GB/s, {latency:.1f} us/step: all_reduce of "
-                           f"{largest['bytes']} B over {world} ranks, probe file {probe}")
-        else:
-            sources.append(f"probe file {probe}: comm over {world} rank(s) does not measure one node of "
-                           f"{per_node}; link defaults kept")
-
-    memory = probed.get("memory")
-    if isinstance(memory, dict):
-        host = _host_gbs(memory, probe)
-        if host is not None:
-            host_gbs = host[0]
-            sources.append(f"host<->device {host_gbs:.1f} GB/s ({host[1]}): probe file {probe}")
-        if short == CPU and isinstance(memory.get("copy"), dict):
-            copy_gbs = _number(memory["copy"].get("gbs"), probe, "sections.memory.copy.gbs")
-            spec = replace(spec, mem_bw_gbs=copy_gbs)
-            host_gbs = copy_gbs  # "offload" on a CPU is a copy within RAM
-            sources.append(f"memory bandwidth {copy_gbs:.1f} GB/s: probe file {probe}")
+    if "host<->device" in facts:
+        fact = facts["host<->device"]
+        host_gbs = fact.value
+        sources.append(f"host<->device {host_gbs:.1f} GB/s ({fact.detail['kind']}): probe file {fact.path}")
+    if short == CPU and "memory copy" in facts:
+        fact = facts["memory copy"]
+        spec = replace(spec, mem_bw_gbs=fact.value)
+        host_gbs = fact.value  # "offload" on a CPU is a copy within RAM
+        sources.append(f"memory bandwidth {fact.value:.1f} GB/s: probe file {fact.path}")
 
     if memory_gib is not None:
         if not (isinstance(memory_gib, (int, float)) and 0 < memory_gib <= spec.memory_gib):
