@@ -13,6 +13,7 @@ import torch
 from slipstream.errors import UserError
 from slipstream.observe import peaks
 from slipstream.perf import probe
+from slipstream.plan.hardware import CpuFacts, make_cluster
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 SMALL_SIZES = [64, 128]
@@ -145,12 +146,16 @@ import json, os, sys
 import torch.distributed as dist
 from slipstream.perf.probe import run_probe
 
+# One machine, but each rank says it is a node of its own (as torchrun --nnodes 2 would with one
+# process per node): the probe then also times the intra/inter levels, here 2 nodes x 1 rank.
+os.environ["LOCAL_WORLD_SIZE"] = "1"
+os.environ["GROUP_RANK"] = os.environ["RANK"]
 result = run_probe(["comm"], device="cpu", comm_sizes=[1024, 65536], show=False)
 # The probe created the process group, so it must also have torn it down.
 assert not dist.is_initialized()
 if os.environ["RANK"] == "0":
     with open(sys.argv[1], "w") as f:
-        json.dump(result["sections"]["comm"], f)
+        json.dump(result, f)
 """
 
 
@@ -165,8 +170,25 @@ def test_comm_world_2_with_torchrun(tmp_path):
         env=env, capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    comm = json.loads(out.read_text())
+    result = json.loads(out.read_text())
+    comm = result["sections"]["comm"]
     assert comm["world_size"] == 2 and comm["backend"] == "gloo"
+    # The faked 2-node layout: one rank per node, so no intra-node group; one rail of both ranks.
+    assert (comm["nodes"], comm["ranks_per_node"]) == (2, 1) and "intra" not in comm
+    inter = comm["inter"]
+    assert (inter["world_size"], inter["groups"]) == (2, 1)
+    assert [row["bytes"] for row in inter["collectives"]["all_reduce"]] == [1024, 65536]
+    for row in inter["collectives"]["all_reduce"]:
+        assert row["busbw_gbs"] == pytest.approx(row["bytes"] / row["seconds"] / 1e9 * probe.bus_bandwidth_factor(
+            "all_reduce", 2))
+    # The planner reads that file's inter level as the link between nodes.
+    path = tmp_path / "probe.json"
+    path.write_text(json.dumps(result))
+    cluster = make_cluster("1xcpu", nodes=2, probe=str(path), cpu=CpuFacts("test cpu", lambda key: 1e11))
+    largest = inter["collectives"]["all_reduce"][-1]
+    assert cluster.inter.bandwidth_gbs == pytest.approx(largest["busbw_gbs"])
+    assert cluster.inter.latency_us == pytest.approx(inter["collectives"]["all_reduce"][0]["seconds"] * 1e6 / 2)
+    assert cluster.intra.name == "shm" and "(measured)" not in cluster.intra.description
     assert set(comm["collectives"]) == set(probe.COLLECTIVES)
     for name, rows in comm["collectives"].items():
         assert [row["bytes"] for row in rows] == [1024, 65536]

@@ -8,7 +8,11 @@ Sections (any subset):
   memory   device copy bandwidth; on CUDA also host<->device bandwidth, pinned vs pageable.
   comm     collectives (all_reduce, all_gather, reduce_scatter, all_to_all, broadcast)
            over message sizes, with nccl-tests' algorithm and bus bandwidth. Needs a
-           distributed launch (torchrun); every rank runs the same collectives.
+           distributed launch (torchrun); every rank runs the same collectives. When the
+           launch spans several nodes it also times all_reduce within each node ("intra":
+           the ranks of one node) and between nodes ("inter": the i-th rank of every node,
+           all local ranks at once, so each sees its share of the node's NICs), the two
+           links the planner reads (`slipstream plan --probe`).
   storage  read throughput of a prepared token-shard folder.
 
 Every timing excludes a warm-up and keeps the best of a few repeats (the fastest run is
@@ -334,8 +338,90 @@ def _collective(name: str, numel: int, world: int, device: torch.device) -> Call
     raise ValueError(f"unknown collective {name!r}")
 
 
+def _time_rows(name: str, sizes: list[int], world: int, device: torch.device, traffic: int,
+               make: Callable[[int], Callable[[], None]]) -> list[dict[str, Any]]:
+    """One row per size of collective `name` over a group of `world` ranks; make(numel) builds
+    one call. Every rank of the launch runs this, even outside the group (the timing max is
+    taken over the whole launch, which also keeps the sizes in step)."""
+    rows = []
+    for size in sizes:
+        # Whole fp32 elements, divisible by the group size so every rank gets equal parts.
+        numel = max(world, size // 4 // world * world)
+        nbytes = numel * 4
+        run = make(numel)
+        iters = max(COMM_MIN_ITERS, min(COMM_MAX_ITERS, traffic // nbytes))
+        for _ in range(COMM_WARMUP):
+            run()
+        _sync(device)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            run()
+        _sync(device)
+        # Ranks finish at slightly different times; the collective is as slow as the slowest.
+        elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
+        dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+        seconds = float(elapsed.item())
+        algbw = nbytes / seconds / 1e9
+        rows.append({
+            "bytes": nbytes,
+            "iters": iters,
+            "seconds": seconds,
+            "algbw_gbs": algbw,
+            "busbw_gbs": bus_bandwidth(name, algbw, world),
+        })
+    return rows
+
+
+def comm_groups(node_of_rank: list[int]) -> tuple[list[list[int]], list[list[int]]] | None:
+    """The two levels of a launch, from each rank's node: (nodes, rails).
+
+    nodes: the ranks of each node (the intra-node groups); rails: for each local index i, the
+    i-th rank of every node (the inter-node groups, one rank per node). NCCL runs one ring per
+    NIC side by side, so timing all rails at once gives each GPU's share of its node's NICs,
+    which is what the planner's inter link is. None when the nodes hold different numbers of
+    ranks (there is then no rail per local rank to time).
+    """
+    by_node: dict[int, list[int]] = {}
+    for rank, node in enumerate(node_of_rank):
+        by_node.setdefault(node, []).append(rank)
+    nodes = [by_node[node] for node in sorted(by_node)]
+    if len({len(ranks) for ranks in nodes}) != 1:
+        return None
+    rails = [[ranks[i] for ranks in nodes] for i in range(len(nodes[0]))]
+    return nodes, rails
+
+
+def _node_of_each_rank(device: torch.device) -> list[int] | None:
+    """Every rank's node, as torchrun numbers them (GROUP_RANK, else RANK // LOCAL_WORLD_SIZE);
+    None when the launcher says neither. The same on every rank (gathered)."""
+    node, local_world = os.environ.get("GROUP_RANK"), os.environ.get("LOCAL_WORLD_SIZE")
+    if node is None and local_world is None:
+        return None
+    mine = int(node) if node is not None else dist.get_rank() // max(1, int(local_world))
+    gathered = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, torch.tensor([mine], dtype=torch.int64, device=device))
+    return [int(t.item()) for t in gathered]
+
+
+def _level(groups: list[list[int]], handles: list, sizes: list[int], device: torch.device,
+           traffic: int) -> dict[str, Any]:
+    """all_reduce within every group at once; the rows of this rank's group (all groups are alike)."""
+    rank = dist.get_rank()
+    mine = next(handle for ranks, handle in zip(groups, handles) if rank in ranks)
+    world = len(groups[0])
+
+    def make(numel: int) -> Callable[[], None]:
+        full = torch.ones(numel, dtype=torch.float32, device=device)
+        return lambda: dist.all_reduce(full, group=mine)
+
+    return {"world_size": world, "groups": len(groups),
+            "collectives": {"all_reduce": _time_rows("all_reduce", sizes, world, device, traffic, make)}}
+
+
 def comm_section(device: torch.device, sizes: list[int] | None = None) -> dict[str, Any]:
-    """Time every collective at every size; identical calls on every rank, in the same order."""
+    """Time every collective at every size over the whole launch, then, when it spans several
+    nodes, all_reduce within the nodes and between them; identical calls on every rank, in the
+    same order."""
     world = dist.get_world_size()
     sizes = list(sizes) if sizes else list(CPU_COMM_SIZES if device.type == "cpu" else GPU_COMM_SIZES)
     traffic = CPU_COMM_TRAFFIC_BYTES if device.type == "cpu" else GPU_COMM_TRAFFIC_BYTES
@@ -348,33 +434,35 @@ def comm_section(device: torch.device, sizes: list[int] | None = None) -> dict[s
         "collectives": {},
     }
     for name in COLLECTIVES:
-        rows = []
-        for size in sizes:
-            # Whole fp32 elements, divisible by the world size so every rank gets equal parts.
-            numel = max(world, size // 4 // world * world)
-            nbytes = numel * 4
-            run = _collective(name, numel, world, device)
-            iters = max(COMM_MIN_ITERS, min(COMM_MAX_ITERS, traffic // nbytes))
-            for _ in range(COMM_WARMUP):
-                run()
-            _sync(device)
-            t0 = time.perf_counter()
-            for _ in range(iters):
-                run()
-            _sync(device)
-            # Ranks finish at slightly different times; the collective is as slow as the slowest.
-            elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            seconds = float(elapsed.item())
-            algbw = nbytes / seconds / 1e9
-            rows.append({
-                "bytes": nbytes,
-                "iters": iters,
-                "seconds": seconds,
-                "algbw_gbs": algbw,
-                "busbw_gbs": bus_bandwidth(name, algbw, world),
-            })
-        result["collectives"][name] = rows
+        make = lambda numel, name=name: _collective(name, numel, world, device)  # noqa: E731
+        result["collectives"][name] = _time_rows(name, sizes, world, device, traffic, make)
+
+    layout = _node_of_each_rank(device) if world > 1 else None
+    levels = comm_groups(layout) if layout else None
+    if layout and levels is None:
+        result["levels"] = "not measured: the nodes run different numbers of ranks"
+    if levels is None:
+        return result
+    nodes, rails = levels
+    result["nodes"], result["ranks_per_node"] = len(nodes), len(nodes[0])
+    if len(nodes) == 1:
+        # One node: the whole launch is the intra-node group, already timed.
+        result["intra"] = {"world_size": world, "groups": 1,
+                           "collectives": {"all_reduce": result["collectives"]["all_reduce"]}}
+        return result
+    # new_group is collective over the whole launch: every rank creates every group, in one order.
+    node_handles = [dist.new_group(ranks) for ranks in nodes] if len(nodes[0]) > 1 else []
+    rail_handles = [dist.new_group(ranks) for ranks in rails]
+    try:
+        if node_handles:
+            result["intra"] = _level(nodes, node_handles, sizes, device, traffic)
+        result["inter"] = _level(rails, rail_handles, sizes, device, traffic)
+        result["inter"]["note"] = (f"one rank per node; the {len(rails)} groups (one per local rank) run at once, "
+                                   "so each sees its share of the node's NICs")
+    finally:
+        for handle in node_handles + rail_handles:
+            if handle is not None and handle != dist.GroupMember.NON_GROUP_MEMBER:
+                dist.destroy_process_group(handle)
     return result
 
 
@@ -483,6 +571,16 @@ def print_report(result: dict[str, Any]) -> None:
                 table.add_row(name if i == 0 else "", _size(row["bytes"]), f"{row['seconds'] * 1e6:.1f}",
                               f"{row['algbw_gbs']:.3f}", f"{row['busbw_gbs']:.3f}")
         console.print(table)
+        if "inter" in comm:
+            table = Table(title=f"all_reduce by level: {comm['nodes']} nodes x {comm['ranks_per_node']} ranks "
+                                "(every group at once; busbw per rank)")
+            for column in ("level", "ranks", "size", "time (us)", "busbw GB/s"):
+                table.add_column(column, justify="left" if column == "level" else "right")
+            for level in ("intra", "inter"):
+                for i, row in enumerate(comm.get(level, {}).get("collectives", {}).get("all_reduce", [])):
+                    table.add_row(level if i == 0 else "", str(comm[level]["world_size"]) if i == 0 else "",
+                                  _size(row["bytes"]), f"{row['seconds'] * 1e6:.1f}", f"{row['busbw_gbs']:.3f}")
+            console.print(table)
     if "storage" in sections:
         storage = sections["storage"]
         table = Table(title=f"storage read: {storage['data_dir']}")
