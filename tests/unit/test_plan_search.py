@@ -8,7 +8,7 @@ from slipstream.errors import UserError
 from slipstream.plan.hardware import make_cluster
 from slipstream.plan.memory import GIB
 from slipstream.plan.model import resolve_model
-from slipstream.plan.search import MICRO_BATCHES, evaluate, explain_infeasible, layouts, plan
+from slipstream.plan.search import MAX_VIRTUAL, MICRO_BATCHES, evaluate, explain_infeasible, layouts, plan
 from slipstream.plan.space import (PP_DP_STRATEGIES, TP_DP_STRATEGIES, PlanModel, Strategy, Workload,
                                    strategy_overrides)
 
@@ -128,7 +128,9 @@ def test_layouts_divide_the_work(llama70b, cluster64):
         if s.offload:
             assert s.dp_strategy in ("fsdp", "hsdp")
         if s.pp_schedule == "interleaved-1f1b":
-            assert s.pp_virtual == 2 and llama70b.cfg.n_layer % (2 * s.pp) == 0
+            # 2 chunks per rank (stages of uneven whole blocks), or more where the layers split evenly
+            assert s.pp * s.pp_virtual <= llama70b.cfg.n_layer and 2 <= s.pp_virtual <= MAX_VIRTUAL
+            assert s.pp_virtual == 2 or llama70b.cfg.n_layer % (s.pp * s.pp_virtual) == 0
 
 
 # ---------------------------------------------------------------- small and impossible work
@@ -171,14 +173,16 @@ def test_prime_global_batch(gpt2):
     for c in r.ranked + r.rejected:
         s = c.strategy
         assert (s.dp, s.dp_strategy, s.tp * s.pp * s.cp, s.micro_batch, s.grad_accum) == (1, "none", 8, 1, 7)
-    # 1F1B needs at least pp micro-batches: 7 run over pp 2 or 4 with tp, not over pp 8
+    # 1F1B needs at least pp micro-batches: 7 run over pp 2 or 4 with tp, not over pp 8 (the 12 blocks
+    # of gpt2 also make 8 uneven interleaved stages over pp 4)
     best = r.best(runnable_only=True).strategy
-    assert best.tp * best.pp == 8 and best.pp <= 7 and best.pp_schedule == "1f1b"
+    assert best.tp * best.pp == 8 and best.pp <= 7 and best.pp_schedule in ("1f1b", "interleaved-1f1b")
     assert all(c.not_runnable for c in r.ranked if c.strategy.pp == 8 and c.strategy.pp_schedule == "1f1b")
     # GPipe runs fewer micro-batches than stages: 7 sequences over a pipeline of 8
     piped = plan(gpt2, cluster, Workload(1024, 7), runnable_only=True, pp_schedules=("gpipe",)).best()
     assert (piped.strategy.pp, piped.strategy.pp_schedule, piped.strategy.grad_accum) == (8, "gpipe", 7)
-    with pytest.raises(UserError, match="multiple of 8"):
+    # ddp only: the batch binds (dp 2, 4, 8 reach 6 or 8 sequences), or the strategy (dp 1 runs none)
+    with pytest.raises(UserError, match="(?s)degrees these GPUs reach are 2, 4, 8 .*work: 6 or 8 .*strategy none"):
         plan(gpt2, cluster, Workload(1024, 7), dp_strategies=("ddp",))
 
 
@@ -200,8 +204,11 @@ def test_workload_rejects_nonpositive():
 def test_space_restrictions(gpt2):
     cluster = make_cluster("8xH100")
     work = Workload(1024, 64)
-    r = plan(gpt2, cluster, work, dp_strategies=("fsdp",), tp=(1,), pp=(1,), ac=("full",), micro_batches=(2, 4))
-    assert r.evaluated == 2 * 2 * 2   # micro-batch x offload x fused loss
+    space = dict(dp_strategies=("fsdp",), tp=(1,), pp=(1,), ac=("full",), micro_batches=(2, 4))
+    assert len(layouts(gpt2, cluster, work, **space)) == 2 * 2 * 2   # micro-batch x offload x fused loss
+    r = plan(gpt2, cluster, work, **space)
+    # each layout fits without offload, so its offload twin (slower, never ranked above it) is not evaluated
+    assert r.evaluated == 2 * 2 and len(r.ranked) == 4 and not any(c.strategy.offload for c in r.ranked)
     for c in r.ranked + r.rejected:
         s = c.strategy
         assert (s.dp_strategy, s.dp, s.tp, s.pp, s.ac) == ("fsdp", 8, 1, 1, "full")
@@ -400,5 +407,8 @@ def test_tensor_parallel_degrees_divide_the_padded_vocabulary_and_sequence():
     odd_vocab = PlanModel("gpt2", dataclasses.replace(base.cfg, vocab_size=50257, vocab_multiple=1))
     cluster = make_cluster("8xH100")
     assert {s.tp for s in layouts(odd_vocab, cluster, Workload(1024, 64))} == {1}
-    assert {s.tp for s in layouts(base, cluster, Workload(1026, 64))} == {1, 2}  # 1026 = 2 x 513
+    # 1026 = 2 x 513: sequence parallel splits it over tp 2 only; without SP tp 4 runs too
+    assert {s.tp for s in layouts(base, cluster, Workload(1026, 64), sequence_parallel="on")} == {1, 2}
+    assert {(s.tp, s.sequence_parallel) for s in layouts(base, cluster, Workload(1026, 64)) if s.tp > 1} == {
+        (2, True), (2, False), (4, False)}
     assert {2, 4} <= {s.tp for s in layouts(base, cluster, Workload(1024, 64))}

@@ -9,18 +9,25 @@ Pipeline schedules carry the trainer's names (parallel.pp_schedule); a pipeline 
 Strategy(micro_batch=mb, grad_accum=m) is the config's train.micro_batch_size=mb,
 train.grad_accum_steps=m, parallel.pp_microbatches=m (the pipeline splits the mb x m sequences
 of a data-parallel rank into m micro-batches).
+
+A layout is written as its label, e.g. "zero1:8 tp4+sp pp12:1f1b mb2x16 ac:full": `Strategy.label()`
+prints it (the table's layout column) and `parse_layout` reads it back (`slipstream plan --layout`),
+exact inverses for every layout the search proposes (LAYOUT_SYNTAX lists the tokens).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
-from slipstream.config.dims import PP_ONE_STAGE, PP_V_SHAPED
+from slipstream.config.dims import PP_ONE_STAGE, PP_SPLIT_BACKWARD, PP_V_SHAPED, SHARDED
 from slipstream.config.schema import ModelConfig, ParallelConfig
 from slipstream.errors import UserError
 
 DP_STRATEGIES = ("none", "ddp", "zero1", "zero2", "fsdp", "hsdp")
+# The strategies that run as FSDP2 (low precision through FSDP mixed precision): config.dims.SHARDED.
+FSDP_FAMILY = SHARDED
 # How much each data-parallel strategy shards: (optimizer state, gradients, parameters).
 # zero2 runs as FSDP2 without resharding after forward: the parameters' storage is sharded,
 # and a gathered copy lives from the forward until each block's backward (plan/memory.py).
@@ -45,6 +52,7 @@ ROUND_SCHEDULES = ("interleaved-1f1b", "interleaved-zero-bubble")
 SCHEDULE_ALIASES = {"interleaved": "interleaved-1f1b", "zero-bubble": "zbv"}
 PP_SCHEDULES = (*SCHEDULE_VIRTUAL, *SCHEDULE_ALIASES)
 AC_MODES = ("none", "selective", "full")
+DEFAULT_LOSS_CHUNK = 4096  # the planner's fused-loss chunk (tokens per chunk of the linear + cross-entropy)
 # How attention is computed (a planner input, `--attention`): flash (fused kernel, the T x T scores
 # never reach memory; backward recomputes them: FlashAttention, torch SDPA, what slipstream runs),
 # efficient (memory-efficient fused kernel: the same memory, a slower kernel) or materialized (the
@@ -129,7 +137,7 @@ class Strategy:
     # planner's choice; False = fp32 gathers under autocast, as a config may also ask for
     fsdp_mixed: bool = True
     fused_loss: bool = False   # chunked linear + cross-entropy: logits never materialized whole
-    loss_chunk: int = 4096
+    loss_chunk: int = DEFAULT_LOSS_CHUNK
     # pp > 1: blocks per stage (pp x virtual stages of them, in stage order); () = the trainer's
     # balanced split (plan/stages.split_layers). The busiest rank sizes memory and time.
     pp_layers: tuple[int, ...] = ()
@@ -178,6 +186,10 @@ class Strategy:
     def not_runnable(self) -> list[str]:
         """Why slipstream cannot run this layout yet (empty: it can)."""
         reasons = []
+        if self.precision == "fp16" and self.dp_strategy in FSDP_FAMILY:
+            # Planned as it would run (FSDP mixed precision in fp16, a sharded grad scaler: the memory
+            # of bf16), but config.dims.check_compatibility refuses fp16 loss scaling on FSDP2.
+            reasons.append(f"fp16 loss scaling with {self.dp_strategy} (bf16 runs it)")
         if self.tp > 1 and self.dp_strategy not in TP_DP_STRATEGIES:
             reasons.append(f"tensor parallel {self.tp} with {self.dp_strategy}")
         if self.tp > 1 and self.fused_loss:
@@ -218,6 +230,9 @@ class Strategy:
             reasons.append(f"pipeline parallel {pp} with the fused loss")
         if self.precision == "fp16":
             reasons.append(f"pipeline parallel {pp} with fp16 loss scaling")
+        if name in PP_SPLIT_BACKWARD and self.ac == "selective":
+            # config.dims.check_pipeline_config: the split backward runs the saved values twice
+            reasons.append(f"pipeline parallel {pp}: {name} with selective checkpointing")
         if (name in PP_ONE_STAGE and v != 1) or (name in PP_V_SHAPED and v != 2):
             reasons.append(f"pipeline parallel {pp}: {name} with {v} stages per rank "
                            f"(it runs {1 if name in PP_ONE_STAGE else 2})")
@@ -232,13 +247,21 @@ class Strategy:
         return reasons
 
     def label(self) -> str:
-        parts = [self.dp_strategy + (f":{self.dp}" if self.dp > 1 else "")]
+        """The layout in `slipstream plan`'s syntax (LAYOUT_SYNTAX); parse_layout reads it back. The
+        plan-wide inputs (precision, attention) are not repeated: parse_layout takes them as arguments."""
         if self.dp_strategy == "hsdp":
-            parts[0] = f"hsdp:{self.dp // self.dp_shard}x{self.dp_shard}"
+            parts = [f"hsdp:{self.dp // max(1, self.dp_shard)}x{self.dp_shard}"]
+        else:
+            parts = [self.dp_strategy + (f":{self.dp}" if self.dp > 1 else "")]
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + ("+sp" if self.sequence_parallel else ""))
         if self.pp > 1:
-            parts.append(f"pp{self.pp}:{self.pp_schedule}" + (f"x{self.pp_virtual}" if self.pp_virtual > 1 else ""))
+            # Chunks per rank written for the looping schedules, and wherever they are not the schedule's own
+            fixed = self.pp_schedule in PP_ONE_STAGE or self.pp_schedule in PP_V_SHAPED
+            chunks = "" if fixed and self.pp_virtual == SCHEDULE_VIRTUAL[self.pp_schedule] else f"x{self.pp_virtual}"
+            parts.append(f"pp{self.pp}:{self.pp_schedule}{chunks}")
+            if self.pp_layers:
+                parts.append("layers:" + ",".join(map(str, self.pp_layers)))
         if self.cp > 1:
             parts.append(f"cp{self.cp}")
         if self.ep > 1:
@@ -254,6 +277,136 @@ class Strategy:
 
     def replace(self, **changes) -> Strategy:
         return dataclasses.replace(self, **changes)
+
+
+LAYOUT_SYNTAX = ("a layout is words in any order: the data-parallel strategy and degree (none, ddp:8, zero1:8, "
+                 "zero2:8, fsdp:64, hsdp:8x8 = replicas x shard; the degree may be left out), tp4 (tp4+sp: with "
+                 "sequence parallel), pp12 or pp12:SCHEDULE[xCHUNKS] (pp12:1f1b, pp12:interleaved-1f1bx3, pp4:zbv), "
+                 "layers:9,10,10,9 (blocks per stage), cp2, ep8, mb2 or mb2x16 (micro-batch x accumulation), "
+                 "ac:none|selective|full, offload, fused-loss, attn:flash|efficient|materialized, bf16|fp16|fp32; "
+                 "e.g. \"zero1:8 tp4 pp12 mb2 ac:full\" (the table's layout column is this syntax)")
+
+# One pattern per kind of word (LAYOUT_SYNTAX); a layout names each kind at most once.
+_LAYOUT_WORDS = {
+    "data-parallel strategy": re.compile(r"(none|ddp|zero1|zero2|fsdp|hsdp)(?::(\d+)(?:x(\d+))?)?"),
+    "tensor parallel": re.compile(r"tp(\d+)(\+sp)?"),
+    "pipeline": re.compile(r"pp(\d+)(?::([a-z0-9-]+?)(?:x(\d+))?)?"),
+    "pipeline layers": re.compile(r"layers:(\d+(?:,\d+)*)"),
+    "context parallel": re.compile(r"cp(\d+)"),
+    "expert parallel": re.compile(r"ep(\d+)"),
+    "micro-batch": re.compile(r"mb(\d+)(?:x(\d+))?"),
+    "activation checkpointing": re.compile(r"ac:([a-z]+)"),
+    "offload": re.compile(r"offload"),
+    "fused loss": re.compile(r"fused-loss"),
+    "attention": re.compile(r"attn:([a-z]+)"),
+    "precision": re.compile(r"(bf16|fp16|fp32)"),
+}
+
+
+def parse_layout(text: str, world: int, global_batch: int | None = None, *, precision: str = "bf16",
+                 attention: str = "flash", n_layer: int | None = None) -> Strategy:
+    """The Strategy a layout label names on `world` GPUs (the inverse of Strategy.label()).
+
+    Left out: tp, pp, cp, ep 1; the data-parallel degree world / (tp x pp x cp), its strategy ddp
+    when there are several data-parallel (or context-parallel) ranks, else none; micro-batch 1,
+    accumulation global_batch / (dp x micro-batch); no checkpointing. `precision` and `attention`
+    are the plan's, unless the layout names its own. n_layer (when known) checks layers:...
+    """
+    def bad(what: str) -> UserError:
+        return UserError(f"--layout {text!r}: {what}. Syntax: {LAYOUT_SYNTAX}")
+
+    found: dict[str, tuple[str, re.Match]] = {}
+    for word in text.lower().split():
+        kind, match = next(((k, m) for k, pattern in _LAYOUT_WORDS.items() if (m := pattern.fullmatch(word))),
+                           (None, None))
+        if kind is None:
+            raise bad(f"unknown word {word!r}")
+        if kind in found:
+            raise bad(f"{word!r} names the {kind} again (after {found[kind][0]!r})")
+        found[kind] = (word, match)
+    if not found:
+        raise bad("it is empty")
+
+    def group(kind: str, i: int, default: int | str | None = None):
+        if kind not in found or found[kind][1].group(i) is None:
+            return default
+        value = found[kind][1].group(i)
+        if value.isdigit():
+            if int(value) < 1:
+                raise bad(f"{found[kind][0]!r}: degrees and counts are at least 1")
+            return int(value)
+        return value
+
+    tp, pp, cp, ep = group("tensor parallel", 1, 1), group("pipeline", 1, 1), group("context parallel", 1, 1), \
+        group("expert parallel", 1, 1)
+    schedule = group("pipeline", 2, "1f1b")
+    try:
+        schedule = schedule_name(schedule)
+    except UserError:
+        raise bad(f"{found['pipeline'][0]!r}: unknown pipeline schedule {schedule!r} (valid: "
+                  f"{', '.join(PP_SCHEDULES)})") from None
+    virtual = group("pipeline", 3, SCHEDULE_VIRTUAL[schedule])
+    strategy, dp, shard = group("data-parallel strategy", 1), group("data-parallel strategy", 2), \
+        group("data-parallel strategy", 3)
+    if world % (tp * pp * cp):
+        raise bad(f"tp{tp} x pp{pp} x cp{cp} = {tp * pp * cp} does not divide the {world} GPUs")
+    derived = world // (tp * pp * cp)
+    if strategy == "hsdp":
+        if dp is None or shard is None:
+            raise bad(f"{found['data-parallel strategy'][0]!r}: hsdp needs replicas x shard, e.g. hsdp:2x8")
+        dp, shard = dp * shard, shard
+        if shard < 2 or dp == shard:
+            raise bad(f"{found['data-parallel strategy'][0]!r}: hsdp needs at least 2 replicas of shard groups "
+                      "of at least 2 ranks (else write fsdp)")
+    elif shard is not None:
+        raise bad(f"{found['data-parallel strategy'][0]!r}: only hsdp takes replicas x shard")
+    dp = derived if dp is None else dp
+    if dp * tp * pp * cp != world:
+        raise bad(f"{strategy}:{dp} x tp{tp} x pp{pp} x cp{cp} = {dp * tp * pp * cp} GPUs, the cluster has {world} "
+                  f"(the data-parallel degree here is {derived})")
+    replicated = dp > 1 or cp > 1   # the cp ranks average gradients like data-parallel ranks
+    strategy = strategy or ("ddp" if replicated else "none")
+    if replicated and strategy == "none":
+        raise bad(f"{dp} data-parallel x {cp} context-parallel ranks need a data-parallel strategy (ddp, zero1, "
+                  "zero2, fsdp, hsdp), not none")
+    if not replicated and strategy != "none":
+        raise bad(f"{strategy} with one data-parallel rank: write none (or give the GPUs to data parallelism)")
+    micro_batch, accum = group("micro-batch", 1, 1), group("micro-batch", 2)
+    if accum is None:
+        if global_batch is None:
+            accum = 1
+        elif global_batch % (dp * micro_batch):
+            raise bad(f"global batch {global_batch} is not a multiple of dp {dp} x micro-batch {micro_batch}")
+        else:
+            accum = global_batch // (dp * micro_batch)
+    elif global_batch is not None and dp * micro_batch * accum != global_batch:
+        raise bad(f"dp {dp} x mb{micro_batch}x{accum} = {dp * micro_batch * accum} sequences per step, the global "
+                  f"batch is {global_batch}")
+    ac = group("activation checkpointing", 1, "none")
+    if ac not in AC_MODES:
+        raise bad(f"{found['activation checkpointing'][0]!r}: checkpointing is one of {', '.join(AC_MODES)}")
+    attention = group("attention", 1, attention)
+    if attention not in ATTENTION_IMPLEMENTATIONS:
+        raise bad(f"{found['attention'][0]!r}: attention is one of {', '.join(ATTENTION_IMPLEMENTATIONS)}")
+    layers: tuple[int, ...] = ()
+    if "pipeline layers" in found:
+        word = found["pipeline layers"][0]
+        layers = tuple(int(n) for n in found["pipeline layers"][1].group(1).split(","))
+        if pp == 1:
+            raise bad(f"{word!r} splits a pipeline: give its degree too (e.g. pp{len(layers)})")
+        if len(layers) != pp * virtual:
+            raise bad(f"{word!r} gives {len(layers)} stages, pp{pp} x {virtual} per rank has {pp * virtual}")
+        if min(layers) < 1 or (n_layer is not None and sum(layers) != n_layer):
+            raise bad(f"{word!r}: every stage needs at least one block and the blocks add up to the model's "
+                      f"{n_layer} layers")
+    if "offload" in found and strategy not in FSDP_FAMILY:
+        raise bad(f"offload is FSDP's CPU offload: it needs zero2, fsdp or hsdp, not {strategy}")
+    return Strategy(dp_strategy=strategy, dp=dp, dp_shard=shard if strategy == "hsdp" else 0, tp=tp,
+                    sequence_parallel=tp == 1 or group("tensor parallel", 2) is not None, pp=pp,
+                    pp_schedule=schedule if pp > 1 else "1f1b", pp_virtual=virtual if pp > 1 else 0, cp=cp, ep=ep,
+                    micro_batch=micro_batch, grad_accum=accum, ac=ac, precision=group("precision", 1, precision),
+                    offload="offload" in found, fused_loss="fused loss" in found,
+                    pp_layers=layers, attention=attention)
 
 
 def strategy_overrides(s: Strategy, seq_len: int) -> dict[str, object]:
