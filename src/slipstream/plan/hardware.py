@@ -141,7 +141,7 @@ class _Usual(NamedTuple):
 # (glennklockwood.com/garden/systems/frontier). H20: full NVLink 4, 900 GB/s (willitrunai.com,
 # see plan/gpus.py). GH200: NVLink 4 through NVLink switches (DGX GH200 / NVL32; boards with
 # fewer links: --intra) and NDR; its host link is NVLink-C2C, 450 GB/s per direction (GH200
-# whitepaper, via MLCommons inference_results_v3.1 DGX-GH200 notes): 337 is an ESTIMATE, the
+# whitepaper, via MLCommons inference_results_v3.1 DGX-GH200 notes): 337.5 is an ESTIMATE, the
 # 75 % that pinned PCIe copies reach of their per-direction rate, until a probe measures it.
 # Host links: achievable pinned copies, ~12/24/48 GB/s on PCIe gen 3/4/5 x16 (MI250X: one
 # gen 4 x16 per GCD, MI300X gen 5 x16: ROCm docs mi250.md / mi300.md).
@@ -150,8 +150,8 @@ _GPUS: dict[str, _Usual] = {
     "B100": _Usual("NVIDIA B100", "nvlink5", "ib-ndr", 48.0),
     "H200": _Usual("NVIDIA H200", "nvlink4", "ib-ndr", 48.0),
     "H200-NVL": _Usual("NVIDIA H200 NVL", "pcie5", "ethernet-100g", 48.0),
-    "GH200": _Usual("NVIDIA GH200 96GB HBM3", "nvlink4", "ib-ndr", 337.0),
-    "GH200-144GB": _Usual("NVIDIA GH200 144GB HBM3e", "nvlink4", "ib-ndr", 337.0),
+    "GH200": _Usual("NVIDIA GH200 96GB HBM3", "nvlink4", "ib-ndr", 337.5),
+    "GH200-144GB": _Usual("NVIDIA GH200 144GB HBM3e", "nvlink4", "ib-ndr", 337.5),
     "H100": _Usual("NVIDIA H100 SXM", "nvlink4", "ib-ndr", 48.0),
     "H100-NVL": _Usual("NVIDIA H100 NVL", "pcie5", "ethernet-100g", 48.0),
     "H100-PCIe": _Usual("NVIDIA H100 PCIe", "pcie5", "ethernet-100g", 48.0),
@@ -393,7 +393,9 @@ def _resolve_gpu(name: str, described: GpuDescription | None) -> tuple[str, GpuS
     NAME is a known short name (optionally with some numbers changed by `described`), a FILE.toml,
     or a new name whose numbers all come from `described`. spec is None for the cpu."""
     described = described if described is not None and described.given() else None
+    where = ""
     if name.lower().endswith(".toml"):
+        where = f"GPU file {name}: "
         from_file = read_gpu_file(name)
         described = from_file.merged(described) if described else from_file
         label = described.name or os.path.splitext(os.path.basename(name))[0]
@@ -421,7 +423,7 @@ def _resolve_gpu(name: str, described: GpuDescription | None) -> tuple[str, GpuS
         missing = [key for key, have in (("peak_tflops", described.peaks), ("memory_gib", described.memory_gib),
                                          ("mem_bw_gbs", described.mem_bw_gbs)) if not have]
         if missing:
-            raise UserError(f"GPU {label!r} is not in the table, so its description needs {', '.join(missing)} "
+            raise UserError(f"{where}GPU {label!r} is not in the table, so its description needs {', '.join(missing)} "
                             "(missing). Give them in the GPU file ([peak_tflops] with bf16 = ..., memory_gib, "
                             "mem_bw_gbs), or as --peak-tflops bf16=...,fp8=... --gpu-memory-gib N --gpu-mem-bw "
                             "GB/s; or start from a known GPU with base = \"H100\" in the file.")
