@@ -71,6 +71,8 @@ def test_gpu_named_by_flags(tmp_path):
     # No links were described: the conservative PCIe-card defaults, and the plan says it assumed them.
     assert (cluster.intra.name, cluster.host_link_gbs) == ("pcie4", 24.0)
     assert any("no intra given, assumed pcie4" in s for s in cluster.sources)
+    flagged = make_cluster("4xacme", gpu=described, intra="nvlink4")
+    assert flagged.intra == LINKS["nvlink4"] and not any("no intra given" in s for s in flagged.sources)
     # Flags win over the file's numbers; the file gives the rest.
     both = make_cluster(f"8x{gpu_file(tmp_path)}", gpu=gpu_from_flags("bf16=500", memory_gib=96))
     assert (both.gpu.peaks, both.gpu.memory_gib, both.gpu.mem_bw_gbs) == ({"bf16": 500.0, "fp8": 800.0}, 96.0, 2000.0)

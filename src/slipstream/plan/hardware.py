@@ -445,24 +445,26 @@ def _resolve_gpu(name: str, described: GpuDescription | None) -> tuple[str, GpuS
     return label or base, spec, usual, described, sources
 
 
-def _usual_links(short: str, usual: _Usual, described: GpuDescription | None,
+def _usual_links(short: str, usual: _Usual, described: GpuDescription | None, flagged: set[str],
                  sources: list[str]) -> tuple[Link, Link, int, float]:
-    """(intra, inter, NICs per node or 0 for the link's own default, host GB/s) before probes and flags."""
+    """(intra, inter, NICs per node or 0 for the link's own default, host GB/s) before probes
+    and flags; `flagged` names the links that --intra / --inter will replace anyway."""
     intra_link, inter_link = LINKS[usual.intra], LINKS[usual.inter]
     nics, host_gbs = usual.nics_per_node, usual.host_gbs
-    where = lambda key: described.origin[key] if described else ""  # noqa: E731
-    if described and described.intra:
-        intra_link = parse_link(described.intra, f"{where('intra')}: intra", intra_link)
-        sources.append(f"intra-node link {described.intra}: {where('intra')}")
-    if described and described.inter:
-        inter_link, nics = parse_link(described.inter, f"{where('inter')}: inter", inter_link), 0
-        sources.append(f"inter-node link {described.inter}: {where('inter')}")
-    if described and described.host_link_gbs:
+    if described is None:
+        return intra_link, inter_link, nics, host_gbs
+    if described.intra:
+        intra_link = parse_link(described.intra, f"{described.origin['intra']}: intra", intra_link)
+        sources.append(f"intra-node link {described.intra}: {described.origin['intra']}")
+    if described.inter:
+        inter_link, nics = parse_link(described.inter, f"{described.origin['inter']}: inter", inter_link), 0
+        sources.append(f"inter-node link {described.inter}: {described.origin['inter']}")
+    if described.host_link_gbs:
         host_gbs = described.host_link_gbs
     if usual is _CUSTOM_USUAL:  # a GPU known only by its numbers: say what was assumed
         for key, value, flag in (("intra", usual.intra, "--intra"), ("inter", usual.inter, "--inter"),
                                  ("host_link_gbs", f"{usual.host_gbs:g} GB/s", "")):
-            if not (described and getattr(described, key)):
+            if not getattr(described, key) and key not in flagged:
                 fix = f" or {flag}" if flag else ""
                 sources.append(f"GPU {short}: no {key} given, assumed {value} (the table's default for a PCIe "
                                f"card); set {key} in the GPU file{fix}")
@@ -685,7 +687,8 @@ def make_cluster(gpus: str, nodes: int = 1, intra: str | None = None, inter: str
                 sources.append(f"{key} matmul {efficiency[key]:.2f} of peak ({fact.value:.1f} TFLOP/s): "
                                f"probe file {fact.path}")
 
-    intra_link, inter_link, nics, host_gbs = _usual_links(short, usual, described, sources)
+    flagged = {key for key, value in (("intra", intra), ("inter", inter)) if value is not None}
+    intra_link, inter_link, nics, host_gbs = _usual_links(short, usual, described, flagged, sources)
     inter_measured = False
     for key, level in (("intra-node link", "intra"), ("inter-node link", "inter")):
         if key in facts:
