@@ -152,10 +152,13 @@ def test_prime_batch_runnable_only(capsys):
     code, out, err = run(capsys, "plan", "--model", "gpt2", "--gpus", "8xH100", "--seq", "1024",
                          "--global-batch", "7", "--runnable-only")
     assert code == 0, err
-    assert "best: none tp2+sp pp4:1f1b mb1x7" in out
+    # gpt2's 12 blocks make 12 one-block stages over pp 4 (3 chunks per rank): the smallest bubble
+    assert "best: none tp2+sp pp4:interleaved-1f1bx3 mb1x7" in out
     code, out, err = run(capsys, "plan", "--model", "gpt2", "--gpus", "8xH100", "--seq", "1024",
                          "--global-batch", "7", "--runnable-only", "--pp", "1")
-    assert code == 2 and "no layout divides the work" in err
+    # the binding constraints named: the batch (with the reachable dp and the nearest batches), or tp8's heads
+    assert code == 2 and "global batch 7 is not a multiple" in err and "reach are 2, 4, 8" in err
+    assert "nearest global batches that work: 6 or 8" in err and "tp8 does not divide the model's 12 heads" in err
 
 
 def test_plan_write_config_pipeline(capsys, tmp_path):

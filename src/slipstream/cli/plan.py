@@ -2,6 +2,7 @@
 
     slipstream plan --model llama-70b --gpus 8xH100 --nodes 8 --seq 8192 --global-batch 512 [--top 10]
                     [--write-config best.toml] [--json]
+    slipstream plan ... --layout "fsdp:16 tp4+sp mb1 ac:full"      one layout, its memory and time whole
     slipstream cost --model llama-70b --tokens 300e9 --gpus 8xH100 --nodes 8 [--price 3.5]
 (`slipstream bench planner` is in cli/bench.py; `slipstream tune system` in cli/tune.py.)
 """
@@ -14,9 +15,10 @@ import json
 from slipstream.errors import UserError
 from slipstream.outputs import refuse_existing, refuse_same_file
 from slipstream.plan.memory import GIB
-from slipstream.plan.render import cluster_record, format_plan, plan_record, write_best_config
-from slipstream.plan.search import Candidate, explain_infeasible, plan
-from slipstream.plan.space import AC_MODES, DP_STRATEGIES, PP_SCHEDULES, PRECISIONS, Workload
+from slipstream.plan.render import cluster_record, format_layout, format_plan, plan_record, write_best_config
+from slipstream.plan.search import Candidate, explain_infeasible, plan, plan_layout
+from slipstream.plan.space import (AC_MODES, ATTENTION_IMPLEMENTATIONS, DP_STRATEGIES, LAYOUT_SYNTAX, PP_SCHEDULES,
+                                   PRECISIONS, Workload, parse_layout)
 from slipstream.plan.timing import DEFAULT_EFFICIENCY
 
 # cost: tokens per optimizer step when --global-batch is not given (a common LLM setting;
@@ -35,6 +37,9 @@ def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--memory-gib", type=float, default=None, help="usable memory per GPU (default: datasheet minus a reserve)")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: the model's, or GPT-2's 50257)")
     p.add_argument("--precision", default="bf16", choices=PRECISIONS)
+    p.add_argument("--attention", default="flash", choices=ATTENTION_IMPLEMENTATIONS,
+                   help="how attention runs: flash (fused, the scores never in memory), efficient (memory-efficient "
+                        "kernel) or materialized (scores and softmax kept for backward, as older stacks do)")
     p.add_argument("--efficiency", type=float, default=DEFAULT_EFFICIENCY,
                    help="compute efficiency factor (fitted to published runs; `slipstream tune system` measures yours)")
     p.add_argument("--calibrate", nargs="+", default=None, metavar="RUN_DIR",
@@ -58,7 +63,21 @@ def add_commands(sub) -> None:
     p.add_argument("--pp-schedule", nargs="+", choices=PP_SCHEDULES, help="pipeline schedules (default: 1f1b interleaved)")
     p.add_argument("--cp", type=int, nargs="+", help="only these context-parallel degrees")
     p.add_argument("--ac", nargs="+", choices=AC_MODES, help="only these activation-checkpointing modes")
-    p.add_argument("--micro-batch", type=int, nargs="+", help="only these micro-batch sizes")
+    p.add_argument("--micro-batch", type=int, nargs="+", help="only these micro-batch sizes (default: powers of two)")
+    p.add_argument("--ep", type=int, nargs="+", help="only these expert-parallel degrees")
+    p.add_argument("--pp-virtual", type=int, nargs="+",
+                   help="chunks per pipeline rank for the interleaved schedules (default: 2 and the counts up to 8 "
+                        "that split the layers evenly)")
+    p.add_argument("--pp-layers", default=None, metavar="N,N,...",
+                   help="blocks per pipeline stage, e.g. 9,10,10,9 (pp x chunks of them, adding up to the layers; "
+                        "default: the trainer's balanced split)")
+    p.add_argument("--sequence-parallel", default="both", choices=("on", "off", "both"),
+                   help="sequence parallel with tensor parallel (default: both searched)")
+    p.add_argument("--fused-loss", default="both", choices=("on", "off", "both"),
+                   help="the fused linear + cross-entropy loss (default: both searched)")
+    p.add_argument("--layout", default=None,
+                   help="evaluate this one layout, written as the table writes it, e.g. \"zero1:8 tp4 pp12 mb2 "
+                        "ac:full\" (left out: the obvious defaults); prints its memory and time whole")
     p.add_argument("--write-config", default="", help="write the best runnable layout as a TOML for `slipstream train`")
     p.add_argument("--force", action="store_true", help="overwrite an existing --write-config file")
     p.set_defaults(func=cmd_plan)
@@ -106,19 +125,50 @@ def _setup(args: argparse.Namespace, seq_len: int | None):
     return resolve_model(args.model, vocab=args.vocab, seq_len=seq_len), cluster
 
 
+# The search flags of `plan` (argparse dest -> SearchSpace option); --layout pins all of them.
+_SEARCH_FLAGS = {"dp_strategy": "dp_strategies", "tp": "tp", "pp": "pp", "cp": "cp", "ep": "ep", "ac": "ac",
+                 "micro_batch": "micro_batches", "pp_schedule": "pp_schedules", "pp_virtual": "pp_virtual",
+                 "pp_layers": "pp_layers"}
+
+
 def _space(args: argparse.Namespace) -> dict:
-    space = {"precision": args.precision}
-    for key in ("tp", "pp", "cp", "micro_batch"):
+    space = {"precision": args.precision, "attention": args.attention}
+    for key in ("tp", "pp", "cp", "ep", "micro_batch", "pp_virtual"):
         bad = [v for v in getattr(args, key, None) or () if v < 1]
         if bad:
             raise UserError(f"--{key.replace('_', '-')} values must be >= 1, got {bad}")
-    for key in ("dp_strategy", "tp", "pp", "cp", "ac", "micro_batch", "pp_schedule"):
+    for key, name in _SEARCH_FLAGS.items():
         value = getattr(args, key, None)
+        if key == "pp_layers" and value:
+            value = _layer_counts(value)
         if value:
-            name = {"dp_strategy": "dp_strategies", "micro_batch": "micro_batches",
-                    "pp_schedule": "pp_schedules"}.get(key, key)
             space[name] = tuple(value)
+    for key in ("sequence_parallel", "fused_loss"):
+        if getattr(args, key, "both") != "both":
+            space[key] = getattr(args, key)
     return space
+
+
+def _layer_counts(text: str) -> list[int]:
+    try:
+        counts = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise UserError(f"--pp-layers {text!r}: give blocks per stage as comma-separated integers, e.g. 9,10,10,9") from None
+    if min(counts) < 1:
+        raise UserError(f"--pp-layers {text!r}: every stage needs at least one block")
+    return counts
+
+
+def _plan_one_layout(args: argparse.Namespace, model, cluster, work):
+    """--layout: that layout alone (the search flags would have nothing to choose)."""
+    given = [f"--{key.replace('_', '-')}" for key in (*_SEARCH_FLAGS, "runnable_only") if getattr(args, key, None)]
+    given += [f"--{key.replace('_', '-')}" for key in ("sequence_parallel", "fused_loss") if getattr(args, key) != "both"]
+    if given:
+        raise UserError(f"--layout pins the whole layout; drop {', '.join(given)} (or write it into the layout: "
+                        f"{LAYOUT_SYNTAX})")
+    strategy = parse_layout(args.layout, cluster.world, work.global_batch, precision=args.precision,
+                            attention=args.attention, n_layer=model.cfg.n_layer if model.traced is None else None)
+    return plan_layout(model, cluster, work, strategy, efficiency=args.efficiency)
 
 
 def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
@@ -130,6 +180,16 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     refuse_same_file(args.write_config, [args.model, args.probe], "--write-config", "an input of this plan")
     model, cluster = _setup(args, args.seq)
     work = Workload(seq_len=args.seq, global_batch=args.global_batch)
+    if args.layout is not None:
+        result = _plan_one_layout(args, model, cluster, work)
+        written = write_best_config(result, args.write_config) if args.write_config else None
+        if args.json:
+            print(json.dumps({**plan_record(result, 1, 1, written), "efficiency": args.efficiency}, indent=2))
+        else:
+            print(format_layout(result))
+            if written:
+                print(written)
+        return 0
     result = plan(model, cluster, work, efficiency=args.efficiency, runnable_only=args.runnable_only, **_space(args))
     if not result.ranked:
         raise UserError(explain_infeasible(result))
@@ -155,7 +215,7 @@ def cmd_cost(args: argparse.Namespace, extra: list[str]) -> int:
     seq = args.seq or min(model.cfg.max_seq_len, 8192)
     batch = args.global_batch or max(1, round(DEFAULT_STEP_TOKENS / seq / cluster.world)) * cluster.world
     result = plan(model, cluster, Workload(seq, batch, tokens=args.tokens), efficiency=args.efficiency,
-                  runnable_only=args.runnable_only, precision=args.precision)
+                  runnable_only=args.runnable_only, precision=args.precision, attention=args.attention)
     if not result.ranked:
         raise UserError(explain_infeasible(result))
     best: Candidate = result.ranked[0]

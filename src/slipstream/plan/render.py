@@ -1,6 +1,7 @@
 """What `slipstream plan` and `slipstream cost` show: a plan result as a table, as JSON, as a TOML config.
 
     format_plan(result, top, rejected)      the ranked layouts, the best one's step time, the rejected ones
+    format_layout(result)                   one pinned layout (`plan --layout`): its memory and time, whole
     plan_record(result, top, rejected, ...) the same as one JSON-ready dict
     cluster_record(cluster)                 the cluster a plan or cost estimate was made for
     write_best_config(result, path)         the fastest runnable layout as a TOML for `slipstream train`
@@ -32,23 +33,44 @@ def _gib(n: float) -> str:
     return f"{n / GIB:.1f}"
 
 
-def format_plan(result: PlanResult, top: int, rejected: int) -> str:
+def _hfu(time) -> float | None:
+    """Hardware FLOPs utilization (the recomputed forward counted too), where the time model gives it."""
+    return getattr(time, "hfu", None)
+
+
+def _header(result: PlanResult) -> list[str]:
     c, w = result.cluster, result.workload
-    lines = [f"{result.model.name} on {c.world} x {c.gpu.name} ({c.nodes} node(s) x {c.gpus_per_node}, "
-             f"{c.intra.name} / {c.inter.name}, {_gib(c.memory_bytes)} GiB usable per GPU)",
-             f"seq {w.seq_len}, global batch {w.global_batch} sequences = {w.seq_len * w.global_batch:,} tokens per step; "
-             f"{result.evaluated} layouts evaluated, {len(result.ranked)} fit", ""]
+    return [f"{result.model.name} on {c.world} x {c.gpu.name} ({c.nodes} node(s) x {c.gpus_per_node}, "
+            f"{c.intra.name} / {c.inter.name}, {_gib(c.memory_bytes)} GiB usable per GPU)",
+            f"seq {w.seq_len}, global batch {w.global_batch} sequences = {w.seq_len * w.global_batch:,} tokens per step"]
+
+
+def format_plan(result: PlanResult, top: int, rejected: int) -> str:
+    c = result.cluster
+    first = result.ranked[0].strategy
+    head = _header(result)
+    lines = [head[0], f"{head[1]}; {result.evaluated} layouts evaluated, {len(result.ranked)} fit "
+             f"(precision {first.precision}, attention {first.attention})", ""]
     shown = result.ranked[:top]
     width = max([20] + [len(cand.strategy.label()) for cand in shown])
-    header = f"{'#':>3}  {'layout':<{width}} {'tokens/s':>11} {'MFU':>6} {'step s':>8} {'GiB/GPU':>8}  {'params':>6} {'grads':>6} {'optim':>6} {'acts':>6} {'temp':>6}  runnable"
+    hfu = any(_hfu(cand.time) is not None for cand in shown)
+    # MFU counts the model's FLOPs (6N + attention per token); HFU also the recomputed forward of
+    # activation checkpointing: published runs quote one or the other.
+    header = (f"{'#':>3}  {'layout':<{width}} {'tokens/s':>11} {'MFU':>6}" + (f" {'HFU':>6}" if hfu else "")
+              + f" {'step s':>8} {'GiB/GPU':>8}  {'params':>6} {'grads':>6} {'optim':>6} {'acts':>6} {'temp':>6}  runnable")
     lines.append(header)
     for i, cand in enumerate(shown, 1):
         b = cand.memory.breakdown
         runnable = "yes" if not cand.not_runnable else "no: " + ", ".join(cand.not_runnable)
-        lines.append(f"{i:>3}  {cand.strategy.label():<{width}} {cand.time.tokens_per_s:>11,.0f} {cand.time.mfu:>6.1%} "
-                     f"{cand.time.step_s:>8.3f} {_gib(cand.memory.total_bytes):>8}  {_gib(b['parameters']):>6} "
+        used = _hfu(cand.time)
+        lines.append(f"{i:>3}  {cand.strategy.label():<{width}} {cand.time.tokens_per_s:>11,.0f} {cand.time.mfu:>6.1%}"
+                     + (f" {used:>6.1%}" if hfu and used is not None else (f" {'-':>6}" if hfu else ""))
+                     + f" {cand.time.step_s:>8.3f} {_gib(cand.memory.total_bytes):>8}  {_gib(b['parameters']):>6} "
                      f"{_gib(b['gradients']):>6} {_gib(b['optimizer_state']):>6} {_gib(b['activations']):>6} "
                      f"{_gib(b['temporaries'] + cand.memory.fragmentation_bytes):>6}  {runnable}")
+    lines.append("  MFU (model FLOPs): the model's FLOPs per token x tokens/s over the GPUs' peak"
+                 + ("; HFU (with recompute): the FLOPs the GPUs run, activation checkpointing's recomputed "
+                    "forward included" if hfu else ""))
     best = result.ranked[0]
     parts = ", ".join(f"{k} {v:.3f}s" for k, v in best.time.breakdown.items())
     lines += ["", f"best: {best.strategy.label()}: step {best.time.step_s:.3f}s = {parts}"]
@@ -64,9 +86,38 @@ def format_plan(result: PlanResult, top: int, rejected: int) -> str:
     if rejected and result.rejected:
         lines += ["", "rejected (fastest first):"]
         for cand in result.rejected[:rejected]:
-            lines.append(f"  {cand.strategy.label():<44} {cand.why_not}")
+            lines.append(f"  {cand.strategy.label():<44} {cand.why_not}"
+                         + (f"; not runnable: {', '.join(cand.not_runnable)}" if cand.not_runnable else ""))
     if c.sources:
         lines += ["", "inputs:"] + [f"  {s}" for s in c.sources]
+    return "\n".join(lines)
+
+
+def format_layout(result: PlanResult) -> str:
+    """One layout's whole estimate (`slipstream plan --layout`): whether it fits and runs, its speed,
+    and every part of its memory per GPU and of its step time."""
+    cand = (result.ranked or result.rejected)[0]
+    s, t, m = cand.strategy, cand.time, cand.memory
+    usable = result.cluster.memory_bytes
+    lines = _header(result) + ["", f"layout {s.label()} (precision {s.precision}, attention {s.attention})"]
+    lines.append(f"  fits:     " + (f"yes, {_gib(m.total_bytes)} of {_gib(usable)} GiB per GPU" if cand.fits
+                                     else f"no: {cand.why_not}"))
+    lines.append("  runnable: " + ("yes" if not cand.not_runnable else "no: slipstream cannot run "
+                                   + ", ".join(cand.not_runnable) + " yet"))
+    used = _hfu(t)
+    lines.append(f"  speed:    {t.tokens_per_s:,.0f} tokens/s, step {t.step_s:.3f} s, MFU (model FLOPs) {t.mfu:.1%}"
+                 + (f", HFU (with recompute) {used:.1%}" if used is not None else ""))
+    lines += ["", f"memory per GPU at the peak ({m.peak_phase}), GiB:"]
+    parts = {**m.breakdown, "fragmentation": m.fragmentation_bytes}
+    lines += [f"  {name.replace('_', ' '):<24} {_gib(value):>8}" for name, value in parts.items()]
+    lines.append(f"  {'total':<24} {_gib(m.total_bytes):>8}" + (f"   (+ {_gib(m.host_bytes)} GiB in host memory)"
+                                                                   if m.host_bytes else ""))
+    lines += [f"  note: {note}" for note in m.notes]
+    lines += ["", "step time, s:"]
+    lines += [f"  {name.replace('_', ' '):<24} {value:>8.3f}" for name, value in t.breakdown.items()]
+    lines.append(f"  {'step':<24} {t.step_s:>8.3f}")
+    if result.cluster.sources:
+        lines += ["", "inputs:"] + [f"  {src}" for src in result.cluster.sources]
     return "\n".join(lines)
 
 
