@@ -190,7 +190,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if rope is not None:  # (T, head_dim) tables, or (B, 1, T, head_dim) of per-document positions
+        if rope is not None:  # (T, rotary_dims) tables, or (B, 1, T, rotary_dims) of per-document positions
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         dropout_p, gqa = self.dropout if self.training else 0.0, self.n_kv_head != self.n_head
         if isinstance(mask, DocumentMask):
@@ -277,7 +277,9 @@ class Transformer(nn.Module):
         positions: the (T,) positions of the tokens in their sequence (default 0..T-1), e.g. for a
         piece of a longer sequence.
         doc_ids: the (B, T) document ids of packed rows (or a DocumentMask built from them):
-        attention stays inside each document and positions restart at each (models/doc_mask.py)."""
+        attention stays inside each document and positions restart at each (models/doc_mask.py).
+        ALiBi (model.position = alibi) biases by the distance between two tokens of the row, which
+        is their distance inside their document too; given positions leave it alone."""
         T = idx.shape[1]
         mask = None
         if doc_ids is not None:
