@@ -13,29 +13,53 @@ shapes the model code uses (param counts come from models.flops, the one source 
 truth), by category: parameters, gradients, optimizer_state, activations, temporaries.
 
 Activation bytes per block were derived from what autograd keeps for backward in
-slipstream's transformer and checked against MemTracker (tests/unit/test_plan_memory.py):
+slipstream's transformer and checked against MemTracker (tests/unit/test_plan_memory.py,
+test_plan_memory_arch.py):
 
-  saved per block, n = tokens in the micro-batch, d = width, F = MLP width, r = bytes of
-  the residual stream (fp32 under autocast), a = bytes of matmul outputs (2 under bf16)
-    residual stream      2 n d r        the block's input and the mid-block residual
+  saved per block, n = tokens in the micro-batch, d = width, F = MLP width, T = sequence, h =
+  heads, r = bytes of the residual stream (fp32 under autocast), a = bytes of matmul outputs
+  (2 under bf16)
+    residual stream      2 n d r        the block's input and the mid-block residual (a parallel
+                                        block, x + attn(n1 x) + mlp(n2 x), has no mid-block residual)
     norm outputs         n d (4 | a x consumers)   one fp32 tensor shared by the matmuls, or
                                         under autocast one low-precision copy per matmul
     rmsnorm              + n d 4 per norm (the normalized input, composite kernel)
     norm statistics      n 4 (rms) or 2 n 4 (layer norm) per norm
-    q, k, v              n (d + 2 d_kv) a
-    attention output     n d a + n heads 4 (the softmax log-sum-exp; flash kernels keep no T x T matrix)
-    MLP                  2 n F a (gelu: up output, gelu output; relu2: relu output, its square), 4 n F a (swiglu)
+    q, k, v              n (d + 2 d_kv) a (partial rotary and rope keep nothing more: the rotation
+                                        multiplies by constant tables)
+    attention output     n d a + n h 4 (flash / efficient: the softmax log-sum-exp, no T x T matrix);
+                         materialized (Strategy.attention): n d a + n T h a, the softmax
+                         probabilities (Korthikanti et al. 2022, sec. 4.1: 2 a s^2 b bytes per layer
+                         in 16 bits), + n T h (1 + a) with dropout (its mask and output), and k, v
+                         repeated to every head under GQA (3 n d a for q, k, v)
+    MLP                  2 n F a (gelu: up output, gelu output; relu2: relu output, its square),
+                         n F a (relu: its output, which relu's and the down matmul's backward share),
+                         4 n F a (swiglu)
+  per forward (micro-batch): the embedding norm (model.embedding_norm) keeps its input and
+  statistics as a block's norm does; ALiBi's (heads, T, T) bias, built once per forward in the
+  attention dtype, is kept by every layer's fused kernel for backward (one tensor, alive until
+  the first block's backward); the final norm's input and output.
   activation checkpointing: full keeps only the block input; selective keeps the outputs of
-  the matmuls and attention plus the block input.
+  the matmuls and attention plus the block input (materialized attention: its core, QK^T,
+  softmax and AV, is recomputed, as Megatron's selective recomputation does: no T x T kept).
   autocast keeps a low-precision copy of every weight its matmuls saved (2 bytes per matmul
   parameter), freed as backward goes past the layer; checkpointed blocks keep none.
+
+Pipeline ranks (plan/stages.rank_parts, the trainer's split in whole blocks): every rank is
+planned with its own blocks, the first stage's rank with the embedding, the last's with the head
+and the loss, the micro-batches it keeps in flight under its schedule (in_flight_microbatches,
+per rank), and torch's pipelining buffers: each stage that receives keeps one input buffer per
+micro-batch, each stage that sends back gradients one gradient buffer per micro-batch, for the
+whole step (torch.distributed.pipelining.stage: _setup_forward_recv_info, _create_grad_recv_info);
+a stage's output is held until its backward (fwd_cache). The plan is the busiest rank's
+(MemoryEstimate.peak_rank).
 
 Mixture of experts (plan/experts.py): an MoE block's MLP is not split by tp and sees the n
 tokens of its micro-batch routed to top_k experts each (k n rows, spread evenly):
     router               2 n E 4        fp32 logits and scores
     routing              k n 32         the picks, the sort order and its token index (int64), the weights
     dispatched rows      k n d r        the token copies the experts take (sent to their ranks under ep)
-    experts              4 k n h a (swiglu), 2 k n h a (gelu, relu2), h = moe_expert_hidden
+    experts              4 k n h a (swiglu), 2 k n h a (gelu, relu2), k n h a (relu), h = moe_expert_hidden
     combine              2 k n d a      the experts' outputs, and placed back per token to be weighed
     shared experts       as an MLP of moe_shared_experts x h
   selective keeps the router's logits, the shared experts' matmul outputs and, unless the
@@ -49,6 +73,9 @@ tokens of its micro-batch routed to top_k experts each (k n rows, spread evenly)
 Soft-capped logits (model.logit_softcap) keep their tanh for backward: tokens x vocabulary in the
 compute dtype, alive until the loss's gradient has passed it; the fused loss instead holds one more
 chunk of fp32 logits in its backward (the cap's derivative).
+
+fp16 runs as bf16 does (autocast, or FSDP mixed precision with a sharded grad scaler): the same
+bytes; a grad scaler keeps a scale and an inf flag per device, nothing per parameter.
 """
 
 from __future__ import annotations
@@ -60,6 +87,7 @@ from dataclasses import dataclass, field
 from slipstream.models.flops import param_count
 from slipstream.plan.experts import Experts, experts_of
 from slipstream.plan.space import PlanModel, Strategy
+from slipstream.plan.stages import RankPart, rank_parts, stage_costs
 
 GIB = 2**30
 CATEGORIES = ("parameters", "gradients", "optimizer_state", "activations", "temporaries")
@@ -79,6 +107,7 @@ class MemoryEstimate:
     fragmentation_bytes: int = 0
     host_bytes: int = 0          # offloaded state in host memory, per GPU
     notes: list[str] = field(default_factory=list)
+    peak_rank: int | None = None   # a pipeline's busiest pp rank (the one planned here); None without one
 
     @property
     def total_bytes(self) -> int:
@@ -87,7 +116,7 @@ class MemoryEstimate:
     def to_record(self) -> dict:
         return {"peak_bytes": self.peak_bytes, "total_bytes": self.total_bytes, "peak_phase": self.peak_phase,
                 "fragmentation_bytes": self.fragmentation_bytes, "host_bytes": self.host_bytes,
-                "breakdown": dict(self.breakdown), "notes": list(self.notes)}
+                "breakdown": dict(self.breakdown), "notes": list(self.notes), "peak_rank": self.peak_rank}
 
 
 @dataclass(frozen=True)
@@ -110,9 +139,11 @@ def _dtypes(s: Strategy) -> _Dtypes:
 
 
 def block_activation_bytes(model: PlanModel, tokens: int, s: Strategy, mode: str | None = None,
-                           moe: bool = False) -> int:
+                           moe: bool = False, seq_len: int | None = None) -> int:
     """Bytes one transformer block saves for backward for `tokens` tokens on this GPU
-    (moe: a block with experts, of a model that has them)."""
+    (moe: a block with experts, of a model that has them). seq_len: the keys each query attends
+    to (materialized attention keeps tokens x seq_len scores per head); default the sequence
+    the tokens come from, tokens x cp / micro_batch."""
     cfg, dt = model.cfg, _dtypes(s)
     ex = experts_of(model) if moe else None
     mode = s.ac if mode is None else mode
@@ -123,27 +154,77 @@ def block_activation_bytes(model: PlanModel, tokens: int, s: Strategy, mode: str
     block_input = n * d * r // seq_split
     if mode == "full":
         return block_input
+    materialized = s.attention == "materialized"
     head_dim = d // cfg.n_head
     kv = (cfg.n_kv_head or cfg.n_head) * head_dim
     hidden = _mlp_hidden(model)
-    swiglu = cfg.mlp == "swiglu"
-    qkv = n * (d + 2 * kv) * a // tp
-    attention = n * d * a // tp + n * cfg.n_head * 4 // tp
+    n_up = 2 if cfg.mlp == "swiglu" else 1
+    # A materialized kernel repeats k and v to every query head (GQA) and keeps the repeated ones.
+    qkv = n * (3 * d if materialized else d + 2 * kv) * a // tp
+    attn_output = n * d * a // tp
     projections = n * d * a // seq_split                    # o_proj and down_proj outputs (selective keeps them)
     mlp_inner = n * hidden * a // tp
     if mode == "selective":
+        # Selective keeps the fused kernel's log-sum-exp; a materialized core is recomputed whole.
+        attention = attn_output + (0 if materialized else _logsumexp_bytes(cfg, n, s))
         if ex is not None:
             return block_input + qkv + attention + projections + _moe_saved(ex, cfg, n, s, "selective")
-        return block_input + qkv + attention + projections * 2 + mlp_inner * (2 if swiglu else 1)
+        return block_input + qkv + attention + projections * 2 + mlp_inner * n_up
+    attention = attn_output + (_scores_bytes(model, n, s, seq_len, kept=True) if materialized
+                               else _logsumexp_bytes(cfg, n, s))
     stats = n * 4 * (1 if cfg.norm == "rmsnorm" else 2) // seq_split
     rms_extra = n * d * 4 // seq_split if cfg.norm == "rmsnorm" else 0
     if dt.autocast:
-        norm_outs = n * d * a * 3 // seq_split + n * d * a * (2 if swiglu else 1) // seq_split
+        norm_outs = n * d * a * 3 // seq_split + n * d * a * n_up // seq_split
     else:
         norm_outs = 2 * n * d * r // seq_split
-    residual_mid = n * d * r // seq_split
-    mlp = mlp_inner * (4 if swiglu else 2) if ex is None else _moe_saved(ex, cfg, n, s, "none")
+    # The parallel block's norms both read the block input: no mid-block residual to keep.
+    residual_mid = 0 if cfg.parallel_block else n * d * r // seq_split
+    mlp = mlp_inner * _MLP_SAVED[cfg.mlp] if ex is None else _moe_saved(ex, cfg, n, s, "none")
     return block_input + residual_mid + norm_outs + 2 * (stats + rms_extra) + qkv + attention + mlp
+
+
+# What an MLP saves for backward, in n x F tensors of the compute dtype: gelu its input and output
+# (down_proj's input); relu2 the relu output and its square; relu only its output (relu's backward
+# reads its result, the same tensor down_proj keeps); swiglu gate, silu, up and their product.
+_MLP_SAVED = {"gelu": 2, "relu2": 2, "relu": 1, "swiglu": 4}
+
+
+def _logsumexp_bytes(cfg, tokens: int, s: Strategy) -> int:
+    """A fused attention kernel's saved softmax statistics: one fp32 log-sum-exp per query and head."""
+    return tokens * cfg.n_head * 4 // s.tp
+
+
+def _keys(tokens: int, s: Strategy, seq_len: int | None) -> int:
+    return seq_len if seq_len is not None else tokens * s.cp // max(1, s.micro_batch)
+
+
+def _scores_bytes(model: PlanModel, tokens: int, s: Strategy, seq_len: int | None, kept: bool = False) -> int:
+    """One layer's tokens x keys x heads attention matrix in the compute dtype (tp splits the heads).
+    kept: what materialized attention keeps for backward: the softmax probabilities, and with
+    dropout its mask (1 byte) and its output (Korthikanti et al. 2022, sec. 4.1)."""
+    cfg, a = model.cfg, _dtypes(s).compute
+    cells = tokens * _keys(tokens, s, seq_len) * cfg.n_head // s.tp
+    if kept and cfg.dropout > 0:
+        return cells * (2 * a + 1)
+    return cells * a
+
+
+def _forward_saved_bytes(model: PlanModel, tokens: int, s: Strategy, seq_len: int, first: bool) -> int:
+    """What one micro-batch's forward keeps outside its blocks, on the rank holding the first
+    stage (first) or any other: the embedding norm's input and statistics, and ALiBi's bias."""
+    cfg, dt = model.cfg, _dtypes(s)
+    seq_split = s.tp if (s.tp > 1 and s.sequence_parallel) else 1
+    saved = 0
+    if first and cfg.embedding_norm:
+        stats = tokens * 4 * (1 if cfg.norm == "rmsnorm" else 2)
+        rms_extra = tokens * cfg.d_model * 4 if cfg.norm == "rmsnorm" else 0
+        saved += (tokens * cfg.d_model * dt.residual + stats + rms_extra) // seq_split
+    if cfg.position == "alibi" and s.attention != "materialized":
+        # One (heads, T, T) bias per forward in the attention's dtype, shared by the layers and
+        # saved by each fused kernel (a materialized softmax adds it to its scores and lets go).
+        saved += cfg.n_head // s.tp * (seq_len // s.cp) * seq_len * dt.compute
+    return saved
 
 
 def _moe_saved(ex: Experts, cfg, n: int, s: Strategy, mode: str) -> int:
@@ -160,9 +241,9 @@ def _moe_saved(ex: Experts, cfg, n: int, s: Strategy, mode: str) -> int:
     router = 2 * n * ex.n * 4
     routing = routed * 32
     rows = routed * d * r
-    inner = routed * ex.hidden * a * 2 * n_up
+    inner = routed * ex.hidden * a * _MLP_SAVED[cfg.mlp]
     combine = 2 * routed * d * a
-    return router + routing + rows + inner + combine + shared_inner * 2 * n_up
+    return router + routing + rows + inner + combine + shared_inner * _MLP_SAVED[cfg.mlp]
 
 
 def _mlp_hidden(model: PlanModel) -> int:
@@ -171,25 +252,76 @@ def _mlp_hidden(model: PlanModel) -> int:
     return mlp_hidden(model.cfg)
 
 
-def _stage_layers(model: PlanModel, s: Strategy) -> int:
-    return math.ceil(model.cfg.n_layer / s.pp)
+# ---------------------------------------------------------------- pipeline ranks
+
+_PARTS: dict[tuple, list[RankPart]] = {}
 
 
-def in_flight_microbatches(s: Strategy) -> float:
-    """Micro-batches whose activations the busiest pipeline stage holds at once."""
+def pipeline_parts(model: PlanModel, s: Strategy, seq_len: int) -> list[RankPart]:
+    """What each pp rank holds, in whole blocks, as the trainer splits them (plan/stages.rank_parts:
+    balanced by training FLOPs, or s.pp_layers); one part holding everything without a pipeline.
+    Cached: the split is a dynamic program over the layers, and a search asks for it per layout."""
+    cfg = model.cfg
+    if s.pp <= 1:
+        return [RankPart(0, cfg.n_layer, (0,), (cfg.n_layer,), True, True)]
+    key = (cfg.n_layer, stage_costs(cfg, seq_len), s.pp, s.pp_schedule, s.pp_virtual, s.pp_layers)
+    if key not in _PARTS:
+        _PARTS[key] = rank_parts(cfg, seq_len, s.pp, s.pp_schedule, s.pp_virtual, s.pp_layers or None)
+    return _PARTS[key]
+
+
+def _moe_blocks(model: PlanModel, parts: list[RankPart], part: RankPart) -> int:
+    """Blocks with experts among the part's (models.moe.is_moe_layer, counted in closed form)."""
+    cfg = model.cfg
+    if not model.moe:
+        return 0
+    sizes = {stage: n for p in parts for stage, n in zip(p.stages, p.layers)}
+    starts = [0]
+    for stage in range(len(sizes)):
+        starts.append(starts[-1] + sizes[stage])
+    count = 0
+    for stage in part.stages:
+        lo, hi = max(starts[stage], cfg.moe_first_dense), starts[stage + 1]
+        first = lo + (-(lo - cfg.moe_first_dense)) % cfg.moe_every   # the first MoE index >= lo
+        count += (hi - 1 - first) // cfg.moe_every + 1 if first < hi else 0
+    return count
+
+
+def in_flight_microbatches(s: Strategy, rank: int = 0) -> float:
+    """Micro-batches whose activations pipeline rank `rank` holds at once, counted in micro-batches
+    of all its blocks (a rank of v stages holding c stage-micro-batches holds c / v), as torch's
+    schedules order the work (torch.distributed.pipelining.schedules)."""
     if s.pp == 1:
         return 1.0
-    m = s.grad_accum
+    m, p, v = s.grad_accum, s.pp, s.pp_virtual
     if s.pp_schedule in ("gpipe", "looped-bfs"):
         return float(m)   # every micro-batch's forward before the first backward
     if s.pp_schedule == "dualpipev":
-        return float(min(s.pp + 1, m))   # DeepSeek-V3 report, table 2: PP + 1 (1F1B: PP)
-    in_flight = float(min(s.pp, m))      # 1f1b, and zbv (Qi et al. 2024: 1F1B's peak)
-    if s.pp_schedule in ("interleaved-1f1b", "interleaved-zero-bubble"):
-        # Narayanan et al. 2021 (section 2.2.2): interleaving holds (1 + (p-1)/(p v)) x 1F1B's activations.
-        in_flight *= 1 + (s.pp - 1) / (s.pp * s.pp_virtual)
-    return in_flight
+        return float(min(p + 1, m))   # DeepSeek-V3 report, table 2: PP + 1 (1F1B: PP), every rank
+    if s.pp_schedule == "zbv":
+        return float(min(p, m))       # Qi et al. 2024: ZB-V's peak is 1F1B's, on every rank
+    if s.pp_schedule == "1f1b":
+        return float(min(m, p - rank))   # Schedule1F1B: rank r warms up with p - r forwards
+    # Interleaved: _get_warmup_ops (rank r: (v - 1) micro-batches per round + 2 per hop to the last
+    # rank; zero bubble 1 per hop), then one forward before each backward. Zero bubble defers the
+    # weight gradients of its first r backwards (num_1f1b_microbatches = rank): their inputs stay.
+    rounds = max(1, m // p)
+    per_round = m // rounds
+    hops = 2 if s.pp_schedule == "interleaved-1f1b" else 1
+    warmup = min((v - 1) * per_round + hops * (p - 1 - rank), m * v)
+    chunks = warmup + 1 if warmup < m * v else warmup
+    if s.pp_schedule == "interleaved-zero-bubble":
+        chunks = min(m * v, chunks + rank)
+    return chunks / v
 
+
+def _head_in_flight(s: Strategy) -> int:
+    """Micro-batches whose logits and loss the last stage holds at once: one (its forward is
+    followed by its backward), except where every forward runs first."""
+    return s.grad_accum if s.pp > 1 and s.pp_schedule in ("gpipe", "looped-bfs") else 1
+
+
+# ---------------------------------------------------------------- the step
 
 def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "cuda",
                     optimizer_state_bytes: int = 4, optimizer: str = "adamw") -> MemoryEstimate:
@@ -200,26 +332,72 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
     optimizer: adamw, or muon (optim.optimizer): one fp32 momentum buffer per hidden-matrix
     parameter instead of two moments (a traced user module is planned with AdamW's state).
     device: "cuda" adds the allocator's fragmentation margin; "cpu" does not.
+    A pipeline is planned rank by rank (pipeline_parts, rank_memory); the estimate is the
+    busiest rank's, with its index in peak_rank.
     """
     if model.traced is not None:
         return _traced_memory(model, s, seq_len, device, optimizer_state_bytes)
+    parts = pipeline_parts(model, s, seq_len)
+    if s.pp == 1:
+        return _rank_memory(model, s, seq_len, parts[0], _moe_blocks(model, parts, parts[0]), device,
+                            optimizer_state_bytes, optimizer)
+    # A rank that holds the same kind of pieces as another, no more blocks and no more
+    # micro-batches in flight cannot be the peak: only the others are planned (a model with
+    # experts plans every rank: its blocks differ in kind).
+    by_kind: dict[tuple, list[tuple[float, int, RankPart]]] = {}
+    for part in parts:
+        kind = (len(part.stages), part.embedding, part.head, part.rank if model.moe else 0)
+        by_kind.setdefault(kind, []).append((in_flight_microbatches(s, part.rank), part.blocks, part))
+    candidates = []
+    for ranks in by_kind.values():
+        most_blocks = -1
+        for in_flight, blocks, part in sorted(ranks, key=lambda c: (-c[0], -c[1], c[2].rank)):
+            if blocks > most_blocks:   # more blocks than every rank with as many in flight or more
+                candidates.append((part, _moe_blocks(model, parts, part), in_flight))
+                most_blocks = blocks
+    planned = [(part, _rank_memory(model, s, seq_len, part, n_moe, device, optimizer_state_bytes, optimizer))
+               for part, n_moe, _ in sorted(candidates, key=lambda c: c[0].rank)]
+    part, chosen = max(planned, key=lambda pe: (pe[1].total_bytes, -pe[0].rank))   # the first of equal peaks
+    pieces = " + ".join(["embedding"] * part.embedding + [f"{part.blocks} blocks"] + ["head and loss"] * part.head)
+    chosen.notes.append(f"pipeline: rank {part.rank} of {s.pp} is the busiest ({pieces}, "
+                        f"{in_flight_microbatches(s, part.rank):g} micro-batches in flight)")
+    chosen.peak_rank = part.rank
+    return chosen
+
+
+def rank_memory(model: PlanModel, s: Strategy, seq_len: int, rank: int, device: str = "cuda",
+                optimizer_state_bytes: int = 4, optimizer: str = "adamw") -> MemoryEstimate:
+    """The step's peak on pipeline rank `rank` alone (estimate_memory plans the busiest)."""
+    parts = pipeline_parts(model, s, seq_len)
+    part = parts[rank]
+    estimate = _rank_memory(model, s, seq_len, part, _moe_blocks(model, parts, part), device,
+                            optimizer_state_bytes, optimizer)
+    estimate.peak_rank = rank if s.pp > 1 else None
+    return estimate
+
+
+def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_moe: int, device: str,
+                 optimizer_state_bytes: int, optimizer: str) -> MemoryEstimate:
+    """The step's peak on one pipeline rank (without a pipeline: the one GPU's whole model)."""
     cfg, dt = model.cfg, _dtypes(s)
     pc = param_count(cfg)
     ex = experts_of(model)
-    shard_grad, group = s.shards()[1], s.state_shard_group
-    layers = _stage_layers(model, s)
+    shard_grad = s.shards()[1]
+    group = s.state_shard_group
+    layers, first, last = part.blocks, part.embedding, part.head
+    piped = s.pp > 1
     notes: list[str] = []
 
-    # ---- parameters per GPU: this stage's blocks (split by tp, experts by ep) + embedding / head
+    # ---- parameters per GPU: this rank's blocks (split by tp, experts by ep) + embedding / head
     block_params = (pc.attn + pc.mlp) / s.tp + pc.norm
     vocab_params = pc.embedding - (cfg.max_seq_len * cfg.d_model if cfg.position == "learned" else 0)
     pos_params = pc.embedding - vocab_params
-    first_stage = vocab_params / s.tp + pos_params
-    last_stage = (pc.head or (vocab_params if s.pp > 1 else 0)) / s.tp + cfg.d_model
-    edge = first_stage + last_stage if s.pp == 1 else max(first_stage, last_stage)
-    if s.pp == 1 and cfg.tie_embeddings:
-        edge = first_stage + cfg.d_model
-    n_moe = ex.stage_layers(layers) if ex else 0     # the busiest stage's blocks with experts
+    head_matmul = vocab_params / s.tp   # the output head's weight (a tied one is the table)
+    # A pipeline's head holds its own copy of a tied table (distributed/pipeline_parallel.py).
+    head_params = (pc.head or (vocab_params if piped else 0)) / s.tp
+    first_stage = vocab_params / s.tp + pos_params + pc.embedding_norm
+    last_stage = head_params + pc.final_norm
+    edge = first_stage * first + last_stage * last
     stage_blocks, experts = layers * block_params, 0.0
     if ex:
         # Dense blocks split by tp; an MoE block's attention by tp, its router and shared experts
@@ -229,8 +407,8 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
         moe_block = pc.attn / s.tp + pc.norm + ex.other_params + expert_block
         stage_blocks = (layers - n_moe) * dense_block + n_moe * moe_block
         experts = n_moe * expert_block
-        block_params = moe_block if n_moe == layers else max(dense_block, moe_block)
-        notes.append(f"mixture of experts: {n_moe} of this stage's {layers} blocks hold {ex.n // s.ep} of "
+        block_params = moe_block if n_moe == layers else (max(dense_block, moe_block) if n_moe else dense_block)
+        notes.append(f"mixture of experts: {n_moe} of this rank's {layers} blocks hold {ex.n // s.ep} of "
                      f"{ex.n} experts each; tokens are planned as spread evenly over the experts")
     local_params = stage_blocks + edge
 
@@ -254,65 +432,87 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
 
     # ---- activations of one micro-batch on this GPU
     tokens = s.micro_batch * seq_len // s.cp
-    per_block = block_activation_bytes(model, tokens, s)
+    per_block = block_activation_bytes(model, tokens, s, seq_len=seq_len)
     stage_acts = layers * per_block
     if n_moe:
-        stage_acts = (layers - n_moe) * per_block + n_moe * block_activation_bytes(model, tokens, s, moe=True)
+        moe_acts = block_activation_bytes(model, tokens, s, moe=True, seq_len=seq_len)
+        stage_acts = (layers - n_moe) * per_block + n_moe * moe_acts
     seq_split = s.tp if (s.tp > 1 and s.sequence_parallel) else 1
     final_norm = tokens * cfg.d_model * (dt.residual + (dt.compute if dt.autocast else dt.residual)) // seq_split
     if cfg.norm == "rmsnorm":
         final_norm += tokens * cfg.d_model * 4 // seq_split
-    in_flight = in_flight_microbatches(s)
-    acts = (stage_acts + final_norm) * in_flight
+    final_norm *= last
+    forward_saved = _forward_saved_bytes(model, tokens, s, seq_len, first)
+    in_flight = in_flight_microbatches(s, part.rank)
+    head_in_flight = _head_in_flight(s)
+    one_micro = stage_acts + forward_saved + final_norm
+    acts = (stage_acts + forward_saved) * in_flight + final_norm * head_in_flight
+    pipe_buffers = 0.0
+    if piped:
+        # torch's stages: a receiving stage's input is its receive buffer (one per micro-batch,
+        # kept all step; the first block's saved input is that buffer), a sending stage keeps its
+        # output until the micro-batch's backward, and every stage that gets gradients back has
+        # one buffer per micro-batch for them.
+        boundary = tokens * cfg.d_model * dt.residual // seq_split
+        acts += boundary * (in_flight * first - head_in_flight * last)
+        receiving, sending = len(part.stages) - first, len(part.stages) - last
+        pipe_buffers = boundary * s.grad_accum * (receiving + sending)
 
     # Autocast keeps a bf16 copy of each weight a saved matmul needs (blocks without AC).
     weight_copies = 0.0
     if dt.autocast and s.ac == "none":
         matmul_per_block = (pc.active_matmul - vocab_params) / cfg.n_layer / s.tp
-        if ex:  # every weight of the stage's blocks: an MoE block casts all of its local experts
-            matmul_per_block = stage_blocks / layers
-        weight_copies = layers * matmul_per_block * dt.compute + vocab_params / s.tp * dt.compute
+        if ex:  # every weight of the rank's blocks: an MoE block casts all of its local experts
+            matmul_per_block = stage_blocks / max(layers, 1)
+        weight_copies = layers * matmul_per_block * dt.compute + head_matmul * dt.compute * last
 
-    # ---- the loss: logits (tokens x vocab) and their fp32 log-softmax (on the last stage;
-    # with a pipeline we add it to the busiest stage, which errs on the safe side)
+    # ---- the loss: logits (tokens x vocab) and their fp32 log-softmax, on the last stage's rank
     v_local = vocab_params // cfg.d_model / s.tp
-    if s.fused_loss:
+    loss_fwd = loss_bwd = 0.0
+    if last and s.fused_loss:
         chunk = min(s.loss_chunk, tokens)
         loss_fwd = chunk * v_local * 4 * 2
         loss_bwd = chunk * v_local * 4 * 2 + tokens * cfg.d_model * 4
         notes.append("fused loss: logits exist one chunk at a time")
-    else:
+        if cfg.logit_softcap > 0:  # the forward caps each chunk in place; the backward holds the cap's derivative
+            loss_bwd += chunk * v_local * 4
+    elif last:
         low_logits = tokens * v_local * dt.compute if dt.compute != 4 else 0   # before the fp32 upcast
         loss_fwd = low_logits + 2 * tokens * v_local * 4     # fp32 logits and their log-softmax
         # backward of the log-softmax: its saved output, the incoming gradient and the outgoing
         # one (the low-precision logits are gone by then; their gradient comes after these go)
         loss_bwd = 3 * tokens * v_local * 4
-
-    if cfg.logit_softcap > 0:
-        if s.fused_loss:  # the forward caps each chunk in place; the backward holds the cap's derivative
-            loss_bwd += chunk * v_local * 4
-        else:  # the tanh of the logits, saved until the loss's gradient has passed the cap
+        if cfg.logit_softcap > 0:  # the tanh of the logits, saved until the loss's gradient has passed the cap
             loss_fwd += tokens * v_local * dt.compute
             loss_bwd += tokens * v_local * dt.compute
+        if piped:
+            # The last stage holds its output, the logits, until the micro-batch's backward, and
+            # the other micro-batches in flight keep their log-softmax (and the cap's tanh).
+            loss_bwd += tokens * v_local * dt.compute
+            held = tokens * v_local * (dt.compute + 4 + (dt.compute if cfg.logit_softcap > 0 else 0))
+            acts += held * (head_in_flight - 1)
+
+    # Materialized attention: the top block's scores exist next to their softmax in the forward.
+    scores_fwd = _scores_bytes(model, tokens, s, seq_len) if s.attention == "materialized" and layers else 0
 
     # ---- gathered parameters and communication buffers
     gather_unit = block_params * dt.gathered
-    mean_gather_unit = stage_blocks / layers * dt.gathered if n_moe else gather_unit   # per block of the stage
+    mean_gather_unit = stage_blocks / max(layers, 1) * dt.gathered if n_moe else gather_unit   # per block of the rank
     # zero2 keeps the gathered parameters from forward to backward; so does FSDP under a
     # pipeline (as torchtitan runs it), or every micro-batch would gather them again.
-    keeps_gathered = s.dp_strategy == "zero2" or (s.pp > 1 and s.dp_strategy in ("fsdp", "hsdp"))
-    comm = 0.0
+    keeps_gathered = s.dp_strategy == "zero2" or (piped and s.dp_strategy in ("fsdp", "hsdp"))
+    comm = pipe_buffers
     if s.dp_strategy in ("fsdp", "hsdp") and not keeps_gathered:
-        comm = 2 * gather_unit                        # the block being computed and the prefetched next one
+        comm += 2 * gather_unit                        # the block being computed and the prefetched next one
     elif keeps_gathered:
-        comm = layers * mean_gather_unit + edge * dt.gathered   # parameters stay gathered between forward and backward
+        comm += layers * mean_gather_unit + edge * dt.gathered   # parameters stay gathered between forward and backward
     reduce_buffer = block_params * dt.reduce if s.dp_strategy in ("zero2", "fsdp", "hsdp") else 0.0
     # DDP/zero1 gradients are views into the all-reduce buckets and never freed; with
     # accumulation every gradient exists from the second micro-batch on.
     persistent_grads = s.dp_strategy in ("ddp", "zero1") or s.grad_accum > 1
     # Under a pipeline, FSDP reduces gradients only after the last micro-batch (torch's
     # pipelining stages turn gradient sync off before it): the unsharded gradients accumulate.
-    if keeps_gathered and s.pp > 1:
+    if keeps_gathered and piped:
         grad_bytes += local_params * dt.reduce
 
     def phase(grads: float, activations: float, temporaries: float) -> dict[str, float]:
@@ -320,26 +520,27 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
                 "activations": activations, "temporaries": temporaries}
 
     all_grads = grad_bytes if persistent_grads else 0.0
-    phases = {"forward": phase(all_grads, acts + weight_copies, loss_fwd + comm)}
+    phases = {"forward": phase(all_grads, acts + weight_copies, max(loss_fwd, scores_fwd) + comm)}
     # Backward: the loss's gradient first, then down the blocks: block i's activations go as
     # its gradients arrive, while its backward temporaries (and recomputation) are alive.
-    head_grad = sharded((pc.head or vocab_params) / s.tp, shard_grad) * 4 if s.pp == 1 else 0.0
+    head_grad = sharded(head_matmul, shard_grad) * 4 * last
     block_grad = sharded(block_params, shard_grad) * 4
-    transient = _block_backward_transient(model, tokens, s)
+    transient = _block_backward_transient(model, tokens, s, seq_len=seq_len)
     # A checkpointed block's backward first recomputes what it did not keep.
-    recompute = block_activation_bytes(model, tokens, s, mode="none") - per_block if s.ac != "none" else 0
+    recompute = block_activation_bytes(model, tokens, s, mode="none", seq_len=seq_len) - per_block \
+        if s.ac != "none" else 0
     mean_block = per_block
     if n_moe:
-        # The walk goes down the stage's blocks at their mean; the largest MoE block's backward
+        # The walk goes down the rank's blocks at their mean; the largest MoE block's backward
         # (and recompute) is the one alive at each point.
         expert_grads = experts / s.expert_shard_group if shard_grad else experts
         block_grad = (sharded(stage_blocks - experts, shard_grad) + expert_grads) / layers * 4
-        transient = max(transient, _block_backward_transient(model, tokens, s, moe=True))
+        transient = max(transient, _block_backward_transient(model, tokens, s, moe=True, seq_len=seq_len))
         if s.ac != "none":
-            recompute = max(recompute, block_activation_bytes(model, tokens, s, mode="none", moe=True)
-                            - block_activation_bytes(model, tokens, s, moe=True))
+            recompute = max(recompute, block_activation_bytes(model, tokens, s, mode="none", moe=True, seq_len=seq_len)
+                            - moe_acts)
         mean_block = stage_acts / layers
-    other_micro = acts - (stage_acts + final_norm)          # other in-flight micro-batches stay
+    other_micro = acts - one_micro                    # other in-flight micro-batches stay
     worst = phase(all_grads or head_grad, acts + weight_copies, loss_bwd + comm + reduce_buffer)
     copies_per_block = weight_copies / max(layers, 1)
     # Blocks 1..i still hold their activations. The total is linear in i, so its highest point
@@ -348,13 +549,13 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
     for i in dict.fromkeys((layers, 1)) if layers >= 1 else ():
         grads = all_grads or head_grad + (layers - i) * block_grad
         # zero2 frees a block's gathered parameters once its gradients are reduced.
-        gathered = i * mean_gather_unit + edge * dt.gathered if keeps_gathered else comm
-        candidate = phase(grads, other_micro + i * (mean_block + copies_per_block),
+        gathered = pipe_buffers + (i * mean_gather_unit + edge * dt.gathered if keeps_gathered else comm - pipe_buffers)
+        candidate = phase(grads, other_micro + forward_saved + i * (mean_block + copies_per_block),
                           recompute + transient + gathered + reduce_buffer)
         if sum(candidate.values()) > sum(worst.values()):
             worst = candidate
     phases["backward"] = worst
-    phases["optimizer"] = phase(grad_bytes, 0.0, 0.0)
+    phases["optimizer"] = phase(grad_bytes, 0.0, pipe_buffers)
 
     peak_phase = max(phases, key=lambda name: sum(phases[name].values()))
     breakdown = {k: int(v) for k, v in phases[peak_phase].items()}
@@ -418,18 +619,23 @@ def model_state_bytes(params: float, s: Strategy, optimizer_state_bytes: int = 4
             params * 2 * optimizer_state_bytes / (group if shard_opt else 1))
 
 
-def _block_backward_transient(model: PlanModel, tokens: int, s: Strategy, moe: bool = False) -> int:
+def _block_backward_transient(model: PlanModel, tokens: int, s: Strategy, moe: bool = False,
+                              seq_len: int | None = None) -> int:
     """Gradients of activations alive while one block is differentiated, beyond what the block
-    already saved: the MLP's inner gradient (gelu: one n x F tensor; swiglu: two, the gate's
+    already saved: the MLP's inner gradient (gelu, relu: one n x F tensor; swiglu: two, the gate's
     and the up projection's) next to the residual stream's gradient and its copy. An MoE
     block's: its k n routed rows' inner gradients (whole: not split by tp), the shared
-    experts', and the dispatch buffers of the rows' gradients (sent and received)."""
+    experts', and the dispatch buffers of the rows' gradients (sent and received). Materialized
+    attention's backward holds the gradients of its probabilities and of its scores (two T x T
+    matrices per head) instead, where those are larger."""
     cfg, dt = model.cfg, _dtypes(s)
     n_up = 2 if cfg.mlp == "swiglu" else 1
     ex = experts_of(model) if moe else None
+    residual_grads = 2 * tokens * cfg.d_model * dt.residual
+    attention = 2 * _scores_bytes(model, tokens, s, seq_len) if s.attention == "materialized" else 0
     if ex is not None:
         routed = tokens * ex.top_k
         inner = (routed * ex.hidden + tokens * ex.shared_hidden) * dt.compute * n_up
-        return inner + 2 * routed * cfg.d_model * dt.residual + 2 * tokens * cfg.d_model * dt.residual
+        return max(inner + 2 * routed * cfg.d_model * dt.residual, attention) + residual_grads
     inner = tokens * _mlp_hidden(model) * dt.compute // s.tp * n_up
-    return inner + 2 * tokens * cfg.d_model * dt.residual
+    return max(inner, attention) + residual_grads
