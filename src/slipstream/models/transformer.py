@@ -123,7 +123,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     head (partial rotary, model.rotary_fraction < 1) leaves the other dimensions as they are."""
     width = cos.shape[-1]
     if width < x.shape[-1]:
-        return torch.cat([apply_rope(x[..., :width], cos, sin), x[..., width:]], dim=-1)
+        # Written into a tensor of x's memory layout, not torch.cat's contiguous one: q and k keep
+        # their projection's (B, T, heads, D) order, as a full rotation keeps it, so the attention
+        # output reaches o_proj as a view (a copy of it would be saved for backward, measured on CPU).
+        out = torch.empty_like(x)
+        out[..., :width] = apply_rope(x[..., :width], cos, sin)
+        out[..., width:] = x[..., width:]
+        return out
     half = width // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return (x * cos + rotated * sin).to(x.dtype)
