@@ -9,6 +9,13 @@ process group of 8 ranks (sharded strategies: one real rank whose collectives ar
 no-ops, so the tensors each rank holds are real and counted). The planner predicts the
 same step from shapes alone. Tests guard the error (tests/unit/test_plan_memory.py).
 
+The grid also covers the architecture options (ReLU MLP, parallel block, ALiBi, partial rotary,
+embedding norm), materialized attention (SDPA's MATH kernel, which writes out the scores and
+keeps the softmax) and pipeline ranks: one pp rank's stage modules (the trainer's split and
+initialization) run the forwards and backwards of its micro-batches in the order torch's 1F1B /
+GPipe runs them on that rank, with torch's per-micro-batch receive and gradient buffers, on one
+process, against the planner's estimate for that rank (the busiest, unless the case names one).
+
     slipstream bench planner --device cuda
 
 runs GPT-2 small and medium steps on the GPU instead (one process, bf16): the CUDA
@@ -28,7 +35,7 @@ import torch
 
 from slipstream.config.presets import PRESETS
 from slipstream.config.schema import ModelConfig
-from slipstream.plan.memory import estimate_memory
+from slipstream.plan.memory import estimate_memory, rank_memory
 from slipstream.plan.space import PlanModel, Strategy
 
 TARGET_ERROR = 0.10
@@ -41,22 +48,51 @@ class Case:
     strategy: Strategy
     seq_len: int = 128
     overrides: tuple[tuple[str, Any], ...] = ()
+    pp_rank: int | None = None   # pipelines: the pp rank measured (None: the one the planner finds busiest)
 
     def model_config(self) -> ModelConfig:
         values = {**PRESETS[self.preset], "preset": self.preset, "vocab_size": 512, **dict(self.overrides)}
         values["max_seq_len"] = max(values["max_seq_len"], self.seq_len)
         return ModelConfig(**values)
 
+    def rank(self) -> int:
+        """The pp rank measured and planned (0 without a pipeline)."""
+        if self.strategy.pp == 1:
+            return 0
+        if self.pp_rank is not None:
+            return self.pp_rank
+        model = PlanModel(self.preset, self.model_config())
+        return estimate_memory(model, self.strategy, self.seq_len, device="cpu").peak_rank
+
     def label(self) -> str:
         extra = ",".join(f"{k}={v}" for k, v in self.overrides)
-        return f"{self.preset}{'[' + extra + ']' if extra else ''} seq{self.seq_len} {self.strategy.precision} {self.strategy.label()}"
+        attention = f" {self.strategy.attention}" if self.strategy.attention != "flash" else ""
+        rank = f" rank {self.rank()}" if self.strategy.pp > 1 else ""
+        return (f"{self.preset}{'[' + extra + ']' if extra else ''} seq{self.seq_len} {self.strategy.precision} "
+                f"{self.strategy.label()}{attention}{rank}")
+
+
+# The grid's model families: a preset and its overrides (the GPT-2 style one widened).
+FAMILIES = {"tiny": (("n_layer", 4), ("d_model", 128), ("n_head", 4)), "llama-tiny": (("n_layer", 4),),
+            "gpt-mini": ()}
+
+
+def _family(preset: str, **options: Any) -> tuple[tuple[str, Any], ...]:
+    """A family's overrides with `options` on top (replacing a family value of the same name)."""
+    base = [(k, v) for k, v in FAMILIES[preset] if k not in options]
+    return tuple(base) + tuple(options.items())
+
+
+def _options(case: Case) -> dict[str, Any]:
+    """A case's model options beyond its family's."""
+    return {k: v for k, v in case.overrides if (k, v) not in FAMILIES[case.preset]}
 
 
 def default_cases() -> list[Case]:
-    """The grid: two model families x AC modes x precisions x strategies."""
+    """The grid: three model families x AC modes x precisions x strategies, then the architecture
+    options, materialized attention and pipeline ranks (architecture_cases, pipeline_cases)."""
     cases = []
-    wide = (("n_layer", 4), ("d_model", 128), ("n_head", 4))
-    for preset, overrides in (("tiny", wide), ("llama-tiny", (("n_layer", 4),)), ("gpt-mini", ())):
+    for preset, overrides in FAMILIES.items():
         for precision in ("fp32", "bf16"):
             for ac in ("none", "selective", "full"):
                 cases.append(Case(preset, Strategy(micro_batch=8, ac=ac, precision=precision), overrides=overrides))
@@ -75,10 +111,51 @@ def default_cases() -> list[Case]:
                                            ac="full", precision="bf16"), overrides=overrides))
     # A larger world: the shards get smaller, the gathered blocks and activations do not.
     cases.append(Case("gpt-mini", Strategy(dp_strategy="fsdp", dp=16, micro_batch=8, precision="bf16")))
+    return cases + architecture_cases() + pipeline_cases()
+
+
+def architecture_cases() -> list[Case]:
+    """One process, each model option on a family that lacks it (fp32, and bf16 where autocast
+    changes what is kept), two published architectures' combinations, and materialized attention."""
+    cases = []
+    for preset, options in (("tiny", dict(mlp="relu")), ("tiny", dict(parallel_block=True)),
+                            ("tiny", dict(position="alibi")), ("llama-tiny", dict(rotary_fraction=0.25)),
+                            ("tiny", dict(embedding_norm=True)), ("llama-tiny", dict(embedding_norm=True))):
+        for precision in ("fp32", "bf16"):
+            cases.append(Case(preset, Strategy(micro_batch=8, precision=precision), overrides=_family(preset, **options)))
+    # BLOOM (ALiBi, embedding norm, GELU) and GPT-NeoX / Pythia (parallel block, partial rotary)
+    cases.append(Case("tiny", Strategy(micro_batch=8, precision="bf16", ac="selective"),
+                      overrides=_family("tiny", position="alibi", embedding_norm=True)))
+    cases.append(Case("llama-tiny", Strategy(micro_batch=8, precision="bf16"),
+                      overrides=_family("llama-tiny", parallel_block=True, rotary_fraction=0.25, mlp="gelu",
+                                        norm="layernorm")))
+    # Materialized scores (the MATH kernel; on a CPU it computes a bf16 run's attention in fp32,
+    # which no GPU stack does, so fp32 only): MHA, and GQA (k, v repeated to every head), full AC
+    for preset, ac in (("tiny", "none"), ("tiny", "full"), ("llama-tiny", "none")):
+        cases.append(Case(preset, Strategy(micro_batch=8, precision="fp32", ac=ac, attention="materialized"),
+                          overrides=FAMILIES[preset]))
     return cases
 
 
-# (preset, Strategy fields) of each case of stratified_cases(); each names one case of the grid.
+def pipeline_cases() -> list[Case]:
+    """Pipeline ranks on one process: 1F1B's busiest rank (the first: the embedding and the most
+    micro-batches in flight) and its last (head and loss, one in flight), bf16, an uneven split
+    of 6 blocks over 4 ranks, a pinned split (parallel.pp_layers) and GPipe (every micro-batch in
+    flight)."""
+    def piped(**fields) -> Strategy:
+        return Strategy(**{"pp": 2, "pp_schedule": "1f1b", "micro_batch": 2, "grad_accum": 4, "precision": "fp32",
+                           **fields})
+
+    return [Case("tiny", piped(), overrides=FAMILIES["tiny"]),
+            Case("tiny", piped(), overrides=FAMILIES["tiny"], pp_rank=1),
+            Case("llama-tiny", piped(precision="bf16"), overrides=FAMILIES["llama-tiny"]),
+            Case("llama-tiny", piped(pp=4, ac="full"), overrides=_family("llama-tiny", n_layer=6)),
+            Case("tiny", piped(pp_layers=(1, 3)), overrides=FAMILIES["tiny"]),
+            Case("tiny", piped(pp_schedule="gpipe"), overrides=FAMILIES["tiny"], pp_rank=1)]
+
+
+# (preset, Strategy fields[, model options beyond the family's]) of each case of stratified_cases();
+# each names one case of the grid (a field left out: a single process, flash attention, no options).
 _STRATIFIED = (
     ("tiny", dict(dp_strategy="none", ac="selective", precision="fp32")),
     ("llama-tiny", dict(dp_strategy="none", ac="full", precision="bf16")),
@@ -92,19 +169,25 @@ _STRATIFIED = (
     ("tiny", dict(dp_strategy="fsdp", precision="bf16", grad_accum=1)),
     ("tiny", dict(dp_strategy="fsdp", grad_accum=2)),
     ("gpt-mini", dict(dp=16)),
+    ("llama-tiny", dict(precision="bf16"), dict(parallel_block=True, rotary_fraction=0.25, mlp="gelu", norm="layernorm")),
+    ("tiny", dict(attention="materialized", ac="none")),
+    ("tiny", dict(pp=2, pp_schedule="1f1b", pp_layers=())),
 )
 
 
 def stratified_cases() -> list[Case]:
-    """12 of the grid's cases, measured in seconds instead of a minute: every model family,
+    """15 of the grid's cases, measured in seconds instead of minutes: every model family,
     data-parallel strategy, AC mode and precision, accumulation with and without sharding, the
     fused loss and the 16-rank world, among them the grid's largest errors (sharded bf16, the
-    16-rank world). `bench planner --cases stratified` and the tests run these."""
+    16-rank world); an architecture combination, materialized attention and a pipeline's busiest
+    rank. `bench planner --cases stratified` and the tests run these."""
     grid = default_cases()
     picked = []
-    for preset, fields in _STRATIFIED:
-        found = [c for c in grid if c.preset == preset
-                 and all(getattr(c.strategy, k) == v for k, v in fields.items())]
+    for preset, fields, *options in _STRATIFIED:
+        wanted = {"pp": 1, "attention": "flash", **fields}
+        found = [c for c in grid if c.preset == preset and c.pp_rank is None
+                 and all(getattr(c.strategy, k) == v for k, v in wanted.items())
+                 and _options(c) == (options[0] if options else {})]
         if len(found) != 1:
             raise ValueError(f"stratified case {preset} {fields} matches {len(found)} grid cases, not 1")
         picked.append(found[0])
@@ -149,6 +232,26 @@ def _fake_process_group(world: int) -> Iterator[Any]:
 
 def measure_case(case: Case) -> int:
     """Measured peak bytes of the second training step (MemTracker / FSDPMemTracker)."""
+    with _attention_kernel(case.strategy):
+        if case.strategy.pp > 1:
+            return _measure_pipeline_rank(case)
+        return _measure_one(case)
+
+
+@contextlib.contextmanager
+def _attention_kernel(s: Strategy) -> Iterator[None]:
+    """Materialized attention runs as SDPA's MATH kernel (QK^T written out, the softmax kept);
+    flash and efficient as the fused kernel SDPA picks."""
+    if s.attention != "materialized":
+        yield
+        return
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        yield
+
+
+def _measure_one(case: Case) -> int:
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     from slipstream.models.transformer import build_model
@@ -251,7 +354,100 @@ def _peak_total(tracker) -> int:
 
 def plan_case(case: Case) -> int:
     model = PlanModel(case.preset, case.model_config())
+    if case.strategy.pp > 1:
+        return rank_memory(model, case.strategy, case.seq_len, case.rank(), device="cpu").peak_bytes
     return estimate_memory(model, case.strategy, case.seq_len, device="cpu").peak_bytes
+
+
+# ---------------------------------------------------------------- one pipeline rank
+
+def _rank_order(s: Strategy, rank: int) -> list[tuple[str, int]]:
+    """The forwards ("F", micro-batch) and backwards ("B", micro-batch) of pipeline rank `rank`
+    in the order torch runs them: Schedule1F1B warms up with min(m, pp - rank) forwards, then
+    alternates a backward and a forward, then the remaining backwards; ScheduleGPipe runs every
+    forward, then every backward."""
+    m = s.grad_accum
+    if s.pp_schedule == "gpipe":
+        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+    if s.pp_schedule != "1f1b":
+        raise ValueError(f"the accuracy grid runs 1f1b and gpipe pipeline ranks, not {s.pp_schedule}")
+    warmup = min(m, s.pp - rank)
+    order = [("F", i) for i in range(warmup)]
+    for i in range(m):
+        order.append(("B", i))
+        if warmup + i < m:
+            order.append(("F", warmup + i))
+    return order
+
+
+def _measure_pipeline_rank(case: Case) -> int:
+    """Measured peak bytes of pipeline rank case.rank()'s second step, on one process: its stage
+    modules as the trainer builds them (plan.stages' split, distributed.pipeline_stages), torch's
+    per-micro-batch receive buffers (a later stage's inputs, leaves that take their gradient) and
+    gradient buffers (a stage that sends its output on), each micro-batch's output held until its
+    backward (torch's fwd_cache), the loss of each micro-batch / m on the last stage, under one
+    autocast context for the whole step (as the trainer's pipeline_step), then clip and AdamW."""
+    import torch.nn as nn
+
+    from slipstream.distributed.pipeline_stages import build_stage_modules
+    from slipstream.models.transformer import lm_loss
+    from slipstream.observe.memprofile import measure_step_memory
+    from slipstream.optimize.activations import apply_activation_checkpointing
+    from slipstream.plan.stages import split_layers, stage_costs, stage_indices
+
+    s, cfg, rank = case.strategy, case.model_config(), case.rank()
+    if s.dp_strategy != "none" or s.pp_virtual != 1:
+        raise ValueError("the accuracy grid runs one-stage pipeline ranks without data parallelism")
+    n_stages = s.pp
+    splits = split_layers(cfg.n_layer, n_stages, list(s.pp_layers) or None, stage_costs(cfg, case.seq_len))
+    (module,) = build_stage_modules(cfg, stage_indices(s.pp_schedule, rank, s.pp, 1), splits)
+    apply_activation_checkpointing(module, s.ac)
+    first, last = module.is_first, module.is_last
+    torch.manual_seed(0)
+    m, shape = s.grad_accum, (s.micro_batch, case.seq_len)
+    tokens = torch.randint(0, cfg.vocab_size, (m, *shape))
+    targets = torch.randint(0, cfg.vocab_size, (m, *shape))
+
+    holder = nn.Module()   # the stage and torch's buffers: MemTracker counts them from the start
+    holder.stage = module
+    # The residual stream crosses the stage boundary: fp32 under autocast.
+    for i in range(m):
+        if not first:
+            holder.register_buffer(f"recv{i}", (torch.randn(*shape, cfg.d_model) * 0.02).requires_grad_())
+        if not last:
+            holder.register_buffer(f"grad{i}", torch.randn(*shape, cfg.d_model) * 0.02)
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-4, fused=True)
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=s.precision == "bf16")
+
+    def forward_backward() -> None:
+        held: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
+        losses: dict[int, torch.Tensor] = {}
+        with autocast:
+            for kind, i in _rank_order(s, rank):
+                if kind == "F":
+                    inputs = tokens[i] if first else getattr(holder, f"recv{i}")
+                    output = module(inputs)
+                    held[i] = (output, None if first else inputs)
+                    if last:
+                        losses[i] = lm_loss(output, targets[i]) / m
+                    continue
+                output, inputs = held.pop(i)
+                if last:
+                    losses.pop(i).backward()
+                else:
+                    output.backward(getattr(holder, f"grad{i}"))
+                del output
+                if inputs is not None:
+                    inputs.grad = None   # torch sends it and lets it go (stage_backward)
+
+    def optimizer_step() -> None:
+        torch.nn.utils.clip_grad_norm_(module.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    forward_backward()
+    optimizer_step()
+    return int(measure_step_memory(holder, optimizer, forward_backward, optimizer_step, "cpu").peak_bytes)
 
 
 def run_accuracy(cases: list[Case] | None = None) -> list[dict[str, Any]]:

@@ -468,7 +468,7 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
 
     # ---- the loss: logits (tokens x vocab) and their fp32 log-softmax, on the last stage's rank
     v_local = vocab_params // cfg.d_model / s.tp
-    loss_fwd = loss_bwd = 0.0
+    loss_fwd = loss_bwd = held_loss = 0.0
     if last and s.fused_loss:
         chunk = min(s.loss_chunk, tokens)
         loss_fwd = chunk * v_local * 4 * 2
@@ -489,8 +489,8 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
             # The last stage holds its output, the logits, until the micro-batch's backward, and
             # the other micro-batches in flight keep their log-softmax (and the cap's tanh).
             loss_bwd += tokens * v_local * dt.compute
-            held = tokens * v_local * (dt.compute + 4 + (dt.compute if cfg.logit_softcap > 0 else 0))
-            acts += held * (head_in_flight - 1)
+            held_loss = tokens * v_local * (dt.compute + 4 + (dt.compute if cfg.logit_softcap > 0 else 0))
+            acts += held_loss * (head_in_flight - 1)
 
     # Materialized attention: the top block's scores exist next to their softmax in the forward.
     scores_fwd = _scores_bytes(model, tokens, s, seq_len) if s.attention == "materialized" and layers else 0
@@ -520,7 +520,11 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
                 "activations": activations, "temporaries": temporaries}
 
     all_grads = grad_bytes if persistent_grads else 0.0
-    phases = {"forward": phase(all_grads, acts + weight_copies, max(loss_fwd, scores_fwd) + comm)}
+    # GPipe-like schedules run every forward before the first backward: the gradients of the
+    # step's first micro-batch appear during its backward, with every micro-batch in flight.
+    forwards_first = piped and s.pp_schedule in ("gpipe", "looped-bfs") and s.dp_strategy not in ("ddp", "zero1")
+    phases = {"forward": phase(0.0 if forwards_first else all_grads, acts + weight_copies,
+                               max(loss_fwd, scores_fwd) + comm)}
     # Backward: the loss's gradient first, then down the blocks: block i's activations go as
     # its gradients arrive, while its backward temporaries (and recomputation) are alive.
     head_grad = sharded(head_matmul, shard_grad) * 4 * last
@@ -540,21 +544,35 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
             recompute = max(recompute, block_activation_bytes(model, tokens, s, mode="none", moe=True, seq_len=seq_len)
                             - moe_acts)
         mean_block = stage_acts / layers
-    other_micro = acts - one_micro                    # other in-flight micro-batches stay
-    worst = phase(all_grads or head_grad, acts + weight_copies, loss_bwd + comm + reduce_buffer)
     copies_per_block = weight_copies / max(layers, 1)
-    # Blocks 1..i still hold their activations. The total is linear in i, so its highest point
-    # is at one end: checking i = layers, then i = 1, finds the same peak as walking every
-    # block, in constant time (a config with a million layers is refused in microseconds).
-    for i in dict.fromkeys((layers, 1)) if layers >= 1 else ():
-        grads = all_grads or head_grad + (layers - i) * block_grad
-        # zero2 frees a block's gathered parameters once its gradients are reduced.
-        gathered = pipe_buffers + (i * mean_gather_unit + edge * dt.gathered if keeps_gathered else comm - pipe_buffers)
-        candidate = phase(grads, other_micro + forward_saved + i * (mean_block + copies_per_block),
-                          recompute + transient + gathered + reduce_buffer)
-        if sum(candidate.values()) > sum(worst.values()):
-            worst = candidate
-    phases["backward"] = worst
+
+    def walk(held: float, grads_before: float) -> dict[str, float]:
+        """The highest point of one micro-batch's backward that starts with `held` activations
+        and `grads_before` gradient bytes (0: they appear as it goes down the blocks)."""
+        others = held - one_micro                    # the other in-flight micro-batches stay
+        worst = phase(grads_before or head_grad, held + weight_copies, loss_bwd + comm + reduce_buffer)
+        # Blocks 1..i still hold their activations. The total is linear in i, so its highest point
+        # is at one end: checking i = layers, then i = 1, finds the same peak as walking every
+        # block, in constant time (a config with a million layers is refused in microseconds).
+        for i in dict.fromkeys((layers, 1)) if layers >= 1 else ():
+            grads = grads_before or head_grad + (layers - i) * block_grad
+            # zero2 frees a block's gathered parameters once its gradients are reduced.
+            gathered = pipe_buffers + (i * mean_gather_unit + edge * dt.gathered if keeps_gathered
+                                       else comm - pipe_buffers)
+            candidate = phase(grads, others + forward_saved + i * (mean_block + copies_per_block),
+                              recompute + transient + gathered + reduce_buffer)
+            if sum(candidate.values()) > sum(worst.values()):
+                worst = candidate
+        return worst
+
+    phases["backward"] = walk(acts, all_grads)
+    if forwards_first and all_grads:
+        # The first backward finds no gradients; the later ones every gradient and one
+        # micro-batch less in flight.
+        phases["backward"] = walk(acts, 0.0)
+        later = walk(acts - one_micro - held_loss, all_grads)
+        if sum(later.values()) > sum(phases["backward"].values()):
+            phases["backward"] = later
     phases["optimizer"] = phase(grad_bytes, 0.0, pipe_buffers)
 
     peak_phase = max(phases, key=lambda name: sum(phases[name].values()))
@@ -627,7 +645,8 @@ def _block_backward_transient(model: PlanModel, tokens: int, s: Strategy, moe: b
     block's: its k n routed rows' inner gradients (whole: not split by tp), the shared
     experts', and the dispatch buffers of the rows' gradients (sent and received). Materialized
     attention's backward holds the gradients of its probabilities and of its scores (two T x T
-    matrices per head) instead, where those are larger."""
+    matrices per head), after the MLP's backward has freed the MLP's saved inner tensors: those
+    instead, where they are larger."""
     cfg, dt = model.cfg, _dtypes(s)
     n_up = 2 if cfg.mlp == "swiglu" else 1
     ex = experts_of(model) if moe else None
@@ -638,4 +657,6 @@ def _block_backward_transient(model: PlanModel, tokens: int, s: Strategy, moe: b
         inner = (routed * ex.hidden + tokens * ex.shared_hidden) * dt.compute * n_up
         return max(inner + 2 * routed * cfg.d_model * dt.residual, attention) + residual_grads
     inner = tokens * _mlp_hidden(model) * dt.compute // s.tp * n_up
-    return max(inner, attention) + residual_grads
+    # Attention's backward runs after the MLP's, which has freed the MLP's saved inner tensors.
+    mlp_freed = tokens * _mlp_hidden(model) * dt.compute // s.tp * _MLP_SAVED[cfg.mlp]
+    return max(inner, attention - mlp_freed) + residual_grads
