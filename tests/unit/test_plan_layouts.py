@@ -287,8 +287,11 @@ def test_a_pipeline_needs_a_block_per_stage():
     small = PlanModel("gpt2-3", dataclasses.replace(resolve_model("gpt2").cfg, n_layer=3))
     s = Strategy("ddp", dp=4, pp=2, pp_schedule="interleaved-1f1b", micro_batch=2, grad_accum=2)
     assert s.not_runnable() == []
-    candidate = evaluate(small, s, Workload(1024, 16), make_cluster("8xH100"))
-    assert candidate.not_runnable == ["pipeline parallel 2: 4 stages for 3 blocks"]
+    # stages are whole blocks (plan/stages.rank_parts sizes them): 4 stages of 3 blocks cannot be planned
+    with pytest.raises(UserError, match="2 x 2 chunks = 4 stages for 3 blocks"):
+        evaluate(small, s, Workload(1024, 16), make_cluster("8xH100"))
+    assert evaluate(small, s.replace(pp_schedule="1f1b", pp_virtual=1), Workload(1024, 16),
+                    make_cluster("8xH100")).not_runnable == []
 
 
 def _trainer_accepts(cfg, world: int) -> None:

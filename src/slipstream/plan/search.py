@@ -12,8 +12,8 @@ The space: every degree is a divisor (none is limited to powers of two), world =
 - pipeline: every divisor of the GPUs up to the model's layers, in whole-block stages (the trainer's
   balanced split, plan/stages.split_layers, unless pp_layers pins one); schedules 1F1B and
   interleaved-1F1B by default, any schedule the trainer runs on request; the looping schedules with
-  2 chunks per rank and every chunk count up to MAX_VIRTUAL that splits the layers evenly (pp x v
-  divides n_layer), or the counts asked for (pp_virtual); always pp x v <= n_layer;
+  2 chunks per rank, and the largest chunk count up to MAX_VIRTUAL that splits the layers evenly
+  (pp x v divides n_layer), or the counts asked for (pp_virtual); always pp x v <= n_layer;
 - context parallel for long sequences: divisors c of the GPUs with seq >= CP_MIN_TOKENS x c whose
   sequence splits into 2c chunks (times tp with sequence parallel);
 - expert parallel (mixture of experts): divisors of the experts that divide the data-parallel degree;
@@ -28,11 +28,15 @@ Pruning (what keeps 2,240 GPUs at a few seconds; each rule is widened by the opt
   combinations at most), and only the combinations that divide the GPUs, the model and the batch
   are multiplied out into layouts;
 - micro-batches are powers of two (`micro_batches` asks for others);
-- chunks per rank: as above, at most MAX_VIRTUAL (`pp_virtual`); schedules: 1F1B and
-  interleaved-1F1B (`pp_schedules`);
+- chunks per rank: at most two counts per pipeline degree, as above (`pp_virtual`); schedules: 1F1B
+  and interleaved-1F1B (`pp_schedules`);
 - context parallel only for long sequences (`cp` pins degrees);
-- plan() evaluates a layout's CPU-offload twin only when the layout does not fit without offload:
-  offload only saves memory and only costs time, so a twin of a fitting layout cannot rank above it.
+- plan() evaluates the twins of a layout that differ only in the memory levers (checkpointing
+  full / selective / none, CPU offload, the fused loss) leanest first, and skips a twin that needs
+  at least as much of every lever as one that does not fit (it cannot fit: the memory model is
+  monotone in each lever), and an offload twin of a layout that fits without offload (offload only
+  saves memory and costs time: it cannot rank above it). So `rejected` holds the leanest twins of
+  what does not fit, and `evaluated` counts the layouts evaluated.
 When nothing is left, the error names the constraint that binds (why_no_layout): the batch (with
 the reachable data-parallel degrees and the nearest global batches that work), the heads, the
 layers, the sequence, the experts, or what slipstream cannot run (with --runnable-only).
@@ -55,8 +59,8 @@ from slipstream.plan.timing import TimeEstimate, estimate_time
 
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128)
 MAX_TP = 8
-# Chunks per pipeline rank the looping schedules are searched with by default (beyond 2, only the
-# counts that split the layers evenly); more on request (pp_virtual).
+# Chunks per pipeline rank the looping schedules are searched with by default: 2, and the most (up to
+# this) that split the layers evenly (the smallest bubble); others on request (pp_virtual).
 MAX_VIRTUAL = 8
 # Context parallel is searched for sequences of at least this many tokens per cp rank (8K at cp 2).
 CP_MIN_TOKENS = 4096
@@ -186,7 +190,8 @@ class SearchSpace:
         if self.pp_virtual:
             return self.pp_virtual
         n = self.model.cfg.n_layer
-        return tuple(v for v in range(2, MAX_VIRTUAL + 1) if v == 2 or n % (pp * v) == 0)
+        even = [v for v in range(3, MAX_VIRTUAL + 1) if n % (pp * v) == 0]
+        return (2, even[-1]) if even else (2,)
 
     def degrees(self, wide: bool = False) -> list[_Degrees]:
         """Every combination of degrees with the constraints it breaks. wide: also the pipeline degrees
@@ -333,6 +338,10 @@ def layouts(model: PlanModel, cluster: Cluster, work: Workload, *, runnable_only
 
 def evaluate(model: PlanModel, s: Strategy, work: Workload, cluster: Cluster, efficiency: float = 1.0,
              device: str = "cuda") -> Candidate:
+    stages = s.pp * s.pp_virtual
+    if s.pp > 1 and model.traced is None and stages > model.cfg.n_layer:
+        raise UserError(f"layout {s.label()}: pipeline parallel {s.pp} x {s.pp_virtual} chunks = {stages} stages for "
+                        f"{model.cfg.n_layer} blocks; every stage holds at least one block: fewer stages")
     memory = estimate_memory(model, s, work.seq_len, device=device)
     time = estimate_time(model, s, work, cluster, efficiency=efficiency)
     fits = memory.total_bytes <= cluster.memory_bytes
@@ -345,10 +354,8 @@ def refusals(model: PlanModel, s: Strategy) -> list[str]:
     """Why slipstream cannot run layout `s` of this model (empty: it can): the layout's own reasons
     (Strategy.not_runnable) and the model's (config.load's model rules)."""
     reasons = s.not_runnable() + _model_reasons(model, s)
-    stages = s.pp * s.pp_virtual
-    if s.pp > 1 and (model.traced is not None or stages > model.cfg.n_layer):
-        reasons.append(f"pipeline parallel {s.pp}: {stages} stages for "
-                       + ("a user module" if model.traced is not None else f"{model.cfg.n_layer} blocks"))
+    if s.pp > 1 and model.traced is not None:
+        reasons.append(f"pipeline parallel {s.pp} of a user module")
     return reasons
 
 
@@ -376,21 +383,45 @@ def plan(model: PlanModel, cluster: Cluster, work: Workload, *, efficiency: floa
     _check_positions(model, work)
     device = "cpu" if cluster.short_name == "cpu" else "cuda"
     search = SearchSpace(model, cluster, work, **space)
-    candidates, fitting = [], set()
-    for s in search.strategies(runnable_only):
-        if s.offload and s.replace(offload=False) in fitting:
-            continue   # offload only saves memory and costs time: it cannot rank above its fitting twin
-        c = evaluate(model, s, work, cluster, efficiency, device)
-        if runnable_only and c.not_runnable:   # the model's own refusals too (evaluate's), beyond the layout's
-            continue
-        candidates.append(c)
-        if c.fits and not s.offload:
-            fitting.add(s)
+    # Twins: layouts that differ only in the memory levers (checkpointing, offload, fused loss), each
+    # evaluated leanest first, so that what cannot fit or cannot rank is skipped (the module doc).
+    twins: dict[Strategy, list[tuple[int, Strategy]]] = {}
+    for order, s in enumerate(search.strategies(runnable_only)):
+        twins.setdefault(s.replace(ac="none", offload=False, fused_loss=False), []).append((order, s))
+    candidates = []
+    for group in twins.values():
+        over: list[tuple[int, ...]] = []    # the lever settings of twins that did not fit
+        fitting = set()
+        # Without offload first, leanest first (when that does not fit, none without offload does), then
+        # with offload (evaluated only where the twin without it does not fit).
+        for order, s in sorted(group, key=lambda item: (item[1].offload, _levers(item[1]))):
+            levers = _levers(s)
+            if any(all(mine >= theirs for mine, theirs in zip(levers, lean)) for lean in over):
+                continue   # needs at least the memory of a twin that does not fit
+            if s.offload and s.replace(offload=False) in fitting:
+                continue   # offload only saves memory and costs time: it cannot rank above its fitting twin
+            c = evaluate(model, s, work, cluster, efficiency, device)
+            if not c.fits:
+                over.append(levers)
+            elif not s.offload:
+                fitting.add(s)
+            if not (runnable_only and c.not_runnable):   # the model's own refusals too (evaluate's)
+                candidates.append((order, c))
+    candidates = [c for _, c in sorted(candidates, key=lambda item: item[0])]   # the search's order for ties
     if not candidates:
         raise UserError(why_no_layout(search, runnable_only))
     fitting = sorted((c for c in candidates if c.fits), key=lambda c: (-c.time.tokens_per_s, c.memory.total_bytes))
     rejected = sorted((c for c in candidates if not c.fits), key=lambda c: -c.time.tokens_per_s)
     return PlanResult(model, cluster, work, fitting, rejected, len(candidates))
+
+
+# How much memory each lever setting leaves in use, leanest first (plan/memory.py is monotone in each:
+# test_plan_search_space pins it): full < selective < no checkpointing, offload < none, fused < plain loss.
+_AC_MEMORY = {"full": 0, "selective": 1, "none": 2}
+
+
+def _levers(s: Strategy) -> tuple[int, int, int]:
+    return _AC_MEMORY[s.ac], int(not s.offload), int(not s.fused_loss)
 
 
 def plan_layout(model: PlanModel, cluster: Cluster, work: Workload, s: Strategy, *,
