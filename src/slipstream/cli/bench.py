@@ -9,6 +9,7 @@
     slipstream bench fused-ce [--rows N --d D --vocab V --dtype ... --chunk-size ...]
     slipstream bench ladder [memory|speed|both] [--device D --size S --repeats N --steps N --batch B]
     slipstream bench planner [--device cpu|cuda] [--cases grid|stratified] [--out FILE]
+    slipstream bench recompute [--device cpu|cuda --rounds N --steps N --repredict FILE --out FILE]
     slipstream bench gpu [--dry-run] [--only ITEM ...] [--out-dir DIR]
     slipstream bench packing [--size default|ci --rounds N --steps N --device D --out FILE]
 """
@@ -149,6 +150,16 @@ def cmd_bench_planner(args: argparse.Namespace, extra: list[str]) -> int:
     return 0 if worst <= TARGET_ERROR else 1
 
 
+def cmd_bench_recompute(args: argparse.Namespace, extra: list[str]) -> int:
+    from slipstream.perf.recompute_bench import run_recompute_bench
+
+    no_extra(extra)
+    refuse_existing(args.out, args.force)  # an explicit --out; the default benchmarks/ file is refreshed
+    run_recompute_bench(device=args.device, rounds=args.rounds, steps=args.steps, out=args.out,
+                        repredict=args.repredict)
+    return 0
+
+
 def _bench_planner_on_device(device: str, out: str) -> int:
     """GPT-2 steps on the GPU: allocator peak and step time vs the plan for this GPU."""
     import torch
@@ -209,7 +220,8 @@ def _add_data_dir_and_out(p: argparse.ArgumentParser, default_out: str) -> None:
 
 
 def add_commands(sub) -> None:
-    """Register `bench overhead|ladder|sharding|pipeline|moe|checkpoint|fused-ce|planner|gpu` on the top-level parser."""
+    """Register `bench overhead|ladder|sharding|pipeline|moe|checkpoint|fused-ce|planner|recompute|gpu` on the
+    top-level parser."""
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(dest="bench_cmd", required=True)
     p = with_config(bench.add_parser("overhead", help="Trainer vs a hand-written loop, alternated"))
     p.add_argument("--rounds", type=int, default=5, help="alternations of (trainer, hand loop)")
@@ -300,6 +312,17 @@ def add_commands(sub) -> None:
     p.add_argument("--out", default="", help="JSON file (default benchmarks/planner-accuracy-<cpu|gpu>.json)")
     p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
     p.set_defaults(func=cmd_bench_planner)
+    p = bench.add_parser("recompute", help="step time with activation checkpointing none / selective / full on "
+                                           "small models, measured vs the planner's predicted ratios")
+    p.add_argument("--device", default="cpu", help="cpu (fits the planner's cpu constants) or cuda")
+    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds over every model and AC mode")
+    p.add_argument("--steps", type=int, default=2, help="timed training steps per model, AC mode and round")
+    p.add_argument("--repredict", default="", metavar="FILE",
+                   help="no measurement: refit and re-predict from FILE's measured rows (after a change of the "
+                        "planner's constants)")
+    p.add_argument("--out", default="", help="JSON file (default benchmarks/planner-recompute-<device>.json)")
+    add_force(p)
+    p.set_defaults(func=cmd_bench_recompute)
     from slipstream.perf.gpu_suite import add_gpu_arguments
 
     p = bench.add_parser("gpu", help="every CUDA-only check and benchmark on one GPU, under 8 minutes")

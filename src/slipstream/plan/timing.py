@@ -2,11 +2,26 @@
 
     step = compute x (1 + pipeline bubble) + exposed communication + optimizer step
 
-compute      matmul FLOPs (models.flops, the one source of truth; + the recomputed forward
-             of activation checkpointing) over the achievable matmul rate (datasheet peak x
-             the cluster's matmul efficiency, measured by `slipstream probe` when given),
-             plus the memory-bound ops (norms, activations, softmax, residual adds): they
-             move about three times the block's activation bytes through device memory.
+compute      per operation class, each at its own achievable rate (plan/efficiency.py, per GPU
+             generation: sourced priors, fitted to published runs):
+               gemm       q, k, v, o, the MLP, the output head, on a roofline: the slower of
+                          their FLOPs (models.flops' shapes) at peak x gemm fraction and their
+                          operand bytes at the memory bandwidth
+               attention  a fused kernel (flash, efficient: Strategy.attention) runs the causal
+                          half of QK^T and AV at peak x its fraction; its backward recomputes the
+                          scores (2.5x the forward); materialized scores run as batched GEMMs and
+                          their softmax (+ ALiBi bias, dropout) passes over B x heads x T x T
+               pointwise  norms, activations, rope, residual adds, dropout, layout copies, the
+                          loss: their bytes (read + write, forward; backward twice that) at the
+                          memory bandwidth x pointwise fraction
+             plus a host cost per eager op (overlapped with the device on GPUs, added on a CPU).
+             Activation checkpointing adds what it re-runs: full, each block's whole forward
+             (not the head's or the embedding's); selective (slipstream's policy, optimize/
+             activations.py: matmul and attention outputs saved) only the block's pointwise
+             forward. A pipeline rank runs its own whole blocks (plan/stages.rank_parts, the
+             trainer's split), the first also the embedding, the last the head and loss; the
+             step follows the busiest rank. `efficiency` divides the device time: a calibration
+             measured by `slipstream tune system` / --calibrate (1 = the fitted rates).
 comm         each strategy's exact collective volumes (step_collectives: what slipstream's
              layers issue, the bytes observe.comm counts in a run) over the link its group crosses,
              ring algorithms (bus bandwidth as nccl-tests defines it) plus a latency per
@@ -26,6 +41,9 @@ bubble       pipeline_bubble: the idle fraction f of a pipeline rank's step, so 
              compute x f / (1 - f): GPipe / 1F1B (p-1)/m of the compute, interleaved (p-1)/(v m),
              zero-bubble schedules 5% of that (Qi et al. 2023).
 offload      parameters up and gradients down over the host link, Adam on the CPU.
+
+MFU counts the model's FLOPs (models.flops); HFU the FLOPs the hardware runs: those plus
+activation checkpointing's recomputed forward and a fused attention kernel's recomputed scores.
 """
 
 from __future__ import annotations
@@ -35,25 +53,59 @@ import math
 from dataclasses import dataclass, field
 
 from slipstream.models.flops import flops_per_token, param_count
+from slipstream.plan import efficiency as rates_table
 from slipstream.plan.collectives import (Collective, _rows, all_reduce, all_to_all_time, bus_factor,  # noqa: F401
                                          collective_time, collectives_by_dim, gather_or_scatter, ring_time)
+from slipstream.plan.efficiency import Fit, Rates
 from slipstream.plan.experts import experts_of
-from slipstream.plan.hardware import Cluster, Link
-from slipstream.plan.memory import block_activation_bytes
+from slipstream.plan.hardware import DEFAULT_MATMUL_EFFICIENCY, Cluster
+from slipstream.plan.memory import _dtypes
 from slipstream.config.dims import PP_ONE_STAGE
+from slipstream.errors import UserError
 from slipstream.plan.space import SCHEDULE_VIRTUAL, ZERO_BUBBLE_SCHEDULES, PlanModel, Strategy, Workload
+from slipstream.plan.stages import RankPart, rank_parts, stage_costs
 
-# A factor on the compute rate: the fraction of the cluster's matmul rate a whole step
-# sustains. Fitted to the published runs of plan/published.py by plan/report.fit_efficiency
-# (the median |log error| is smallest at 0.87, with the matmul efficiencies of plan/hardware.py).
-# The fit is flat: refitted leave-one-run-out it lands anywhere in 0.87-1.00 (docs/planner.md).
-DEFAULT_EFFICIENCY = 0.87
-# Memory-bound ops read and write the block's activations about this many times per step
-# (forward writes them and reads them back; backward reads them and writes their gradients).
+# A calibration factor on the compute rates, 1 = the rates of plan/efficiency.py (fitted to the
+# published runs per operation class). `slipstream tune system` and --calibrate measure it for a
+# machine: the measured / predicted throughput of real runs.
+DEFAULT_EFFICIENCY = 1.0
+# A traced user module (plan/trace.py) has no known op structure: its kept activations are read
+# and written about this many times per step (forward writes them and reads them back; backward
+# reads them and writes their gradients).
 POINTWISE_TRAFFIC = 3.0
-# Eager PyTorch launches about this many kernels per transformer block per micro-batch
-# (forward + backward: matmuls, norms, rope, attention, activations, adds, casts), each with
-# a fixed cost on the host; it decides how small a micro-batch can get before it shows.
+# The backward of a pointwise op moves about twice its forward's bytes: it reads the saved
+# input and the incoming gradient and writes the outgoing one.
+POINTWISE_BACKWARD = 2.0
+# A fused attention kernel's backward recomputes the scores QK^T from Q, K and the saved
+# log-sum-exp, then runs dV, dP, dQ and dK: 5 matmuls against the forward's 2 (FlashAttention-2,
+# Dao 2023, Algorithm 2). Its forward + backward is 3.5 forwards, models.flops counts 3.
+FUSED_ATTENTION_BACKWARD = 2.5
+# Causal fused kernels skip the score tiles above the diagonal: they run half of the square
+# (models.flops counts the whole square, PaLM's convention). Materialized scores are all computed.
+CAUSAL_WORK = 0.5
+# Materialized scores (B x heads x T x T, the compute dtype): passes of the pointwise kernels over
+# them. Forward: scale + mask + softmax in one kernel (Megatron's FusedScaleMaskSoftmax), read and
+# write = 2; backward: the softmax gradient reads the probabilities and their gradient and writes
+# one = 3. ALiBi adds its bias to the scores (read + write, forward only; the bias is constant).
+SCORE_PASSES_FORWARD = 2.0
+SCORE_PASSES_BACKWARD = 3.0
+ALIBI_SCORE_PASSES = 2.0
+# The loss, bytes per logit (forward + backward) in slipstream's cross-entropy (models/transformer.lm_loss):
+# log-softmax reads and writes fp32 (8), the nll gradient is written (4), log-softmax's backward
+# reads two and writes one (12); with low-precision logits also the fp32 copy (read 2, write 4)
+# and the cast back of the gradient (read 4, write 2).
+LOSS_BYTES_FP32 = 24
+LOSS_BYTES_CASTS = 12
+# Eager ops of a block's forward that are not matmuls or attention, as PyTorch issues them for
+# slipstream's transformer (counted with torch.profiler, torch 2.13: top-level aten ops of one
+# block): the views, transposes and the reshape copy around attention (8), each norm, residual
+# add and dropout call (2 each), the activation (GELU / ReLU 1; SwiGLU, ReLU^2 2) and RoPE on q and
+# k (16). Backward issues about 3.8 ops per forward op (counted: GPT 92 / 22, Llama 132 / 40).
+LAYOUT_OPS = 8
+ROPE_OPS = 16
+BACKWARD_OPS_PER_FORWARD_OP = 3.8
+# The names of the single-constant model before issue 19, still imported by tests/unit/
+# test_plan_timing.py (its owner moves those tests to the per-class model); not used here.
 KERNELS_PER_LAYER = 60
 KERNEL_LAUNCH_S = 5e-6
 # DDP's gradient bucket (torch's default 25 MiB): one all-reduce, with its latency, per bucket.
@@ -70,6 +122,7 @@ HOST_ADAM_GBS = 10.0
 ADAM_BYTES_PER_PARAM = 28
 # What is left of the (interleaved) bubble under a zero-bubble schedule: see pipeline_bubble.
 ZERO_BUBBLE_RESIDUAL = 0.05
+
 
 
 def pipeline_bubble(schedule: str, pp: int, virtual: int, microbatches: int) -> float:
@@ -99,16 +152,30 @@ def pipeline_bubble(schedule: str, pp: int, virtual: int, microbatches: int) -> 
     return idle * ZERO_BUBBLE_RESIDUAL if schedule in ZERO_BUBBLE_SCHEDULES else idle
 
 
+
+
 @dataclass
 class TimeEstimate:
     step_s: float
     tokens_per_s: float
-    mfu: float
-    breakdown: dict[str, float] = field(default_factory=dict)   # seconds per component
+    mfu: float                   # model FLOPs (models.flops) per second / (GPUs x dense peak)
+    breakdown: dict[str, float] = field(default_factory=dict)   # seconds per component (they add up to step_s)
+    hfu: float = 0.0             # hardware FLOPs: + activation recompute and fused attention's recomputed scores
+    model_tflops_per_gpu: float = 0.0
+    hardware_tflops_per_gpu: float = 0.0
+    # model + activation checkpointing's recomputed forward, per GPU: what FLOP formulas "with
+    # recompute" count (Megatron-LM's, Narayanan et al. 2021 eq. 3), without a kernel's own recompute
+    recompute_tflops_per_gpu: float = 0.0
+    # seconds of the busiest rank's compute by class: gemm, attention, pointwise, launch (exposed
+    # host time), and recompute (the part of those that activation checkpointing re-runs)
+    compute_s: dict[str, float] = field(default_factory=dict)
 
     def to_record(self) -> dict:
-        return {"step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu,
-                "breakdown_s": {k: round(v, 6) for k, v in self.breakdown.items()}}
+        return {"step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "hfu": self.hfu,
+                "model_tflops_per_gpu": self.model_tflops_per_gpu,
+                "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
+                "breakdown_s": {k: round(v, 6) for k, v in self.breakdown.items()},
+                "compute_s": {k: round(v, 6) for k, v in self.compute_s.items()}}
 
 
 def step_collectives(model: PlanModel, s: Strategy, work: Workload) -> list[Collective]:
@@ -144,15 +211,16 @@ def step_collectives(model: PlanModel, s: Strategy, work: Workload) -> list[Coll
     E counts are all-reduced over the data-parallel ranks (x cp) in every forward (and
     recompute). With ep > 1 the routed experts' FSDP collectives run over the dp / ep ranks
     holding them (part "experts"); DDP leaves them alone. Pipeline sends are left to estimate_time.
+    Under a pipeline the rank is the busiest one (busiest_rank: its whole blocks, the trainer's split).
     """
     cfg = model.cfg
     micro = s.grad_accum
     tokens_micro = s.micro_batch * work.seq_len // s.cp
-    layers = cfg.n_layer / s.pp
+    layers = _rank_blocks(model, s, work.seq_len)
     elem = 4 if s.precision == "fp32" else 2
     recompute = 1 if s.ac == "full" else 0
     ex = experts_of(model)
-    moe_layers = ex.layers / s.pp if ex else 0.0
+    moe_layers = ex.layers * layers / cfg.n_layer if ex else 0.0
     rows: list[Collective] = []
 
     def add(dim: str, kind: str, part: str, group: int, buffer: float, calls: float) -> None:
@@ -211,7 +279,7 @@ def step_collectives(model: PlanModel, s: Strategy, work: Workload) -> list[Coll
         else:
             add("dp", "all_reduce", "router", s.dp * s.cp, counts, (1 + again) * moe_layers * micro)
 
-    rows += _data_parallel_collectives(model, s)
+    rows += _data_parallel_collectives(model, s, work.seq_len)
     return rows
 
 
@@ -223,15 +291,16 @@ def _moe_dtypes(s: Strategy) -> tuple[int, int]:
     return (2 if fsdp_mp else 4), (2 if low else 4)
 
 
-def _data_parallel_collectives(model: PlanModel, s: Strategy) -> list[Collective]:
+def _data_parallel_collectives(model: PlanModel, s: Strategy, seq_len: int | None) -> list[Collective]:
     """The gradient and parameter collectives of step_collectives (see there)."""
     group = s.dp * s.cp  # the cp ranks average gradients with the data-parallel ones
     if s.dp_strategy == "none" or group <= 1:
         return []
     # tp splits the matmuls; the norms and the row-parallel biases stay whole on every tp rank
-    params = _params_per_gpu(model, s) + _tp_replicated_params(model, s) * (1 - 1 / s.tp)
+    blocks = _rank_blocks(model, s, seq_len) if model.traced is None else 1.0
+    params = _params_per_gpu(model, s, seq_len) + _tp_replicated_params(model, s, blocks) * (1 - 1 / s.tp)
     # ep > 1: the routed experts reduce over the dp / ep ranks that hold the same ones (below)
-    experts = _expert_params_per_gpu(model, s)
+    experts = _expert_params_per_gpu(model, s, blocks) if model.traced is None else 0.0
     params -= experts
     grad_bytes = params * 4
     rows = []
@@ -247,7 +316,7 @@ def _data_parallel_collectives(model: PlanModel, s: Strategy) -> list[Collective
     shard = (s.dp_shard if s.dp_strategy == "hsdp" else s.dp) * s.cp
     low = s.precision != "fp32" and s.fsdp_mixed   # FSDP gathers in bf16 only under its mixed precision
     gather_elem = 2 if low else 4
-    units = _fsdp_units(model, s)
+    units = _fsdp_units(model, s, blocks)
     root = _root_params_per_gpu(model, s)
     syncs = 1 if s.pp > 1 else s.grad_accum        # a pipeline stage keeps its parameters between micro-batches
     regather = params - root if (s.dp_strategy != "zero2" and s.pp == 1) else 0.0
@@ -260,7 +329,7 @@ def _data_parallel_collectives(model: PlanModel, s: Strategy) -> list[Collective
     holders = s.expert_shard_group
     if experts and holders > 1:
         # the experts of each MoE block: an FSDP unit of their own over the ranks that hold them
-        ex_units = experts_of(model).layers / s.pp
+        ex_units = experts_of(model).layers * blocks / model.cfg.n_layer
         rows.append(Collective("dp", "all_gather", "experts", holders, experts * gather_elem * syncs, ex_units * syncs))
         if s.dp_strategy != "zero2" and s.pp == 1:
             rows.append(Collective("dp", "all_gather", "experts", holders, experts * gather_elem * syncs,
@@ -274,26 +343,76 @@ def _data_parallel_collectives(model: PlanModel, s: Strategy) -> list[Collective
     return rows
 
 
-def _tp_replicated_params(model: PlanModel, s: Strategy) -> float:
-    """Parameters tensor parallelism leaves whole on a rank (per pipeline stage): every norm's
+
+
+# ---------------------------------------------------------------- pipeline ranks
+
+_PARTS_CACHE: dict[tuple, list[RankPart]] = {}
+
+
+def pipeline_ranks(model: PlanModel, s: Strategy, seq_len: int) -> list[RankPart]:
+    """What each pp rank holds: its whole blocks and end pieces, as the trainer splits them
+    (plan/stages.rank_parts: balanced by training FLOPs, or s.pp_layers). One rank holding all
+    when pp = 1. Cached: the split is a dynamic program over the layers."""
+    cfg = model.cfg
+    if s.pp <= 1:
+        return [RankPart(0, cfg.n_layer, (0,), (cfg.n_layer,), True, True)]
+    key = (cfg.n_layer, stage_costs(cfg, seq_len), s.pp, s.pp_schedule, s.pp_virtual, s.pp_layers)
+    if key not in _PARTS_CACHE:
+        try:
+            parts = rank_parts(cfg, seq_len, s.pp, s.pp_schedule, s.pp_virtual, s.pp_layers or None)
+        except UserError:
+            # More stages than blocks (or a split that does not fit): the trainer refuses it and the
+            # search flags it not runnable (search.evaluate); still planned, one stage per rank, with
+            # the blocks dealt out as evenly as whole blocks go (at least one per rank).
+            per_rank = [max(1, cfg.n_layer // s.pp + (r < cfg.n_layer % s.pp)) for r in range(s.pp)]
+            parts = [RankPart(r, n, (r,), (n,), r == 0, r == s.pp - 1) for r, n in enumerate(per_rank)]
+        _PARTS_CACHE[key] = parts
+    return _PARTS_CACHE[key]
+
+
+def busiest_rank(model: PlanModel, s: Strategy, seq_len: int) -> RankPart:
+    """The pp rank with the most training FLOPs (stages.stage_costs): the one whose blocks the
+    per-rank collectives and parameters are counted for."""
+    w = stage_costs(model.cfg, seq_len)
+    return max(pipeline_ranks(model, s, seq_len),
+               key=lambda p: p.blocks * w.block + w.embedding * p.embedding + w.head * p.head)
+
+
+def _rank_blocks(model: PlanModel, s: Strategy, seq_len: int | None) -> float:
+    """Blocks of the busiest pp rank (all of them without a pipeline; n_layer / pp when the
+    sequence length, which weighs the split, is not known)."""
+    if s.pp <= 1:
+        return float(model.cfg.n_layer)
+    if seq_len is None:
+        return model.cfg.n_layer / s.pp
+    return float(busiest_rank(model, s, seq_len).blocks)
+
+
+# ---------------------------------------------------------------- helpers of the collectives
+
+
+def _tp_replicated_params(model: PlanModel, s: Strategy, blocks: float) -> float:
+    """Parameters tensor parallelism leaves whole on a rank (of its `blocks`): every norm's
     weight (and bias), and the biases of o_proj and down_proj (row-parallel: added after the reduction)."""
     if model.traced is not None or s.tp <= 1:
         return 0.0
     cfg = model.cfg
     per_norm = cfg.d_model * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
-    layers = cfg.n_layer / s.pp
-    return (2 * layers + 1) * per_norm + (2 * layers * cfg.d_model if cfg.bias else 0)
+    return (2 * blocks + 1) * per_norm + (2 * blocks * cfg.d_model if cfg.bias else 0)
 
 
-def _expert_units(model: PlanModel, s: Strategy) -> float:
+def _expert_units(model: PlanModel, s: Strategy, blocks: float) -> float:
     """FSDP units of the routed experts on one rank (ep > 1 under FSDP: one per MoE block)."""
     ex = experts_of(model)
-    return ex.layers / s.pp if ex and s.ep > 1 and s.dp_strategy in ("zero2", "fsdp", "hsdp") else 0.0
+    if not (ex and s.ep > 1 and s.dp_strategy in ("zero2", "fsdp", "hsdp")):
+        return 0.0
+    return ex.layers * blocks / model.cfg.n_layer
 
 
-def _fsdp_units(model: PlanModel, s: Strategy) -> int:
+def _fsdp_units(model: PlanModel, s: Strategy, blocks: float) -> int:
     """FSDP units of one rank: every block, then the root (a traced module: one unit)."""
-    return 1 if model.traced is not None else math.ceil(model.cfg.n_layer / s.pp) + 1
+    return 1 if model.traced is not None else math.ceil(blocks) + 1
 
 
 def _root_params_per_gpu(model: PlanModel, s: Strategy) -> float:
@@ -304,41 +423,291 @@ def _root_params_per_gpu(model: PlanModel, s: Strategy) -> float:
     return (pc.embedding + pc.head + pc.norm) / (s.tp * s.pp)
 
 
-def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluster,
-                  efficiency: float = DEFAULT_EFFICIENCY) -> TimeEstimate:
-    """Predicted step time, tokens/s and MFU of `model` laid out as `s` on `cluster`.
+# ---------------------------------------------------------------- compute, per operation class
 
-    efficiency: a calibration factor on the compute rate (1.0 = the cluster's matmul rate;
-    `slipstream tune system` and the accuracy report fit it from measured runs).
+
+@dataclass
+class _Work:
+    """Device seconds per operation class and eager ops of one piece of work (one pass of a block,
+    the head or the embedding, for one micro-batch)."""
+
+    gemm: float = 0.0
+    attention: float = 0.0
+    pointwise: float = 0.0
+    ops: float = 0.0
+    host: float = 0.0    # other host seconds (selective AC's dispatch mode)
+
+    @property
+    def device(self) -> float:
+        return self.gemm + self.attention + self.pointwise
+
+    def host_s(self, r: Rates) -> float:
+        return self.ops * r.launch_s + self.host
+
+
+@dataclass
+class _Speeds:
+    """The achievable rates of one plan: FLOP/s of GEMMs and of the attention kernel, bytes/s of
+    memory-bound work, and the element sizes."""
+
+    gemm: float
+    attention: float
+    bandwidth: float
+    rates: Rates
+    compute: int        # bytes of a matmul output / activation
+    residual: int       # bytes of the residual stream
+
+
+def _gemm_fraction(cluster: Cluster, dtype: str, r: Rates) -> float:
+    """The GEMM fraction of peak: a measured one where the cluster has it (a CPU's measured peak,
+    a `--probe` file), else the generation's (bf16) fraction scaled to `dtype` as hardware.py's
+    per-dtype defaults relate (tf32 runs at 0.70 / 0.75 of bf16's fraction)."""
+    measured = cluster.gpu.generation == "cpu" or any(line.startswith(f"{dtype} matmul ") and "probe" in line
+                                                      for line in cluster.sources)
+    if measured:
+        return cluster.matmul_efficiency.get(dtype, 1.0)
+    return r.gemm * DEFAULT_MATMUL_EFFICIENCY.get(dtype, 0.75) / DEFAULT_MATMUL_EFFICIENCY["bf16"]
+
+
+def _speeds(s: Strategy, cluster: Cluster, efficiency: float, fit: Fit | None) -> _Speeds:
+    dtype = _dtype_key(s)
+    r = rates_table.rates(cluster.gpu.generation, fit)
+    peak = cluster.peak_flops(dtype)
+    dt = _dtypes(s)
+    return _Speeds(gemm=peak * _gemm_fraction(cluster, dtype, r) * efficiency,
+                   attention=peak * r.attention(s.attention) * efficiency,
+                   bandwidth=cluster.gpu.mem_bw_gbs * 1e9 * r.pointwise * efficiency,
+                   rates=r, compute=dt.compute, residual=dt.residual)
+
+
+def _dtype_key(s: Strategy) -> str:
+    return "bf16" if s.precision == "bf16" else ("fp16" if s.precision == "fp16" else "tf32")
+
+
+def gemm_seconds(m: float, k: float, n: float, rate: float, mem_bw: float, elem_bytes: int) -> float:
+    """One (m x k) @ (k x n) matmul on a roofline: the slower of its FLOPs at the achievable
+    rate and its operand bytes at the memory bandwidth (small micro-batches are memory-bound)."""
+    return max(2.0 * m * k * n / rate, elem_bytes * (m * k + k * n + m * n) / mem_bw)
+
+
+@dataclass
+class _BlockCost:
+    """One block's work for one micro-batch: forward, backward, and what each AC mode re-runs."""
+
+    forward: _Work
+    backward: _Work
+    selective: _Work     # the pointwise forward (slipstream's selective policy keeps matmul and attention outputs)
+    full: _Work          # the whole forward
+
+
+def _block_cost(model: PlanModel, s: Strategy, tokens: float, seq_len: int, sp: _Speeds) -> _BlockCost:
+    """The mean block (dense and MoE blocks in the model's proportion) on one GPU, for `tokens`
+    tokens of one micro-batch (tensor parallel splits the heads and the MLP; sequence parallel
+    also the norms and residual adds, which run on the whole sequence without it)."""
+    from slipstream.models.transformer import mlp_hidden
+
+    cfg, tp, a, r = model.cfg, s.tp, sp.compute, sp.residual
+    d, head_dim = cfg.d_model, cfg.d_model // cfg.n_head
+    kv = (cfg.n_kv_head or cfg.n_head) * head_dim
+    seq = tp if (tp > 1 and s.sequence_parallel) else 1
+    n_up = 2 if cfg.mlp == "swiglu" else 1
+
+    def gemm(m, k, n):
+        return gemm_seconds(m, k, n, sp.gemm, sp.bandwidth, a)
+
+    # ---- GEMMs: q, o (d x d) and k, v (d x d_kv); the MLP (or the MoE layer)
+    attn_gemm = gemm(tokens, d, d / tp) * 2 + gemm(tokens, d, kv / tp) * 2
+    hidden = mlp_hidden(cfg)
+    mlp_gemm = gemm(tokens, d, hidden / tp) * n_up + gemm(tokens, hidden / tp, d)
+    act_elems = tokens * hidden / tp                  # the MLP's inner activations
+    mlp_ops = n_up + 1.0
+    ex = experts_of(model)
+    if ex:
+        # The router, the shared experts on every token and the E / ep local experts on the k n
+        # rows they receive (spread evenly: k n ep / E each), whole on every tp rank.
+        local = max(1, ex.n // s.ep)
+        rows = max(1.0, tokens * ex.top_k / local)
+        moe = local * (gemm(rows, d, ex.hidden) * n_up + gemm(rows, ex.hidden, d)) + gemm(tokens, d, ex.n)
+        moe_act = tokens * ex.top_k * ex.hidden
+        moe_ops = 1.0 + local * (n_up + 1)
+        if ex.shared_hidden:
+            moe += gemm(tokens, d, ex.shared_hidden) * n_up + gemm(tokens, ex.shared_hidden, d)
+            moe_act += tokens * ex.shared_hidden
+            moe_ops += n_up + 1
+        share = ex.layers / cfg.n_layer
+        mlp_gemm = (1 - share) * mlp_gemm + share * moe
+        act_elems = (1 - share) * act_elems + share * moe_act
+        mlp_ops = (1 - share) * mlp_ops + share * moe_ops
+    gemms = attn_gemm + mlp_gemm
+
+    # ---- attention: FLOPs of QK^T and AV, the whole square (models.flops' 4 T d per token)
+    heads = cfg.n_head / tp
+    attn_flops = 4.0 * tokens * seq_len * d / tp
+    score_elems = tokens * heads * seq_len            # B x heads x T_local x T
+    if s.attention == "materialized":
+        # batched GEMMs per (sequence, head): (T_local x hd) @ (hd x T), then (T_local x T) @ (T x hd),
+        # on the roofline (the scores are their output and input); backward twice the GEMMs.
+        q_len = tokens / max(1, s.micro_batch)
+        per_head = gemm(q_len, head_dim, seq_len) + gemm(q_len, seq_len, head_dim)
+        attention_fwd = per_head * s.micro_batch * heads
+        attention_bwd = 2 * attention_fwd
+        passes_fwd = SCORE_PASSES_FORWARD + (ALIBI_SCORE_PASSES if cfg.position == "alibi" else 0.0)
+        passes_bwd = SCORE_PASSES_BACKWARD
+        if cfg.dropout > 0:   # attention-probability dropout: read, write and a 1-byte mask each way
+            passes_fwd += 2 + 1 / a
+            passes_bwd += 2 + 1 / a
+        score_fwd_bytes, score_bwd_bytes = score_elems * a * passes_fwd, score_elems * a * passes_bwd
+        attention_ops = 2.0 + 2 + (1 if cfg.position == "alibi" else 0) + (1 if cfg.dropout > 0 else 0)
+        attention_gemm_ops = 2.0
+    else:
+        attention_fwd = attn_flops * CAUSAL_WORK / sp.attention
+        attention_bwd = attention_fwd * FUSED_ATTENTION_BACKWARD
+        score_fwd_bytes = score_bwd_bytes = 0.0
+        attention_ops, attention_gemm_ops = 0.0, 1.0
+
+    # ---- pointwise: bytes each op reads and writes in the forward (module doc)
+    norm_bytes = 2 * tokens * d * (r + a) / seq                      # two norms: read the stream, write the normed
+    add_bytes = 2 * 3 * tokens * d * r / seq                         # two residual adds: read 2, write 1
+    layout_bytes = 2 * tokens * d * a / tp                           # attention output (B, h, T, hd) -> (B, T, d)
+    act_bytes = act_elems * a * (3 if cfg.mlp == "swiglu" else 2)    # SiLU(gate) x up: read 2, write 1
+    pointwise = norm_bytes + add_bytes + layout_bytes + act_bytes
+    ops = 2.0 * 2 + 2 + LAYOUT_OPS + (2 if cfg.mlp in ("swiglu", "relu2") else 1)  # norms, adds, dropout calls, layout, activation
+    if cfg.position == "rope":
+        pointwise += 2 * getattr(cfg, "rotary_fraction", 1.0) * tokens * (d + kv) * a / tp
+        ops += ROPE_OPS
+    if cfg.qk_norm:
+        pointwise += 2 * tokens * (d + kv) * a / tp
+        ops += 2
+    if cfg.dropout > 0:                                              # after attention and after the MLP
+        pointwise += 2 * tokens * d * (2 * a + 1) / seq
+    pointwise_fwd = (pointwise + score_fwd_bytes) / sp.bandwidth
+    pointwise_bwd = (pointwise * POINTWISE_BACKWARD + score_bwd_bytes) / sp.bandwidth
+    pointwise_ops = ops + attention_ops
+    gemm_ops = 4 + mlp_ops + attention_gemm_ops
+
+    forward = _Work(gemms, attention_fwd, pointwise_fwd, gemm_ops + pointwise_ops)
+    backward = _Work(2 * gemms, attention_bwd, pointwise_bwd,
+                     (gemm_ops + pointwise_ops) * BACKWARD_OPS_PER_FORWARD_OP)
+    # torch's selective checkpointing also runs its Python dispatch mode over every forward op
+    # (in the forward and the recompute): host time, plan/efficiency.SELECTIVE_DISPATCH_S per op
+    selective = _Work(pointwise=pointwise_fwd, ops=pointwise_ops,
+                      host=(gemm_ops + pointwise_ops) * sp.rates.selective_dispatch_s)
+    return _BlockCost(forward, backward, selective, forward)
+
+
+def _head_cost(model: PlanModel, s: Strategy, tokens: float, sp: _Speeds) -> tuple[_Work, _Work]:
+    """Forward and backward of the final norm, the output head and the loss (the last pp rank)."""
+    from slipstream.models.transformer import padded_vocab_size
+
+    cfg, a, r = model.cfg, sp.compute, sp.residual
+    seq = s.tp if (s.tp > 1 and s.sequence_parallel) else 1
+    vocab = padded_vocab_size(cfg) / s.tp
+    head = gemm_seconds(tokens, cfg.d_model, vocab, sp.gemm, sp.bandwidth, a)
+    norm = tokens * cfg.d_model * (r + a) / seq
+    loss = tokens * vocab * (LOSS_BYTES_FP32 + (LOSS_BYTES_CASTS if a < 4 else 0))
+    # the loss's bytes: a third forward, two thirds backward (as the byte counts above split)
+    forward = _Work(head, 0.0, (norm + loss / 3) / sp.bandwidth, 4.0)
+    backward = _Work(2 * head, 0.0, (norm * POINTWISE_BACKWARD + loss * 2 / 3) / sp.bandwidth,
+                     4.0 * BACKWARD_OPS_PER_FORWARD_OP)
+    return forward, backward
+
+
+def _embedding_cost(model: PlanModel, s: Strategy, tokens: float, sp: _Speeds) -> tuple[_Work, _Work]:
+    """Forward and backward of the embedding lookup, learned positions and an embedding norm (the
+    first pp rank): rows written, positions added; backward scatter-adds the rows' gradients."""
+    cfg, a, r = model.cfg, sp.compute, sp.residual
+    d = cfg.d_model
+    nbytes, ops = tokens * d * r, 1.0
+    if cfg.position == "learned":
+        nbytes, ops = nbytes + 2 * tokens * d * r, ops + 2
+    if getattr(cfg, "embedding_norm", False):
+        nbytes, ops = nbytes + tokens * d * (r + a), ops + 1
+    return (_Work(pointwise=nbytes / sp.bandwidth, ops=ops),
+            _Work(pointwise=nbytes * POINTWISE_BACKWARD / sp.bandwidth, ops=ops * BACKWARD_OPS_PER_FORWARD_OP))
+
+
+@dataclass
+class _RankCompute:
+    """One pp rank's compute for the whole step, in seconds per class (and forward / backward)."""
+
+    part: RankPart
+    classes: dict[str, float]   # gemm, attention, pointwise, launch; recompute is part of them
+    recompute: float            # seconds of activation checkpointing's re-run
+    forward: float
+    backward: float             # incl. the recompute, which runs in backward
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward
+
+
+def _rank_compute(model: PlanModel, s: Strategy, work: Workload, sp: _Speeds) -> list[_RankCompute]:
+    """Every pp rank's compute of one step: grad_accum micro-batches through its blocks (and the
+    embedding, head and loss where it holds them)."""
+    tokens = s.micro_batch * work.seq_len / s.cp
+    block = _block_cost(model, s, tokens, work.seq_len, sp)
+    recompute = {"full": block.full, "selective": block.selective}.get(s.ac, _Work())
+    head_f, head_b = _head_cost(model, s, tokens, sp)
+    emb_f, emb_b = _embedding_cost(model, s, tokens, sp)
+
+    r = sp.rates
+    out = []
+    for part in pipeline_ranks(model, s, work.seq_len):
+        n = s.grad_accum
+        forward = [(block.forward, part.blocks * n), (emb_f, part.embedding * n), (head_f, part.head * n)]
+        backward = [(block.backward, part.blocks * n), (recompute, part.blocks * n), (emb_b, part.embedding * n),
+                    (head_b, part.head * n)]
+        classes = {k: sum(getattr(w, k) * c for w, c in forward + backward) for k in ("gemm", "attention", "pointwise")}
+        device_f, device_b = (sum(w.device * c for w, c in pieces) for pieces in (forward, backward))
+        host_f, host_b = (sum(w.host_s(r) * c for w, c in pieces) for pieces in (forward, backward))
+        host = host_f + host_b
+        # The host's launches (and selective AC's dispatch) show where they are longer than the
+        # device's work over the step (GPUs run ahead of the host), or entirely (a CPU does both).
+        shown = max(0.0, host - device_f - device_b) / host if (r.launch_overlaps and host > 0) else 1.0
+        classes["launch"] = host * shown
+        re = (recompute.device + recompute.host_s(r) * shown) * part.blocks * n
+        out.append(_RankCompute(part, classes, re, device_f + host_f * shown, device_b + host_b * shown))
+    return out
+
+
+def _hardware_flops_per_token(model: PlanModel, s: Strategy, seq_len: int) -> tuple[float, float]:
+    """Training FLOPs per token beyond models.flops' count: (activation checkpointing's recomputed
+    forward, a fused attention kernel's recomputed scores). Full AC re-runs every block's forward:
+    2 x its (active) matmul parameters + the attention's 4 T d; selective re-runs no matmul. A fused
+    kernel's backward runs 2.5 attention forwards where the count has 2."""
+    from slipstream.models.transformer import padded_vocab_size
+
+    cfg = model.cfg
+    attention_fwd = 4.0 * seq_len * cfg.d_model * cfg.n_layer
+    recompute = 0.0
+    if s.ac == "full":
+        block_matmul = param_count(cfg).active_matmul - padded_vocab_size(cfg) * cfg.d_model
+        recompute = 2.0 * block_matmul + attention_fwd
+    kernel = 0.0 if s.attention == "materialized" else (FUSED_ATTENTION_BACKWARD - 2.0) * attention_fwd
+    return recompute, kernel
+
+
+def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluster,
+                  efficiency: float = DEFAULT_EFFICIENCY, fit: Fit | None = None) -> TimeEstimate:
+    """Predicted step time, tokens/s, MFU and HFU of `model` laid out as `s` on `cluster`.
+
+    efficiency: a calibration factor that divides the compute's device time (1.0 = the rates of
+    plan/efficiency.py; `slipstream tune system` and --calibrate measure it from real runs).
+    fit: the per-class constants (efficiency.Fit; default efficiency.FITTED, the fit to the
+    published runs); plan/report.py passes its candidates while it fits.
     """
     cfg = model.cfg
-    dtype = "bf16" if s.precision == "bf16" else ("fp16" if s.precision == "fp16" else "tf32")
-    rate = cluster.achievable_flops(dtype) * efficiency
-    mem_bw = cluster.gpu.mem_bw_gbs * 1e9
-
+    dtype = _dtype_key(s)
+    sp = _speeds(s, cluster, efficiency, fit)
     tokens_step = work.global_batch * work.seq_len
     if model.traced is not None:
-        return _traced_time(model, s, work, cluster, rate, mem_bw, dtype)
+        return _traced_time(model, s, work, cluster, sp, dtype)
     micro_batches = s.grad_accum
     tokens_micro = s.micro_batch * work.seq_len // s.cp
-    layers_per_gpu = cfg.n_layer / s.pp
-    elem = 4 if s.precision == "fp32" else 2
-    block_fwd, head_fwd = _matmul_seconds(model, s, tokens_micro, work.seq_len, rate, mem_bw, elem)
-    # backward runs two matmuls per forward one (input and weight gradients); full activation
-    # checkpointing runs each block's forward once more.
-    recompute = 1.0 if s.ac == "full" else 0.0
-    matmul_s = (layers_per_gpu * block_fwd * (3 + recompute) + head_fwd * 3 / s.pp) * micro_batches
-
-    act_bytes = block_activation_bytes(model, tokens_micro, s.replace(ac="none"))
-    ex = experts_of(model)
-    if ex:  # the mean block: dense and MoE blocks in the model's proportion
-        moe_bytes = block_activation_bytes(model, tokens_micro, s.replace(ac="none"), moe=True)
-        act_bytes = ((cfg.n_layer - ex.layers) * act_bytes + ex.layers * moe_bytes) / cfg.n_layer
-    pointwise_factor = POINTWISE_TRAFFIC + (1.0 if s.ac != "none" else 0.0)
-    pointwise_s = act_bytes * layers_per_gpu * micro_batches * pointwise_factor / mem_bw
-    launch_s = KERNELS_PER_LAYER * KERNEL_LAUNCH_S * layers_per_gpu * micro_batches
-    compute_s = matmul_s + pointwise_s + launch_s
-    forward_s, backward_s = compute_s / 3, compute_s * 2 / 3
+    ranks = _rank_compute(model, s, work, sp)
+    busy = max(ranks, key=lambda rc: rc.total)
+    compute_s = busy.total
+    blocks = _rank_blocks(model, s, work.seq_len)
 
     out: dict[str, float] = {"compute": compute_s}
     collectives = step_collectives(model, s, work)  # the bytes every comm term below moves
@@ -354,19 +723,18 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
 
     # ---- tensor parallel: the blocks' collectives (4 activation-sized ring passes per layer and
     # micro-batch), on the critical path. The embedding's, head's and loss's (4 more per
-    # micro-batch, ~1/n_layer of these) are counted in step_collectives' bytes but left out of
-    # the time, which the efficiency fit of plan/published.py was made with.
+    # micro-batch, ~1/n_layer of these) are counted in step_collectives' bytes but left out of the time.
     if s.tp > 1:
         out["tp_comm"] = collective_time(_rows(collectives, "tp", "blocks"), cluster.link_for(s.tp, 1))
 
     # ---- context parallel: K and V all-gathered (backward: reduce-scattered), hidden behind attention
     if s.cp > 1:
         ring = collective_time(_rows(collectives, "cp"), cluster.link_for(s.cp, s.tp))
-        attn_s = 12.0 * cfg.d_model * work.seq_len * tokens_micro / s.tp / rate   # attention FLOPs of the layer
-        out["cp_comm"] = max(0.0, ring - attn_s * layers_per_gpu * micro_batches)
+        out["cp_comm"] = max(0.0, ring - busy.classes["attention"])
 
     # ---- expert parallel: all-to-all dispatch and combine, forward and backward (+ recompute),
     # over ep consecutive data-parallel ranks (stride tp x cp); exposed
+    ex = experts_of(model)
     if s.ep > 1 and ex:
         out["ep_comm"] = all_to_all_time(_rows(collectives, "ep"), cluster, s.tp * s.cp)
     # ---- MoE token counts: E integers all-reduced over the data-parallel ranks per MoE block,
@@ -378,10 +746,11 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
                       bus_factor(r.kind, r.group), 2 * math.ceil(math.log2(r.group)) * r.calls) for r in counts)
 
     # ---- data parallel
-    out.update(_data_parallel_time(model, s, cluster, forward_s, backward_s, collectives))
+    out.update(_data_parallel_time(model, s, cluster, busy.forward, busy.backward, collectives, blocks))
 
     # ---- optimizer step: memory-bound over this rank's share of the state
-    local_params = _optimizer_params_per_gpu(model, s)
+    local_params = _optimizer_params_per_gpu(model, s, work.seq_len)
+    mem_bw = cluster.gpu.mem_bw_gbs * 1e9
     if s.offload:
         out["offload"] = (local_params * 4 * 2 / (cluster.host_link_gbs * 1e9)
                           + local_params * ADAM_BYTES_PER_PARAM / (HOST_ADAM_GBS * 1e9))
@@ -391,104 +760,104 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
     step = sum(out.values())
     tokens_per_s = tokens_step / step
     peak = cluster.peak_flops(dtype)
-    mfu = tokens_per_s * flops_per_token(cfg, work.seq_len) / (peak * s.world)
-    return TimeEstimate(step_s=step, tokens_per_s=tokens_per_s, mfu=mfu, breakdown=out)
+    model_flops = flops_per_token(cfg, work.seq_len)
+    recompute, kernel = _hardware_flops_per_token(model, s, work.seq_len)
+    per_gpu = tokens_per_s / s.world
+    classes = {k: round(v, 9) for k, v in busy.classes.items()} | {"recompute": busy.recompute}
+    return TimeEstimate(step_s=step, tokens_per_s=tokens_per_s, mfu=per_gpu * model_flops / peak, breakdown=out,
+                        hfu=per_gpu * (model_flops + recompute + kernel) / peak,
+                        model_tflops_per_gpu=per_gpu * model_flops / 1e12,
+                        hardware_tflops_per_gpu=per_gpu * (model_flops + recompute + kernel) / 1e12,
+                        recompute_tflops_per_gpu=per_gpu * (model_flops + recompute) / 1e12, compute_s=classes)
 
 
-def _traced_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluster, rate: float, mem_bw: float,
+def _traced_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluster, sp: _Speeds,
                  dtype: str) -> TimeEstimate:
-    """A user module (plan/trace.py): its measured FLOPs at the achievable rate, its kept
-    activation bytes through memory, kernel launches, and the data-parallel collectives."""
+    """A user module (plan/trace.py): its measured FLOPs at the GEMM rate, its kept activation
+    bytes through memory (POINTWISE_TRAFFIC times), a host cost per op (TRACED_OPS per micro-batch:
+    its ops are not known) and the data-parallel collectives."""
     t = model.traced
     tokens_step = work.global_batch * work.seq_len
     flops = t.flops_per_token * tokens_step / s.world
     acts = t.activation_bytes_per_sequence["fp32" if s.precision == "fp32" else "bf16"] * work.seq_len / t.seq_len
-    compute = (flops / rate + acts * s.micro_batch * s.grad_accum * POINTWISE_TRAFFIC / mem_bw
-               + KERNELS_PER_LAYER * KERNEL_LAUNCH_S * s.grad_accum)
+    device = flops / sp.gemm + acts * s.micro_batch * s.grad_accum * POINTWISE_TRAFFIC / sp.bandwidth
+    host = TRACED_OPS * sp.rates.launch_s * s.grad_accum
+    compute = max(device, host) if sp.rates.launch_overlaps else device + host
     out = {"compute": compute}
     out.update(_data_parallel_time(model, s, cluster, compute / 3, compute * 2 / 3,
-                                   _data_parallel_collectives(model, s)))
+                                   _data_parallel_collectives(model, s, None), 1.0))
+    mem_bw = cluster.gpu.mem_bw_gbs * 1e9
     out["optimizer"] = t.n_params / (s.shard_group if s.shards()[0] else 1) * ADAM_BYTES_PER_PARAM / mem_bw
     step = sum(out.values())
     tokens_per_s = tokens_step / step
-    mfu = tokens_per_s * t.flops_per_token / (cluster.peak_flops(dtype) * s.world)
-    return TimeEstimate(step_s=step, tokens_per_s=tokens_per_s, mfu=mfu, breakdown=out)
+    per_gpu = tokens_per_s / s.world
+    mfu = per_gpu * t.flops_per_token / cluster.peak_flops(dtype)
+    return TimeEstimate(step_s=step, tokens_per_s=tokens_per_s, mfu=mfu, breakdown=out, hfu=mfu,
+                        model_tflops_per_gpu=per_gpu * t.flops_per_token / 1e12,
+                        hardware_tflops_per_gpu=per_gpu * t.flops_per_token / 1e12,
+                        recompute_tflops_per_gpu=per_gpu * t.flops_per_token / 1e12)
 
 
-def _params_per_gpu(model: PlanModel, s: Strategy) -> float:
-    """Parameters one GPU holds before data-parallel sharding: TP and PP split the model,
-    EP splits the routed experts (an MoE layer is not split by tp)."""
+# A traced module's eager ops per micro-batch (forward + backward): a GPT-2 block's (22 + 92,
+# counted as for the transformer above).
+TRACED_OPS = 114
+
+
+def _params_per_gpu(model: PlanModel, s: Strategy, seq_len: int | None = None) -> float:
+    """Parameters one GPU holds before data-parallel sharding: TP splits the model, EP the routed
+    experts (an MoE layer is not split by tp); under a pipeline the busiest rank's whole blocks,
+    the embedding on the first rank and the head and final norm on the last."""
     if model.traced is not None:
         return float(model.traced.n_params)
-    pc = param_count(model.cfg)
+    cfg = model.cfg
+    pc = param_count(cfg)
     ex = experts_of(model)
-    if not ex:
-        return pc.total / (s.tp * s.pp)
-    moe_mlps = ex.layers * (ex.routed_params + ex.other_params)
-    return ((pc.total - moe_mlps) / s.tp + ex.layers * (ex.other_params + ex.routed_params / s.ep)) / s.pp
+    ends = pc.embedding + pc.head + _final_norm_params(cfg)
+    blocks = pc.total - ends
+    if ex:
+        moe_mlps = ex.layers * (ex.routed_params + ex.other_params)
+        blocks = (blocks - moe_mlps) / s.tp + ex.layers * (ex.other_params + ex.routed_params / s.ep)
+    else:
+        blocks = blocks / s.tp
+    if s.pp <= 1:
+        return blocks + ends / s.tp
+    if seq_len is None:   # no split known: the average rank
+        return (blocks + ends / s.tp) / s.pp
+    part = busiest_rank(model, s, seq_len)
+    return (blocks * part.blocks / cfg.n_layer + (pc.embedding / s.tp if part.embedding else 0.0)
+            + ((pc.head + _final_norm_params(cfg)) / s.tp if part.head else 0.0))
 
 
-def _expert_params_per_gpu(model: PlanModel, s: Strategy) -> float:
+def _final_norm_params(cfg) -> int:
+    return cfg.d_model * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
+
+
+def _expert_params_per_gpu(model: PlanModel, s: Strategy, blocks: float) -> float:
     """The routed-expert parameters of one GPU that data parallelism treats apart: ep > 1 only
-    (E / ep per MoE layer, per pipeline rank); with ep = 1 they are part of their blocks."""
+    (E / ep per MoE layer, of the rank's `blocks`); with ep = 1 they are part of their blocks."""
     ex = experts_of(model)
-    return ex.layers * ex.routed_params / s.ep / s.pp if ex and s.ep > 1 else 0.0
+    if not (ex and s.ep > 1):
+        return 0.0
+    return ex.layers * ex.routed_params / s.ep * blocks / model.cfg.n_layer
 
 
-def _optimizer_params_per_gpu(model: PlanModel, s: Strategy) -> float:
+def _optimizer_params_per_gpu(model: PlanModel, s: Strategy, seq_len: int | None = None) -> float:
     """Parameters whose AdamW update runs on one GPU: its share after data-parallel sharding
     (ep > 1: the routed experts over the dp / ep ranks that hold the same ones)."""
     group = s.shard_group if s.shards()[0] else 1
-    total = _params_per_gpu(model, s)
-    experts = _expert_params_per_gpu(model, s)
+    total = _params_per_gpu(model, s, seq_len)
+    if model.traced is not None:
+        return total / group
+    experts = _expert_params_per_gpu(model, s, _rank_blocks(model, s, seq_len))
     if not experts:
         return total / group
     return (total - experts) / group + experts / s.expert_shard_group
 
 
-def gemm_seconds(m: float, k: float, n: float, rate: float, mem_bw: float, elem_bytes: int) -> float:
-    """One (m x k) @ (k x n) matmul on a roofline: the slower of its FLOPs at the achievable
-    rate and its operand bytes at the memory bandwidth (small micro-batches are memory-bound)."""
-    return max(2.0 * m * k * n / rate, elem_bytes * (m * k + k * n + m * n) / mem_bw)
-
-
-def _matmul_seconds(model: PlanModel, s: Strategy, tokens: int, seq_len: int, rate: float, mem_bw: float,
-                    elem: int) -> tuple[float, float]:
-    """Forward seconds of one block's matmuls (+ attention) and of the output head, for one
-    micro-batch of `tokens` tokens on one GPU (tensor parallel splits the output features)."""
-    from slipstream.models.transformer import mlp_hidden, padded_vocab_size
-
-    cfg, tp = model.cfg, s.tp
-    d, head_dim = cfg.d_model, cfg.d_model // cfg.n_head
-    kv = (cfg.n_kv_head or cfg.n_head) * head_dim
-    hidden = mlp_hidden(cfg)
-    n_up = 2 if cfg.mlp == "swiglu" else 1
-
-    def gemm(m, k, n):
-        return gemm_seconds(m, k, n, rate, mem_bw, elem)
-
-    attn = gemm(tokens, d, d / tp) * 2 + gemm(tokens, d, kv / tp) * 2          # q, o (as d x d) and k, v
-    # QK^T and AV: 4 T d FLOPs per token (the causal half is counted, as in models.flops)
-    attn += 4.0 * tokens * seq_len * d / tp / rate
-    mlp = gemm(tokens, d, hidden / tp) * n_up + gemm(tokens, hidden / tp, d)
-    ex = experts_of(model)
-    if ex:
-        # An MoE block, whole on every tp rank: the router, the shared experts on every token, and
-        # the E / ep local experts on the k n rows they receive (spread evenly: k n ep / E each).
-        # The model's mean block: its dense and MoE blocks in proportion.
-        local = max(1, ex.n // s.ep)
-        rows = max(1.0, tokens * ex.top_k / local)
-        moe = local * (gemm(rows, d, ex.hidden) * n_up + gemm(rows, ex.hidden, d)) + gemm(tokens, d, ex.n)
-        if ex.shared_hidden:
-            moe += gemm(tokens, d, ex.shared_hidden) * n_up + gemm(tokens, ex.shared_hidden, d)
-        mlp = ((cfg.n_layer - ex.layers) * mlp + ex.layers * moe) / cfg.n_layer
-    head = gemm(tokens, d, padded_vocab_size(cfg) / tp)
-    return attn + mlp, head
-
-
 def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward_s: float,
-                        backward_s: float, collectives: list[Collective]) -> dict[str, float]:
-    """Exposed seconds of the data-parallel collectives (step_collectives' dp rows) per step."""
+                        backward_s: float, collectives: list[Collective], blocks: float) -> dict[str, float]:
+    """Exposed seconds of the data-parallel collectives (step_collectives' dp rows) per step, for
+    a rank of `blocks` blocks (the busiest pp rank) whose compute is forward_s + backward_s."""
     # The time is taken over the data-parallel ranks alone (stride tp x cp), as the published
     # fit (benchmarks/planner-accuracy-cpu.json) was made: the cp ranks folded into the group
     # (step_collectives' `group`) are left out of its ring here, a small under-estimate (a
@@ -521,7 +890,7 @@ def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward
     gather = collective_time(gathers[:1], link) / syncs                    # forward, one micro-batch
     regather = collective_time(gathers[1:], link) / syncs                  # backward (not zero2)
     scatter = collective_time([r for r in dp_rows if r.kind == "reduce_scatter"], link) / syncs
-    units = _fsdp_units(model, s)
+    units = _fsdp_units(model, s, blocks)
     first_layer = gather / units             # nothing to hide the first gather behind
     if expert_rows:   # the experts' units gather and reduce next to their blocks', behind the same compute
         expert_gathers = [r for r in expert_rows if r.kind == "all_gather"]
@@ -536,7 +905,7 @@ def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward
         exposed = (max(0.0, gather - fwd_s) + max(0.0, regather + scatter - bwd_s)) * micro
     # FSDP's host-side work per unit and collective (hooks, copy-in/out) sits on the critical path.
     collectives_per_unit = (1 if s.dp_strategy == "zero2" else 2) + 1
-    all_units = units + _expert_units(model, s)
+    all_units = units + _expert_units(model, s, blocks)
     overhead = FSDP_UNIT_OVERHEAD_S * all_units * collectives_per_unit * (1 if s.pp > 1 else micro)
     out = {"dp_comm": exposed + first_layer, "fsdp_overhead": overhead}
     replicate = _rows(collectives, "dp_replicate", "gradients")
