@@ -13,7 +13,7 @@ from slipstream.errors import UserError
 from slipstream.plan.hardware import make_cluster
 from slipstream.plan.model import resolve_model
 from slipstream.plan.search import evaluate, layouts
-from slipstream.plan.space import PlanModel, Strategy, Workload, parse_layout, strategy_from_config
+from slipstream.plan.space import Strategy, Workload, parse_layout, strategy_from_config
 
 GPT2_8 = ["plan", "--model", "gpt2", "--gpus", "8xH100", "--seq", "1024", "--global-batch", "64"]
 

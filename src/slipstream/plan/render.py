@@ -100,7 +100,7 @@ def format_layout(result: PlanResult) -> str:
     s, t, m = cand.strategy, cand.time, cand.memory
     usable = result.cluster.memory_bytes
     lines = _header(result) + ["", f"layout {s.label()} (precision {s.precision}, attention {s.attention})"]
-    lines.append(f"  fits:     " + (f"yes, {_gib(m.total_bytes)} of {_gib(usable)} GiB per GPU" if cand.fits
+    lines.append("  fits:     " + (f"yes, {_gib(m.total_bytes)} of {_gib(usable)} GiB per GPU" if cand.fits
                                      else f"no: {cand.why_not}"))
     lines.append("  runnable: " + ("yes" if not cand.not_runnable else "no: slipstream cannot run "
                                    + ", ".join(cand.not_runnable) + " yet"))

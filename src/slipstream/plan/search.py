@@ -23,7 +23,9 @@ The space: every degree is a divisor (none is limited to powers of two), world =
   accumulation); activation checkpointing none / selective / full; the fused loss on and off; CPU
   offload for the FSDP family.
 
-Pruning (what keeps 2,240 GPUs at a few seconds; each rule is widened by the option named):
+Pruning (each rule is widened by the option named). Measured on a 530B-like model (105 layers, d
+20480, 128 heads, seq 2048, global batch 1920) on 280 nodes x 8 A100: 14,364 layouts, 3,478 of them
+evaluated, plan() 3.7-11 s on 2 loaded AMD EPYC cores (1-3 ms per layout: the estimators' time):
 - the degrees are combined and checked first (tp x pp x cp x ep x sequence parallel: a few hundred
   combinations at most), and only the combinations that divide the GPUs, the model and the batch
   are multiplied out into layouts;
