@@ -263,10 +263,12 @@ def test_requested_tp_and_cp_layouts_are_trialled_with_train_overrides(nproc, re
 
 def test_every_layout_offered_at_nproc_4_is_one_the_trainer_runs():
     """tiny has 2 heads: no tp4. seq 36: tp2 splits it, cp2 cuts it into 4 chunks, but cp4 (8
-    chunks) and cp2 x tp2 (4 chunks split over 2) do not divide it."""
+    chunks) does not divide it, nor cp2 x tp2 with sequence parallel (4 chunks split over 2);
+    cp2 x tp2 without sequence parallel leaves each chunk whole on its tp ranks: offered."""
     offered = _every_layout(4, ["--model.vocab_size=257", "--train.seq_len=36", "--train.device=cpu"])
     degrees = {_degrees(r) for r in offered}
-    assert degrees == {(1, 1), (2, 1), (1, 2)}
+    assert degrees == {(1, 1), (2, 1), (1, 2), (2, 2)}
+    assert all(r["overrides"].get("parallel.sequence_parallel") is False for r in offered if _degrees(r) == (2, 2))
     for r in offered:
         assert trainer_refusal(CONFIG, ["--model.vocab_size=257", "--train.seq_len=36", "--train.device=cpu"],
                                r["overrides"], 4, 257) == ""
@@ -277,7 +279,7 @@ def test_every_layout_offered_at_nproc_4_is_one_the_trainer_runs():
 @pytest.mark.parametrize("overrides, requested, message", [
     ([], "tp4", "names no runnable layout"),                         # 2 heads
     (["--train.seq_len=36"], "cp4", "names no runnable layout"),       # 36 % (2 x 4)
-    (["--train.seq_len=36"], "cp2 tp2", "names no runnable layout"),   # 36 % (2 x 2 x 2)
+    (["--train.seq_len=36"], "cp2 tp2+sp", "names no runnable layout"),   # 36 % (2 x 2 x 2)
     (["--compile.scope=blocks"], "tp2 ac:full", "activations.checkpointing = full with compile.scope"),
 ])
 def test_a_layout_the_trainer_cannot_run_is_refused_before_any_trial(overrides, requested, message):
