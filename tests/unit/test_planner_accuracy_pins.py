@@ -1,36 +1,35 @@
 """Pins on the planner's stated accuracy, so that neither the committed numbers nor the
 prose quoting them can go stale relative to the code:
 
-(a) speed: the compute efficiency fitted leave-one-run-out over the published runs, and
-    the error of each held-out run's figures at the efficiency fitted without it;
+(a) speed: the time model's constants (plan/efficiency.FITTED) are the fit to the published runs;
+    the leave-one-run-out (held-out) median speed error over them is within the issue's 15 %,
+    and benchmarks/planner-accuracy-cpu.json holds exactly today's in-sample and held-out rows;
 (b) memory: the committed rows of benchmarks/planner-accuracy-cpu.json equal a fresh
     computation (every prediction recomputed; the measurement re-taken on a cheap subset);
-(c) the figures the README and docs/planner.md state equal the committed JSON: the in-sample
-    speed figures, and the leave-one-run-out (held-out) ones the docs quote as the planner's
-    out-of-sample accuracy.
+(c) the figures docs/planner.md (and, for memory, README) states equal the committed JSON.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import re
-import statistics
 from pathlib import Path
 
 import pytest
 
 from slipstream.plan.accuracy import default_cases, measure_case, plan_case
-from slipstream.plan.published import PUBLISHED_RUNS
-from slipstream.plan.report import compare_run, fit_efficiency, published_report
+from slipstream.plan.efficiency import FITTED
+from slipstream.plan.published import ALL_PUBLISHED_RUNS
+from slipstream.plan.report import (SPEED_METRICS, fit_constants, fit_efficiency, fit_record, held_out_summary,
+                                    published_report)
 from slipstream.plan.timing import DEFAULT_EFFICIENCY
 
 ROOT = Path(__file__).resolve().parents[2]
 REPORT = ROOT / "benchmarks" / "planner-accuracy-cpu.json"
-SPEED = ("tflops_per_gpu", "mfu", "tokens_per_s_per_gpu")
-DOCS = ("README.md", "docs/planner.md")
-# The held-out median the docs state is rounded to 0.1 %: a fresh computation must agree that closely.
-HELD_OUT_TOLERANCE = 0.0005
+DOC = ROOT / "docs" / "planner.md"
+# The issue's bar: held-out median speed error at most 15 % over at least 15 published runs.
+HELD_OUT_TARGET = 0.15
+MIN_RUNS = 15
 
 
 @pytest.fixture(scope="module")
@@ -38,57 +37,45 @@ def committed() -> dict:
     return json.loads(REPORT.read_text())
 
 
+@pytest.fixture(scope="module")
+def fresh() -> list[dict]:
+    """Today's published comparison with its leave-one-run-out refits (one fit per run)."""
+    return published_report(DEFAULT_EFFICIENCY)
+
+
 # ----------------------------------------------------------------------- (a) speed
 
 
-def _speed_figures(run, efficiency):
-    return [c for c in compare_run(run, efficiency) if c.metric in SPEED]
+def test_the_committed_constants_are_the_fit_to_the_published_runs():
+    fit, median = fit_constants()
+    assert fit == FITTED, f"fit_constants() gives {fit_record(fit)}; plan/efficiency.FITTED is {fit_record(FITTED)}"
+    assert fit_efficiency() == DEFAULT_EFFICIENCY == 1.0   # no calibration left on top of the per-class rates
+    assert median < 0.10
 
 
-@pytest.fixture(scope="module")
-def held_out() -> list[tuple[str, float, float]]:
-    """(run, efficiency fitted without it, error of each of its speed figures at that efficiency)."""
-    rows = []
-    for run in PUBLISHED_RUNS:
-        if not _speed_figures(run, DEFAULT_EFFICIENCY):
-            continue  # memory-only entries do not enter the speed fit
-        rest = [r for r in PUBLISHED_RUNS if r is not run]
-        eff = fit_efficiency(rest)
-        rows += [(run.name, eff, c.error) for c in _speed_figures(run, eff)]
-    return rows
+def test_held_out_median_speed_error_within_target(fresh):
+    summary = held_out_summary(fresh)
+    assert summary["runs"] >= MIN_RUNS
+    assert summary["held_out_median_run_error"] <= HELD_OUT_TARGET, summary
+    # every speed figure carries its held-out score, no memory figure does
+    for r in fresh:
+        assert ("held_out_error" in r) == (r["metric"] in SPEED_METRICS), r
+    assert {r["run"] for r in fresh if r["metric"] in SPEED_METRICS} == {
+        run.name for run in ALL_PUBLISHED_RUNS if run.n_layer and any(getattr(run, m) for m in SPEED_METRICS)}
 
 
-def test_leave_one_out_covers_every_speed_figure(held_out):
-    in_sample = [r for r in published_report(DEFAULT_EFFICIENCY, held_out=False) if r["metric"] in SPEED]
-    assert len(held_out) == len(in_sample) == 12
-    assert all(0.30 <= eff <= 1.00 for _, eff, _ in held_out)
-
-
-def test_committed_held_out_rows_equal_a_fresh_leave_one_out(committed, held_out):
-    """The held_out_* fields of the committed published rows are this test's own refit."""
-    rows = [r for r in committed["published"] if r["metric"] in SPEED]
-    assert [r["run"] for r in rows] == [n for n, _, _ in held_out]
-    for r, (name, eff, error) in zip(rows, held_out):
-        assert r["held_out_efficiency"] == pytest.approx(eff, abs=1e-9), name
-        assert r["held_out_error"] == pytest.approx(error, abs=1e-4), name
-    assert not any("held_out_error" in r for r in committed["published"] if r["metric"] not in SPEED)
-
-
-def _stated_held_out_median(text: str) -> float:
-    figures = {float(m) for m in re.findall(r"held-out median speed error (?:is )?(\d+(?:\.\d+)?) %", text)}
-    assert len(figures) == 1, f"held-out median figures stated: {sorted(figures)}"
-    return figures.pop() / 100
-
-
-@pytest.mark.parametrize("doc", DOCS)
-def test_docs_held_out_median_is_the_fresh_leave_one_out(doc, held_out):
-    """The out-of-sample accuracy the docs quote is what leave-one-run-out gives today."""
-    text = re.sub(r"\s+", " ", (ROOT / doc).read_text())
-    median = statistics.median(abs(e) for _, _, e in held_out)
-    stated = _stated_held_out_median(text)
-    assert median == pytest.approx(stated, abs=HELD_OUT_TOLERANCE), \
-        f"{doc} states a held-out median of {stated:.1%}, leave-one-run-out gives {median:.2%}: " + \
-        ", ".join(f"{n} eff {eff:.2f} {e:+.0%}" for n, eff, e in held_out)
+def test_committed_published_rows_equal_a_fresh_leave_one_out(committed, fresh):
+    assert [(r["run"], r["metric"]) for r in committed["published"]] == [(r["run"], r["metric"]) for r in fresh]
+    for old, new in zip(committed["published"], fresh):
+        assert old.keys() == new.keys(), new["run"]
+        for key in ("reported", "planned", "error", "held_out_planned", "held_out_error"):
+            if key in new:
+                assert old[key] == pytest.approx(new[key], rel=1e-6, abs=1e-4), (new["run"], new["metric"], key)
+        if "held_out_fit" in new:
+            assert old["held_out_fit"] == new["held_out_fit"], new["run"]
+    assert committed["published_summary"] == held_out_summary(fresh)
+    assert committed["fit"]["fitted"] == committed["fit"]["in_use"] == fit_record(FITTED)
+    assert committed["efficiency"] == DEFAULT_EFFICIENCY
 
 
 # ---------------------------------------------------------------------- (b) memory
@@ -122,6 +109,46 @@ def test_committed_memory_measurement_reproduces_on_a_cheap_case(committed):
 # -------------------------------------------------------------------- (c) the prose
 
 
+def _text(path: Path) -> str:
+    return re.sub(r"\s+", " ", path.read_text())
+
+
+def test_docs_state_the_committed_held_out_accuracy(committed):
+    summary = committed["published_summary"]
+    text = _text(DOC)
+    figures = {float(m) for m in re.findall(r"held-out median speed error (?:is )?(\d+(?:\.\d+)?) %", text)}
+    assert figures == {round(100 * summary["held_out_median_run_error"], 1)}, figures
+    in_sample = {float(m) for m in re.findall(r"in-sample median speed error (?:is )?(\d+(?:\.\d+)?) %", text)}
+    assert in_sample == {round(100 * summary["in_sample_median_run_error"], 1)}, in_sample
+    assert f"over {summary['runs']} published runs" in text
+    assert f"{summary['figures']} speed figures" in text
+    held = [v["held_out"] for v in summary["per_run"].values()]
+    n = summary["runs"]
+    assert f"{sum(e <= 0.10 for e in held)} of the {n} runs are within 10 % held out" in text
+    assert f"{sum(e <= 0.20 for e in held)} within 20 %" in text
+    folds = {r["run"] for r in committed["published"] if r.get("held_out_fit") == committed["fit"]["fitted"]}
+    assert f"{len(folds)} of the {n} folds give the same constants" in text
+
+
+def test_docs_table_is_the_committed_leave_one_out(committed):
+    """docs/planner.md's accuracy table: one row per speed figure, the in-sample and held-out
+    errors as committed."""
+    rows = [r for r in committed["published"] if r["metric"] in SPEED_METRICS]
+    cells = re.findall(r"^\| `([^`]+)` \| (\w+) \| [^|]+ \| [^|]+ \| ([+-]\d+) % \| [^|]+ \| ([+-]\d+) % \|$",
+                       DOC.read_text(), flags=re.MULTILINE)
+    assert cells == [(r["run"], r["metric"], f"{100 * r['error']:+.0f}", f"{100 * r['held_out_error']:+.0f}")
+                     for r in rows]
+
+
+def test_docs_state_the_fitted_constants(committed):
+    text = _text(DOC)
+    fit = committed["fit"]["fitted"]
+    for gen, value in fit["gemm"].items():
+        assert f"{gen} {value:.2f}" in text, gen
+    assert f"attention x {fit['attention_scale']:.2f}" in text
+    assert f"pointwise x {fit['pointwise_scale']:.2f}" in text
+
+
 def _percent_figures(text: str, word: str) -> list[float]:
     """Every 'worst 7.7 %' / 'worst +7.7 %' figure in text."""
     return [float(m) for m in re.findall(word + r"\s+\+?(\d+(?:\.\d+)?)\s*%", text)]
@@ -138,45 +165,3 @@ def test_readme_and_docs_state_the_committed_worst_case(committed):
         counts = {int(m) for m in re.findall(r"(\d+)[ -]case", text) + re.findall(r"on (\d+) cases", text)
                   + re.findall(r"all (\d+) within", text)}
         assert counts == {n}, f"{doc} states {sorted(counts)} cases, the committed JSON has {n}"
-
-
-def test_readme_speed_figures_equal_the_committed_published_comparison(committed):
-    rows = [r for r in committed["published"] if r["metric"] in SPEED]
-    errors = [abs(r["error"]) for r in rows]
-    text = re.sub(r"\s+", " ", (ROOT / "README.md").read_text())
-    median = round(100 * statistics.median(errors))
-    for claim in (f"median speed error {median} %", f"median error {median} % over {len(rows)} figures"):
-        assert claim in text, f"README does not say {claim!r} (the committed comparison's median)"
-    for bound in (10, 18):
-        within = sum(e <= bound / 100 for e in errors)
-        assert f"{within} of {len(rows)} within {bound} %" in text, (bound, within)
-    assert committed["efficiency"] == DEFAULT_EFFICIENCY
-    assert f"efficiency, {DEFAULT_EFFICIENCY}" in text or f"efficiency {DEFAULT_EFFICIENCY}" in text
-    assert not math.isnan(committed["efficiency_fitted"])
-
-
-def test_docs_held_out_figures_equal_the_committed_rows(committed):
-    """The spread the docs give with the held-out median: the counts within 10 / 18 %, the
-    range of refitted efficiencies and how many folds hit the top of the search range, and the
-    held-out column of docs/planner.md's table, all from the committed rows."""
-    rows = [r for r in committed["published"] if r["metric"] in SPEED]
-    errors = [abs(r["held_out_error"]) for r in rows]
-    folds = {r["run"]: r["held_out_efficiency"] for r in rows}
-    low, high = min(folds.values()), max(folds.values())
-    for doc in DOCS:
-        text = re.sub(r"\s+", " ", (ROOT / doc).read_text())
-        assert _stated_held_out_median(text) == pytest.approx(statistics.median(errors), abs=HELD_OUT_TOLERANCE), doc
-        assert f"{low:.2f}-{high:.2f} across folds" in text, (doc, low, high)
-    readme = re.sub(r"\s+", " ", (ROOT / "README.md").read_text())
-    for bound in (10, 18):
-        within = sum(e <= bound / 100 for e in errors)
-        assert f"{within} of {len(rows)} within {bound} %" in readme.split("held out (leave-one-run-out")[1], bound
-    planner = (ROOT / "docs/planner.md").read_text()
-    top = sum(eff == 1.0 for eff in folds.values())
-    assert f"in {top} of the {len(folds)} folds" in re.sub(r"\s+", " ", planner)
-    # The table: one row per run with a speed figure (its first), the held-out cell last.
-    first = {}
-    for r in rows:
-        first.setdefault(r["run"], r)
-    cells = re.findall(r"\| ([+-]\d+) % \((\d\.\d\d)\) \|$", planner, flags=re.MULTILINE)
-    assert cells == [(f"{100 * r['held_out_error']:+.0f}", f"{r['held_out_efficiency']:.2f}") for r in first.values()]

@@ -8,7 +8,7 @@
     slipstream bench checkpoint [--repeats N] [--model.* overrides]
     slipstream bench fused-ce [--rows N --d D --vocab V --dtype ... --chunk-size ...]
     slipstream bench ladder [memory|speed|both] [--device D --size S --repeats N --steps N --batch B]
-    slipstream bench planner [--device cpu|cuda] [--cases grid|stratified] [--out FILE]
+    slipstream bench planner [--device cpu|cuda] [--cases grid|stratified] [--published-only] [--out FILE]
     slipstream bench recompute [--device cpu|cuda --rounds N --steps N --repredict FILE --out FILE]
     slipstream bench gpu [--dry-run] [--only ITEM ...] [--out-dir DIR]
     slipstream bench packing [--size default|ci --rounds N --steps N --device D --out FILE]
@@ -116,35 +116,63 @@ def cmd_bench_fused_ce(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def cmd_bench_planner(args: argparse.Namespace, extra: list[str]) -> int:
+    import dataclasses
+    import json
+
     from slipstream.observe.env import collect_env, write_json_atomic
     from slipstream.plan.accuracy import TARGET_ERROR, run_accuracy, stratified_cases
-    from slipstream.plan.report import fit_efficiency, published_report
+    from slipstream.plan.efficiency import FITTED, PRIORS
+    from slipstream.plan.report import (SPEED_METRICS, fit_constants, fit_efficiency, fit_record, held_out_summary,
+                                        published_report)
     from slipstream.plan.timing import DEFAULT_EFFICIENCY
 
     no_extra(extra)
     refuse_existing(args.out, args.force)  # an explicit --out; the default benchmarks/ file is refreshed
     if args.device != "cpu":
-        if args.cases != "grid":
-            raise UserError(f"--cases {args.cases} is for --device cpu (the fake-process-group grid)")
+        if args.cases != "grid" or args.published_only:
+            raise UserError(f"--cases {args.cases} and --published-only are for --device cpu")
         return _bench_planner_on_device(args.device, args.out)
     if args.cases == "stratified" and not args.out:
         raise UserError("--cases stratified needs --out: benchmarks/planner-accuracy-cpu.json holds the whole grid")
-    rows = run_accuracy(stratified_cases() if args.cases == "stratified" else None)
-    worst = max(abs(r["error"]) for r in rows)
-    fitted = fit_efficiency()
-    published = published_report(DEFAULT_EFFICIENCY)
-    for r in rows:
-        print(f"  {r['case']:<72} measured {r['measured_bytes'] / 2**20:8.2f} MiB  planned "
-              f"{r['planned_bytes'] / 2**20:8.2f} MiB  {r['error']:+6.1%}")
-    print(f"memory: {len(rows)} cases, worst error {worst:.1%} (target {TARGET_ERROR:.0%})")
-    for r in published:
-        print(f"  {r['run']:<48} {r['metric']:<24} reported {r['reported']:>10.3f} planned {r['planned']:>10.3f} "
-              f"{r['error']:+6.1%}")
-    print(f"published: efficiency in use {DEFAULT_EFFICIENCY}, best fit {fitted}")
-    result = {"benchmark": "planner-accuracy", "target_error": TARGET_ERROR, "memory_cases": rows,
-              "memory_worst_error": worst, "published": published, "efficiency": DEFAULT_EFFICIENCY,
-              "efficiency_fitted": fitted, "env": collect_env()}
     out = args.out or "benchmarks/planner-accuracy-cpu.json"
+    if args.published_only:
+        # the memory rows are measured (a minute of training steps): kept from the committed file
+        source = args.out or "benchmarks/planner-accuracy-cpu.json"
+        try:
+            with open(source, encoding="utf-8") as f:
+                previous = json.load(f)
+            rows, memory_env = previous["memory_cases"], previous.get("memory_env") or previous["env"]
+        except (OSError, ValueError, KeyError) as e:
+            raise UserError(f"--published-only keeps the memory rows of {source}, which cannot be read ({e}); "
+                            "run without --published-only to measure them") from None
+    else:
+        rows, memory_env = run_accuracy(stratified_cases() if args.cases == "stratified" else None), None
+        for r in rows:
+            print(f"  {r['case']:<72} measured {r['measured_bytes'] / 2**20:8.2f} MiB  planned "
+                  f"{r['planned_bytes'] / 2**20:8.2f} MiB  {r['error']:+6.1%}")
+    worst = max(abs(r["error"]) for r in rows)
+    print(f"memory: {len(rows)} cases, worst error {worst:.1%} (target {TARGET_ERROR:.0%})")
+    fitted, in_sample = fit_constants()
+    published = published_report(DEFAULT_EFFICIENCY)
+    summary = held_out_summary(published)
+    print(f"  {'run':<46} {'metric':<20} {'reported':>10} {'planned':>10} {'error':>7} {'held out':>10} {'error':>7}")
+    for r in published:
+        if r["metric"] in SPEED_METRICS:
+            print(f"  {r['run']:<46} {r['metric']:<20} {r['reported']:>10.4g} {r['planned']:>10.4g} {r['error']:+7.1%} "
+                  f"{r['held_out_planned']:>10.4g} {r['held_out_error']:+7.1%}")
+        else:
+            print(f"  {r['run']:<46} {r['metric']:<20} {r['reported']:>10.4g} {r['planned']:>10.4g} {r['error']:+7.1%}")
+    print(f"published: {summary['runs']} runs, {summary['figures']} speed figures; median run error in-sample "
+          f"{summary['in_sample_median_run_error']:.1%}, held out (leave-one-run-out) "
+          f"{summary['held_out_median_run_error']:.1%}")
+    print(f"fit: {fit_record(fitted)} (in use: {fit_record(FITTED)})")
+    result = {"benchmark": "planner-accuracy", "target_error": TARGET_ERROR, "memory_cases": rows,
+              "memory_worst_error": worst, "published": published, "published_summary": summary,
+              "fit": {"fitted": fit_record(fitted), "in_use": fit_record(FITTED), "in_sample_median_run_error":
+                      round(in_sample, 4), "priors": {gen: dataclasses.asdict(r) for gen, r in PRIORS.items()}},
+              "efficiency": DEFAULT_EFFICIENCY, "efficiency_fitted": fit_efficiency(), "env": collect_env()}
+    if memory_env is not None:
+        result["memory_env"] = memory_env
     write_json_atomic(out, result)
     print(f"wrote {out}")
     return 0 if worst <= TARGET_ERROR else 1
@@ -309,6 +337,9 @@ def add_commands(sub) -> None:
     p.add_argument("--cases", default="grid", choices=["grid", "stratified"],
                    help="cpu: grid = every case (the committed JSON); stratified = 12 of them covering every model "
                         "family, strategy, AC mode and precision (a seconds-long smoke run for tests; needs --out)")
+    p.add_argument("--published-only", action="store_true",
+                   help="cpu: recompute only the published runs' part (the fit and its leave-one-run-out table), "
+                        "keeping the measured memory rows of the file (--out, default the committed one)")
     p.add_argument("--out", default="", help="JSON file (default benchmarks/planner-accuracy-<cpu|gpu>.json)")
     p.add_argument("--force", action="store_true", help="overwrite an existing --out file")
     p.set_defaults(func=cmd_bench_planner)

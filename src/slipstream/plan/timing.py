@@ -763,7 +763,7 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
     model_flops = flops_per_token(cfg, work.seq_len)
     recompute, kernel = _hardware_flops_per_token(model, s, work.seq_len)
     per_gpu = tokens_per_s / s.world
-    classes = {k: round(v, 9) for k, v in busy.classes.items()} | {"recompute": busy.recompute}
+    classes = busy.classes | {"recompute": busy.recompute}
     return TimeEstimate(step_s=step, tokens_per_s=tokens_per_s, mfu=per_gpu * model_flops / peak, breakdown=out,
                         hfu=per_gpu * (model_flops + recompute + kernel) / peak,
                         model_tflops_per_gpu=per_gpu * model_flops / 1e12,
