@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from slipstream.cli.hardware_args import add_hardware_arguments, cluster_from_args, hardware_input_files
 from slipstream.errors import UserError
 from slipstream.outputs import refuse_existing, refuse_same_file
 from slipstream.plan.memory import GIB
@@ -29,12 +30,7 @@ DEFAULT_STEP_TOKENS = 2**21
 def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="preset (e.g. gpt2, llama-70b, mixtral-8x7b), a TOML config, "
                    "or a factory 'package.module:function' returning an nn.Module")
-    p.add_argument("--gpus", required=True, help="GPUs per node and type, e.g. 8xH100, 1xA100, 2xcpu")
-    p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--intra", default=None, help="intra-node link (e.g. nvlink4, pcie5); default: the GPU's usual one")
-    p.add_argument("--inter", default=None, help="network between nodes (e.g. ib-ndr, roce-400g, ethernet-100g)")
-    p.add_argument("--probe", default=None, help="a `slipstream probe --out FILE` result: measured rates replace the defaults")
-    p.add_argument("--memory-gib", type=float, default=None, help="usable memory per GPU (default: datasheet minus a reserve)")
+    add_hardware_arguments(p)
     p.add_argument("--vocab", type=int, default=None, help="vocabulary size (default: the model's, or GPT-2's 50257)")
     p.add_argument("--precision", default="bf16", choices=PRECISIONS)
     p.add_argument("--attention", default="flash", choices=ATTENTION_IMPLEMENTATIONS,
@@ -100,7 +96,6 @@ def add_commands(sub) -> None:
 
 def _setup(args: argparse.Namespace, seq_len: int | None):
     from slipstream.observe.peaks import this_cpu
-    from slipstream.plan.hardware import make_cluster
     from slipstream.plan.model import resolve_model
 
     if args.nodes < 1:
@@ -112,8 +107,7 @@ def _setup(args: argparse.Namespace, seq_len: int | None):
     for name in ("seq", "global_batch"):  # 0 means "the default" for cost; plan's Workload refuses it
         if getattr(args, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    cluster = make_cluster(args.gpus, nodes=args.nodes, intra=args.intra, inter=args.inter, probe=args.probe,
-                           memory_gib=args.memory_gib, cpu=this_cpu())
+    cluster = cluster_from_args(args, cpu=this_cpu())
     if args.calibrate:
         from slipstream.plan.report import efficiency_from_runs
 
@@ -177,7 +171,7 @@ def cmd_plan(args: argparse.Namespace, extra: list[str]) -> int:
     if args.top < 1 or args.rejected < 0:
         raise UserError(f"--top must be >= 1 and --rejected >= 0, got {args.top} and {args.rejected}")
     refuse_existing(args.write_config, args.force, "--write-config")
-    refuse_same_file(args.write_config, [args.model, args.probe], "--write-config", "an input of this plan")
+    refuse_same_file(args.write_config, [args.model, *hardware_input_files(args)], "--write-config", "an input of this plan")
     model, cluster = _setup(args, args.seq)
     work = Workload(seq_len=args.seq, global_batch=args.global_batch)
     if args.layout is not None:
