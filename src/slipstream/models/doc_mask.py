@@ -155,7 +155,7 @@ class DocumentMask:
             from slipstream.models.transformer import alibi_bias
 
             T = self.doc_ids.shape[1]
-            bias = alibi_bias(slopes, T, dtype or torch.float32)  # (H, T, T), causal -inf in it
+            bias = alibi_bias(slopes, T, dtype or torch.float32)  # (1, H, T, T), causal -inf in it
             out.dense = torch.where(self.dense, bias, float("-inf"))  # (B, H, T, T)
         else:
             float_slopes = slopes.float()

@@ -151,14 +151,16 @@ def alibi_slopes(n_head: int) -> torch.Tensor:
 
 
 def alibi_bias(slopes: torch.Tensor, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
-    """The (heads, T, T) additive attention bias of ALiBi with the causal mask in it: query i,
+    """The (1, heads, T, T) additive attention bias of ALiBi with the causal mask in it: query i,
     key j <= i gets slope x (j - i) (0 on the diagonal, more negative with distance), a later key
     -inf. Built in the attention's dtype, once per forward, and shared by every layer (and by
-    their saved tensors for backward): a per-layer cast would keep a copy per layer."""
+    their saved tensors for backward): a per-layer cast would keep a copy per layer. 4-D on
+    purpose: SDPA's fused kernels take 2-D or 4-D masks only and fall back to the MATH kernel
+    (which keeps every layer's B x heads x T x T softmax) for a 3-D one."""
     index = torch.arange(seq_len, device=slopes.device)
     distance = (index[None, :] - index[:, None]).float()  # (T, T): j - i
     bias = slopes.float()[:, None, None] * distance
-    return bias.masked_fill(distance > 0, float("-inf")).to(dtype)
+    return bias.masked_fill(distance > 0, float("-inf")).to(dtype).unsqueeze(0)
 
 
 def attention_dtype(x: torch.Tensor) -> torch.dtype:
