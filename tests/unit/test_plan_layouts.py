@@ -338,3 +338,15 @@ def test_every_proposed_pipeline_is_a_config_the_trainer_accepts():
     for s in runnable:
         written = load_config(None, [*PP_MODEL, *_args(strategy_overrides(s, 256))])
         _trainer_accepts(written, s.world)
+
+
+def test_a_runs_pinned_pipeline_split_is_the_layout_its_preflight_plans():
+    """parallel.pp_layers reaches the planner's Strategy (the run's own pre-flight plans the
+    split it will build), and the balanced default stays ()."""
+    from slipstream.config import load_config
+    from slipstream.plan.space import strategy_from_config
+
+    pinned = load_config("configs/quickstart.toml", ["--parallel.pp=2", "--parallel.pp_layers=2,4", "--model.n_layer=6"])
+    assert strategy_from_config(pinned, 2).pp_layers == (2, 4)
+    balanced = load_config("configs/quickstart.toml", ["--parallel.pp=2", "--model.n_layer=6"])
+    assert strategy_from_config(balanced, 2).pp_layers == ()

@@ -22,6 +22,7 @@ import re
 from dataclasses import dataclass
 
 from slipstream.config.dims import PP_ONE_STAGE, PP_SPLIT_BACKWARD, PP_V_SHAPED, SHARDED
+from slipstream.config.dims import pp_layers as configured_pp_layers
 from slipstream.config.schema import ModelConfig, ParallelConfig
 from slipstream.errors import UserError
 
@@ -490,6 +491,7 @@ def strategy_from_config(cfg, world: int, dp_strategy: str | None = None, dp_sha
                     tp=p.tp, cp=p.cp, ep=p.ep, sequence_parallel=p.sequence_parallel,
                     pp=p.pp, pp_schedule=p.pp_schedule if p.pp > 1 else "1f1b",
                     pp_virtual=p.pp_virtual_stages if p.pp > 1 else 0,
+                    pp_layers=tuple(configured_pp_layers(p) or ()) if p.pp > 1 else (),   # the user's split, if pinned
                     micro_batch=micro_batch, grad_accum=grad_accum, ac=ac,
                     precision=precision_of(cfg), offload=cfg.parallel.offload, fused_loss=cfg.train.fused_loss,
                     loss_chunk=cfg.train.fused_loss_chunk, fsdp_mixed=cfg.parallel.param_dtype in ("bf16", "fp16"))
