@@ -171,8 +171,7 @@ def cmd_bench_planner(args: argparse.Namespace, extra: list[str]) -> int:
               "fit": {"fitted": fit_record(fitted), "in_use": fit_record(FITTED), "in_sample_median_run_error":
                       round(in_sample, 4), "priors": {gen: dataclasses.asdict(r) for gen, r in PRIORS.items()}},
               "efficiency": DEFAULT_EFFICIENCY, "efficiency_fitted": fit_efficiency(), "env": collect_env()}
-    if memory_env is not None:
-        result["memory_env"] = memory_env
+    result["memory_env"] = memory_env or result["env"]   # where the memory rows were measured
     write_json_atomic(out, result)
     print(f"wrote {out}")
     return 0 if worst <= TARGET_ERROR else 1

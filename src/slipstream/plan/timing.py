@@ -174,6 +174,7 @@ class TimeEstimate:
         return {"step_s": self.step_s, "tokens_per_s": self.tokens_per_s, "mfu": self.mfu, "hfu": self.hfu,
                 "model_tflops_per_gpu": self.model_tflops_per_gpu,
                 "hardware_tflops_per_gpu": self.hardware_tflops_per_gpu,
+                "recompute_tflops_per_gpu": self.recompute_tflops_per_gpu,
                 "breakdown_s": {k: round(v, 6) for k, v in self.breakdown.items()},
                 "compute_s": {k: round(v, 6) for k, v in self.compute_s.items()}}
 
