@@ -239,17 +239,21 @@ def run_recompute_bench(device: str = "cpu", rounds: int = 4, steps: int = 2, ou
         elif dev.type == "cpu":
             from slipstream.observe.peaks import this_cpu
 
-            # One torch thread: the step's thread CPU time is then its cost (measure), unmoved by
-            # the other work of a shared machine, and the matmul rate is the one-thread rate.
-            torch.set_num_threads(1)
             facts = this_cpu()
-            machine = {"gpus": "1xcpu", "name": facts.name,
-                       "peak_flops": {k: facts.peak_flops(k) for k in ("fp32", "bf16", "fp16")},
-                       "mem_bw_gbs": CPU_MEMORY_BW_GBS, "threads": torch.get_num_threads()}
+            machine = {"gpus": "1xcpu", "name": facts.name, "mem_bw_gbs": CPU_MEMORY_BW_GBS, "threads": 1}
         else:
             raise UserError(f"--device {device}: use cpu or cuda")
+        threads = torch.get_num_threads()
         t0 = time.perf_counter()
-        rows = measure(device, rounds, steps)
+        try:
+            if dev.type == "cpu":
+                # One torch thread: the step's thread CPU time is then its cost (measure), unmoved by
+                # the other work of a shared machine, and the matmul rate is the one-thread rate.
+                torch.set_num_threads(1)
+                machine["peak_flops"] = {k: facts.peak_flops(k) for k in ("fp32", "bf16", "fp16")}
+            rows = measure(device, rounds, steps)
+        finally:
+            torch.set_num_threads(threads)
         machine["measure_seconds"] = round(time.perf_counter() - t0, 1)
         env = collect_env()
     result: dict[str, Any] = {"benchmark": "planner-recompute", "device": device, "machine": machine, "rows": rows}
