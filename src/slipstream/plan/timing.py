@@ -160,8 +160,13 @@ class TimeEstimate:
     tokens_per_s: float
     mfu: float                   # model FLOPs (models.flops) per second / (GPUs x dense peak)
     breakdown: dict[str, float] = field(default_factory=dict)   # seconds per component (they add up to step_s)
-    hfu: float = 0.0             # hardware FLOPs: + activation recompute and fused attention's recomputed scores
+    # hardware FLOPs utilization as PaLM (Chowdhery et al. 2022) and the runs that report it
+    # define it (Korthikanti et al. 2022, llm-foundry): model FLOPs + activation checkpointing's
+    # recomputed forward; a fused attention kernel's own recompute is not counted
+    hfu: float = 0.0
     model_tflops_per_gpu: float = 0.0
+    # every FLOP the GPU executes per second: the recompute above and a fused attention
+    # kernel's recomputed scores in backward
     hardware_tflops_per_gpu: float = 0.0
     # model + activation checkpointing's recomputed forward, per GPU: what FLOP formulas "with
     # recompute" count (Megatron-LM's, Narayanan et al. 2021 eq. 3), without a kernel's own recompute
@@ -766,7 +771,7 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
     per_gpu = tokens_per_s / s.world
     classes = busy.classes | {"recompute": busy.recompute}
     return TimeEstimate(step_s=step, tokens_per_s=tokens_per_s, mfu=per_gpu * model_flops / peak, breakdown=out,
-                        hfu=per_gpu * (model_flops + recompute + kernel) / peak,
+                        hfu=per_gpu * (model_flops + recompute) / peak,
                         model_tflops_per_gpu=per_gpu * model_flops / 1e12,
                         hardware_tflops_per_gpu=per_gpu * (model_flops + recompute + kernel) / 1e12,
                         recompute_tflops_per_gpu=per_gpu * (model_flops + recompute) / 1e12, compute_s=classes)
