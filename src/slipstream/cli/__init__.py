@@ -13,7 +13,9 @@
     slipstream config reference
     slipstream bench overhead|sharding|checkpoint|fused-ce|ladder|planner|gpu ...   (cli/bench.py lists their options)
     slipstream bench suite [--quick] | bench compare BASE NEW | bench noise RUN... | bench speedrun [--quick]
-    slipstream plan --model M --gpus 8xH100 [--nodes N] --seq S --global-batch B [--top K --calibrate RUN_DIR... --json]
+    slipstream plan --model M --gpus 8xH100|8xGPU.toml [--nodes N --inter ib:400Gb/s --nics-per-node K --probe F...]
+                    --seq S --global-batch B [--layout "tp4+sp pp12 zero1:8 mb2 ac:full" | --tp/--pp/... filters]
+                    [--attention flash|efficient|materialized --top K --calibrate RUN_DIR... --json]
     slipstream cost --model M --tokens 300e9 --gpus 8xH100 [--nodes N --price P --json]
     slipstream tune system --config FILE [--budget 10m --top K --nproc N --steps S --json --write-config OUT]
     slipstream tune hparams --config FILE [--trials N --budget 30m --resume --nproc N --storage URL --write-config OUT]
@@ -30,7 +32,7 @@ Command groups (each module has `add_commands(subparsers)` and its `cmd_*` handl
     cli/checkpoint.py  checkpoint inspect|export|advise
     cli/data.py        data prepare|verify|train-tokenizer
     cli/config.py      config show|reference
-    cli/bench.py       bench overhead|ladder|sharding|checkpoint|fused-ce|planner|gpu
+    cli/bench.py       bench overhead|ladder|sharding|checkpoint|fused-ce|planner|recompute|gpu
                        (+ bench suite|compare|noise|speedrun from cli/bench_suite.py)
     cli/plan.py        plan, cost
     cli/tune.py        tune system (+ tune hparams from cli/tune_hparams.py, tune lr|batch from cli/tune_finders.py)
