@@ -1,17 +1,19 @@
-"""The committed accuracy report (benchmarks/planner-accuracy-cpu.json) and the comparison
-with published runs: both are what the code says today, and within their targets."""
+"""The committed accuracy report (benchmarks/planner-accuracy-cpu.json) is within its memory
+target, and the comparison with published runs plans each run as it ran (its ZeRO model states,
+its experts) from a named source. That the committed rows
+are today's, the fitted constants and the held-out speed median are pinned by
+tests/unit/test_planner_accuracy_pins.py."""
 
 from __future__ import annotations
 
 import json
-import statistics
 from pathlib import Path
 
 import pytest
 
-from slipstream.plan.accuracy import TARGET_ERROR, default_cases
+from slipstream.plan.accuracy import TARGET_ERROR
 from slipstream.plan.published import PUBLISHED_RUNS
-from slipstream.plan.report import fit_efficiency, published_report
+from slipstream.plan.report import published_report
 from slipstream.plan.timing import DEFAULT_EFFICIENCY
 
 REPORT = Path(__file__).resolve().parents[2] / "benchmarks" / "planner-accuracy-cpu.json"
@@ -22,37 +24,12 @@ def committed() -> dict:
     return json.loads(REPORT.read_text())
 
 
-def test_committed_memory_report_covers_the_grid_within_target(committed):
+def test_committed_memory_report_is_within_target(committed):
     rows = committed["memory_cases"]
-    assert [r["case"] for r in rows] == [c.label() for c in default_cases()]
+    assert rows
     assert committed["memory_worst_error"] <= TARGET_ERROR
     assert all(abs(r["error"]) <= TARGET_ERROR for r in rows)
     assert committed["env"]["git_sha"]
-
-
-def test_committed_published_comparison_is_current(committed):
-    """Re-running the comparison gives the committed numbers: the docs table is not stale."""
-    now = published_report(DEFAULT_EFFICIENCY)
-    assert [(r["run"], r["metric"]) for r in now] == [(r["run"], r["metric"]) for r in committed["published"]]
-    for fresh, old in zip(now, committed["published"]):
-        assert fresh["planned"] == pytest.approx(old["planned"], rel=1e-3), fresh["run"]
-        assert fresh.keys() == old.keys(), fresh["run"]  # the held-out fields too (speed rows only)
-        if "held_out_planned" in fresh:
-            assert fresh["held_out_efficiency"] == old["held_out_efficiency"], fresh["run"]
-            assert fresh["held_out_planned"] == pytest.approx(old["held_out_planned"], rel=1e-3), fresh["run"]
-
-
-def test_default_efficiency_is_the_fitted_one():
-    assert fit_efficiency() == pytest.approx(DEFAULT_EFFICIENCY, abs=0.05)
-
-
-def test_published_speeds_median_error_within_ten_percent():
-    rows = [r for r in published_report(DEFAULT_EFFICIENCY, held_out=False)
-            if r["metric"] in ("tflops_per_gpu", "mfu", "tokens_per_s_per_gpu")]
-    assert len(rows) >= 8
-    assert statistics.median(abs(r["error"]) for r in rows) <= 0.10
-    # The documented outliers (docs/planner.md) stay bounded: within a factor of 2.2.
-    assert all(-0.55 < r["error"] < 1.2 for r in rows)
 
 
 def test_zero_model_states_match_where_the_accounting_agrees():

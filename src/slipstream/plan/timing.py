@@ -104,10 +104,6 @@ LOSS_BYTES_CASTS = 12
 LAYOUT_OPS = 8
 ROPE_OPS = 16
 BACKWARD_OPS_PER_FORWARD_OP = 3.8
-# The names of the single-constant model before issue 19, still imported by tests/unit/
-# test_plan_timing.py (its owner moves those tests to the per-class model); not used here.
-KERNELS_PER_LAYER = 60
-KERNEL_LAUNCH_S = 5e-6
 # DDP's gradient bucket (torch's default 25 MiB): one all-reduce, with its latency, per bucket.
 DDP_BUCKET_BYTES = 25 * 2**20
 # FSDP2's host-side cost per unit and collective (pre/post hooks, copy-in/copy-out of the
