@@ -1,8 +1,7 @@
 """The committed accuracy report (benchmarks/planner-accuracy-cpu.json) is within its memory
 target, and the comparison with published runs plans each run as it ran (its ZeRO model states,
-its experts) from a named source. That the committed rows
-are today's, the fitted constants and the held-out speed median are pinned by
-tests/unit/test_planner_accuracy_pins.py."""
+its experts) from a named source. That the committed rows are today's, the fitted constants and
+the held-out speed median are pinned by tests/unit/test_planner_accuracy_pins.py."""
 
 from __future__ import annotations
 
