@@ -547,3 +547,29 @@ def run_device_accuracy(device: str, gpus: str, cases: list[Case] | None = None)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     return rows
+
+
+def device_step_errors(path: str, gpus: str) -> list[dict[str, Any]]:
+    """The committed step times of a `bench planner --device cuda` file (e.g.
+    benchmarks/gpu-planner.json) against the planner's current step time for them on `gpus`
+    (e.g. "1xH200"): per measured case, measured_step_s, planned_step_s and step_error
+    (planned / measured - 1). Needs no GPU: the plan is pure math, the measurement is the file's."""
+    import json
+
+    from slipstream.plan.hardware import make_cluster
+    from slipstream.plan.space import Workload
+    from slipstream.plan.timing import estimate_time
+
+    with open(path) as f:
+        measured = {row["case"]: row["measured_step_s"] for row in json.load(f)["cases"] if row.get("measured_step_s")}
+    cluster = make_cluster(gpus)
+    rows = []
+    for case in device_cases():
+        if case.label() not in measured:
+            continue
+        s = case.strategy
+        planned = estimate_time(PlanModel(case.preset, case.model_config()), s,
+                                Workload(case.seq_len, s.micro_batch * s.grad_accum), cluster).step_s
+        rows.append({"case": case.label(), "measured_step_s": measured[case.label()], "planned_step_s": planned,
+                     "step_error": planned / measured[case.label()] - 1})
+    return rows

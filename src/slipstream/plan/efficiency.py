@@ -9,7 +9,7 @@ A training step is three kinds of work, each limited by something else (plan/tim
     pointwise   norms, activations, rope, residual adds, dropout, the loss, materialized
                 softmax passes: bytes/s, a fraction of the memory bandwidth
 
-plus a host cost per kernel launch. Each generation (GpuSpec.generation) has sourced priors
+plus the host's costs: per eager op, per op under selective AC, per checkpointed block. Each generation (GpuSpec.generation) has sourced priors
 (PRIORS). The published runs (plan/published.py) then fit a few free constants
 (plan/report.fit_constants: the GEMM fraction of each generation the runs cover, one scale on
 the attention fractions and one on the pointwise fraction, shared by the GPU generations):
@@ -30,9 +30,25 @@ from dataclasses import dataclass, replace
 # Host seconds that torch's selective activation checkpointing adds per forward op of a block
 # (create_selective_checkpoint_contexts runs a Python dispatch mode over every op, in the forward
 # and again in the recompute, caching the saved outputs): fitted to the selective steps of
-# benchmarks/planner-recompute-cpu.json (`slipstream bench recompute`), on this CPU; GPU hosts
-# run the same Python, taken at the same cost (an assumption).
+# benchmarks/planner-recompute-cpu.json (`slipstream bench recompute`), on this CPU.
 SELECTIVE_DISPATCH_S = 8.8744e-05
+
+# A GPU host's costs, fitted to benchmarks/gpu-planner.json (H200, torch 2.11): single-GPU eager
+# steps of GPT-2 small and medium (seq 1024, bf16, micro-batch 4 / 8 / 16, AC none / selective /
+# full; the two fused-loss rows left out: their chunk loop's device time is not modelled).
+# Least squares of log(planned / measured) over the 15 rows, the three constants together
+# (docs/planner.md "On a GPU": leave-one-case-out median |error| 7.1 %, worst 28 %).
+# launch_s: host seconds per eager op (autograd + autocast dispatch and the launch), the whole
+#   step's ops over their count: flat steps from micro-batch 4 to 8 say the host is the limit.
+GPU_LAUNCH_S = 2.41e-05
+# selective_dispatch_s: per block forward op under selective AC (the dispatch mode above, on the
+#   GPU host; counted once per forward op, as for the CPU): selective steps ~3x those without AC.
+GPU_SELECTIVE_DISPATCH_S = 1.67e-04
+# checkpoint_s: per checkpointed block and micro-batch, full and selective AC alike
+#   (torch.utils.checkpoint's non-reentrant frame: saved-tensor hooks, RNG state saved and
+#   restored, the recompute's autograd graph): what full AC costs beyond re-launching the
+#   forward's ops. Fitted as one number; its parts were not measured apart.
+GPU_CHECKPOINT_S = 2.06e-03
 
 
 @dataclass(frozen=True)
@@ -43,11 +59,12 @@ class Rates:
     flash: float       # of the dense peak, a fused flash-attention kernel (FLOPs it runs: the causal half)
     efficient: float   # of the dense peak, a memory-efficient fused kernel (xFormers / cutlass style)
     pointwise: float   # of the memory bandwidth, memory-bound elementwise and reduction kernels
-    launch_s: float    # host seconds per kernel launch
+    launch_s: float    # host seconds per eager op (its dispatch and kernel launch)
     # True: the host enqueues kernels ahead of the device (CUDA streams), so a pass takes the
     # longer of its device time and its launches; False (CPU): the one thread does both, they add.
     launch_overlaps: bool = True
     selective_dispatch_s: float = SELECTIVE_DISPATCH_S   # host seconds per block forward op under selective AC
+    checkpoint_s: float = 0.0   # host seconds per checkpointed block and micro-batch (full or selective AC)
 
     def attention(self, implementation: str) -> float:
         """The fraction of peak of a fused attention kernel (flash / efficient)."""
@@ -71,23 +88,24 @@ class Rates:
 # pointwise: a device-to-device copy on an A100 40GB measures 1355 of the 1555 GB/s datasheet
 #   bandwidth, 87 % (PTsolvers/gpu-workshop-JuliaCon23#7, the maintainer's measured memcopy);
 #   taken for every GPU generation (an assumption: HBM controllers of the same design era).
-# launch_s: ~5 us of host time per eager PyTorch kernel launch on a GPU host (the planner's earlier
-#   KERNEL_LAUNCH_S, an estimate, not measured here).
-_GPU_LAUNCH_S = 5e-6
+# launch_s, selective_dispatch_s, checkpoint_s: the GPU host's, fitted on an H200 host (above);
+#   taken for every GPU generation (an assumption: host cost is the host CPU's and torch's, not the GPU's).
+_HOST = dict(launch_s=GPU_LAUNCH_S, selective_dispatch_s=GPU_SELECTIVE_DISPATCH_S, checkpoint_s=GPU_CHECKPOINT_S)
 PRIORS: dict[str, Rates] = {
-    "ampere": Rates(gemm=0.869, flash=0.60, efficient=0.33, pointwise=0.87, launch_s=_GPU_LAUNCH_S),
-    "hopper": Rates(gemm=0.803, flash=0.50, efficient=0.275, pointwise=0.87, launch_s=_GPU_LAUNCH_S),
-    "blackwell": Rates(gemm=0.776, flash=0.50, efficient=0.275, pointwise=0.87, launch_s=_GPU_LAUNCH_S),
+    "ampere": Rates(gemm=0.869, flash=0.60, efficient=0.33, pointwise=0.87, **_HOST),
+    "hopper": Rates(gemm=0.803, flash=0.50, efficient=0.275, pointwise=0.87, **_HOST),
+    "blackwell": Rates(gemm=0.776, flash=0.50, efficient=0.275, pointwise=0.87, **_HOST),
     # No published GEMM fractions were readable here for these: the A100's (same tensor-core
     # design for ada and turing; volta's first-generation tensor cores and MI300X's stack are
     # assumptions until a probe file gives the measured rate).
-    "ada": Rates(gemm=0.869, flash=0.60, efficient=0.33, pointwise=0.87, launch_s=_GPU_LAUNCH_S),
-    "turing": Rates(gemm=0.869, flash=0.60, efficient=0.33, pointwise=0.87, launch_s=_GPU_LAUNCH_S),
-    "volta": Rates(gemm=0.869, flash=0.60, efficient=0.33, pointwise=0.87, launch_s=_GPU_LAUNCH_S),
-    "cdna3": Rates(gemm=0.869, flash=0.60, efficient=0.33, pointwise=0.87, launch_s=_GPU_LAUNCH_S),
+    "ada": Rates(gemm=0.869, flash=0.60, efficient=0.33, pointwise=0.87, **_HOST),
+    "turing": Rates(gemm=0.869, flash=0.60, efficient=0.33, pointwise=0.87, **_HOST),
+    "volta": Rates(gemm=0.869, flash=0.60, efficient=0.33, pointwise=0.87, **_HOST),
+    "cdna3": Rates(gemm=0.869, flash=0.60, efficient=0.33, pointwise=0.87, **_HOST),
     # cpu: the matmul "peak" is this machine's measured rate (observe.peaks), so gemm is 1; the
-    # rest has no source and is fitted to measured step times (CPU_FITTED below).
-    "cpu": Rates(gemm=1.0, flash=1.0, efficient=1.0, pointwise=1.0, launch_s=_GPU_LAUNCH_S, launch_overlaps=False),
+    # rest has no source and is fitted to measured step times (CPU_FITTED below; launch_s 5 us is
+    # only the fit's starting point, the planner's earlier estimate).
+    "cpu": Rates(gemm=1.0, flash=1.0, efficient=1.0, pointwise=1.0, launch_s=5e-6, launch_overlaps=False),
 }
 # A GPU whose generation the table does not know plans as an A100.
 UNKNOWN_GENERATION = "ampere"

@@ -14,7 +14,9 @@ compute      per operation class, each at its own achievable rate (plan/efficien
                pointwise  norms, activations, rope, residual adds, dropout, layout copies, the
                           loss: their bytes (read + write, forward; backward twice that) at the
                           memory bandwidth x pointwise fraction
-             plus a host cost per eager op (overlapped with the device on GPUs, added on a CPU).
+             plus the host's time (plan/efficiency.py: per eager op, per op under selective AC,
+             per checkpointed block): a GPU step takes the longer of it and the device's work
+             (eager launches run ahead of the GPU), a CPU adds them.
              Activation checkpointing adds what it re-runs: full, each block's whole forward
              (not the head's or the embedding's); selective (slipstream's policy, optimize/
              activations.py: matmul and attention outputs saved) only the block's pointwise
@@ -591,10 +593,12 @@ def _block_cost(model: PlanModel, s: Strategy, tokens: float, seq_len: int, sp: 
     backward = _Work(2 * gemms, attention_bwd, pointwise_bwd,
                      (gemm_ops + pointwise_ops) * BACKWARD_OPS_PER_FORWARD_OP)
     # torch's selective checkpointing also runs its Python dispatch mode over every forward op
-    # (in the forward and the recompute): host time, plan/efficiency.SELECTIVE_DISPATCH_S per op
+    # (in the forward and the recompute): host time, Rates.selective_dispatch_s per op. Either AC
+    # mode pays the checkpoint frame once per block (Rates.checkpoint_s; fitted on a GPU host).
+    checkpoint = sp.rates.checkpoint_s
     selective = _Work(pointwise=pointwise_fwd, ops=pointwise_ops,
-                      host=(gemm_ops + pointwise_ops) * sp.rates.selective_dispatch_s)
-    return _BlockCost(forward, backward, selective, forward)
+                      host=(gemm_ops + pointwise_ops) * sp.rates.selective_dispatch_s + checkpoint)
+    return _BlockCost(forward, backward, selective, dataclasses.replace(forward, host=forward.host + checkpoint))
 
 
 def _head_cost(model: PlanModel, s: Strategy, tokens: float, sp: _Speeds) -> tuple[_Work, _Work]:
