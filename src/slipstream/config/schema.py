@@ -48,7 +48,7 @@ class ModelConfig:
     vocab_size: int = option(0, "Vocabulary size; 0 = take it from the prepared data's tokenizer.", min=0)
     vocab_multiple: int = option(64, "Pad the embedding/head rows to a multiple of this (faster matmuls).", min=1)
     position: str = option("learned", "Position encoding: learned (GPT-2's table), rope (rotary, Llama), or alibi (a per-head linear bias on the attention scores, no position parameters: BLOOM, MPT; Press et al. 2022).", choices=("learned", "rope", "alibi"))
-    rotary_fraction: float = option(1.0, "position = rope: the fraction of each head's dimensions the rotation applies to (the first ones; the rest carry no position): GPT-NeoX and Pythia 0.25, GPT-J 0.25 (64 of 256). 1 = all (Llama).", min=0.0, max=1.0, min_exclusive=True)
+    rotary_fraction: float = option(1.0, "position = rope: the fraction of each head's dimensions the rotation applies to (the first ones; the rest carry no position): GPT-NeoX and Pythia 0.25 (rotate-half layout, as GPT-NeoX). 1 = all (Llama).", min=0.0, max=1.0, min_exclusive=True)
     rope_theta: float = option(10000.0, "RoPE base frequency (position=rope).", min=1.0)
     norm: str = option("layernorm", "Normalization layer.", choices=("layernorm", "rmsnorm"))
     norm_eps: float = option(1e-5, "Epsilon of the normalization layers.", min=0.0, min_exclusive=True)
