@@ -340,6 +340,107 @@ def test_huge_probe_file_is_refused(tmp_path, monkeypatch):
         make_cluster("8xH100", probe=probe_file(tmp_path, "big.json", two_level()))
 
 
+def write_json(tmp_path, data, name="probe.json"):
+    path = tmp_path / name
+    path.write_text(json.dumps(data) if not isinstance(data, str) else data)
+    return str(path)
+
+
+ONE_RING = {"world_size": 2, "collectives": {"all_reduce": ring_rows(40.0, 1e-5)}}
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"sections": {"compute": {"dtypes": [1, 2]}}}, "sections.compute.dtypes should be an object, got a list"),
+    ({"sections": {"compute": {"dtypes": {"bf16": [1]}}}}, "sections.compute.dtypes.bf16 should be an object"),
+    ({"sections": {"compute": [1]}}, "sections.compute should be an object"),
+    ({"sections": {"memory": {"copy": 3}}}, "sections.memory.copy should be an object, got a number"),
+    ({"sections": {"comm": {"world_size": 2, "collectives": "x"}}}, "sections.comm.collectives should be an object"),
+    ({"sections": {"comm": {"world_size": 2, "collectives": {"all_reduce": [1]}}}},
+     "sections.comm.collectives.all_reduce should be a list of rows"),
+    ({"sections": {"comm": {"world_size": 2, "collectives": {"all_reduce": {"bytes": 8}}}}},
+     "sections.comm.collectives.all_reduce should be a list of rows"),
+    ({"sections": {"comm": {"world_size": 2.5, "collectives": {}}}}, "sections.comm.world_size should be a whole"),
+    ({"sections": {"comm": {"intra": [ONE_RING]}}}, "sections.comm.intra should be an object"),
+    ({"machine": "cuda", "sections": {"comm": ONE_RING}}, "machine should be an object, got a string"),
+])
+def test_probe_of_the_wrong_shape_is_refused(tmp_path, data, field):
+    """Valid JSON of another shape: a UserError naming the file, the field and the fix, not a crash
+    (a list where an object belongs used to raise AttributeError) nor silence."""
+    path = write_json(tmp_path, data)
+    with pytest.raises(UserError, match=field) as info:
+        make_cluster("8xH100", probe=path)
+    assert path in str(info.value) and "slipstream probe --out FILE" in str(info.value)
+
+
+def test_deeply_nested_probe_is_invalid_json(tmp_path):
+    # 100,000 levels (200 KB, well under the size cap) overflow the JSON decoder's stack.
+    path = write_json(tmp_path, '{"sections": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    with pytest.raises(UserError, match="is not valid JSON") as info:
+        make_cluster("8xH100", probe=path)
+    assert path in str(info.value) and "slipstream probe --out FILE" in str(info.value)
+
+
+def test_probe_matmul_rate_is_bounded_by_the_datasheet(tmp_path):
+    # H100 SXM dense bf16 989 TFLOP/s (plan/gpus.py): up to 1.2 x 989 = 1186.8 is a measurement.
+    ok = make_cluster("8xH100", probe=probe_file(tmp_path, "ok.json", compute={"bf16": 1180.0}))
+    assert ok.matmul_efficiency["bf16"] == pytest.approx(1180.0 / 989)
+    for tflops in (1190.0, 1e9):
+        with pytest.raises(UserError, match=r"best_tflops = .* implausibly large \(more than 1186.8 TFLOP/s = "
+                                            r"1.2 x the datasheet's 989") as info:
+            make_cluster("8xH100", probe=probe_file(tmp_path, "fast.json", compute={"bf16": tflops}))
+        assert "sections.compute.dtypes.bf16.best_tflops" in str(info.value)
+    # A custom GPU's peak bounds it too: 400 given, 700 measured is another GPU or a wrong peak.
+    custom = gpu_from_flags(peak_tflops="bf16=400", memory_gib=64, mem_bw_gbs=2000)
+    with pytest.raises(UserError, match="--peak-tflops"):
+        make_cluster("8xacme", gpu=custom, probe=probe_file(tmp_path, "acme.json", compute={"bf16": 700.0},
+                                                             device_name="Acme X1"))
+
+
+def test_cpu_probe_matmul_rate_has_only_a_sanity_bound(tmp_path):
+    from slipstream.plan.hardware import CpuFacts
+
+    cpu = CpuFacts("test cpu", lambda key: 1e11)
+    fast = probe_file(tmp_path, "cpu.json", compute={"fp32": 50.0}, device_name="Some CPU")
+    data = json.loads(open(fast).read())
+    data["machine"]["device"] = "cpu"
+    cluster = make_cluster("1xcpu", probe=write_json(tmp_path, data, "cpu.json"), cpu=cpu)
+    assert cluster.peak_flops("fp32") == pytest.approx(50e12)  # its measured peak, no datasheet ceiling
+    data["sections"]["compute"]["dtypes"]["fp32"]["best_tflops"] = 1e9
+    with pytest.raises(UserError, match="fp32.best_tflops = 1e.09 is implausibly large"):
+        make_cluster("1xcpu", probe=write_json(tmp_path, data, "cpu.json"), cpu=cpu)
+
+
+def test_probe_link_and_copy_numbers_are_bounded(tmp_path):
+    from slipstream.plan.hardware import MAX_LINK_GBS
+
+    def ring(busbw=40.0, seconds=1e-5, nbytes=1024):
+        rows = ring_rows(busbw, seconds)
+        rows[0]["bytes"] = nbytes
+        return {"world_size": 8, "collectives": {"all_reduce": rows}}
+
+    assert make_cluster("8xH100", probe=probe_file(tmp_path, "top.json", ring(busbw=MAX_LINK_GBS))
+                        ).intra.bandwidth_gbs == MAX_LINK_GBS
+    with pytest.raises(UserError, match=r"all_reduce.busbw_gbs = 1e\+30 is implausibly large"):
+        make_cluster("8xH100", probe=probe_file(tmp_path, "fast.json", ring(busbw=1e30)))
+    # parse_link's ceiling, the same for a link given by number.
+    with pytest.raises(UserError, match="implausibly fast"):
+        parse_link(f"{2 * MAX_LINK_GBS:g}GB/s", "--intra")
+    with pytest.raises(UserError, match="all_reduce should be a list of rows"):  # true is not a byte count
+        make_cluster("8xH100", probe=probe_file(tmp_path, "bool.json", ring(nbytes=True)))
+    # 14 steps of an 8-rank ring: 20 s is over a second per step.
+    with pytest.raises(UserError, match="all_reduce.seconds = 20 is implausibly large"):
+        make_cluster("8xH100", probe=probe_file(tmp_path, "slow.json", ring(seconds=20.0)))
+    for field in ("copy", "h2d_pinned"):
+        data = {"sections": {"memory": {"copy": {"gbs": 100.0}, "h2d_pinned": {"gbs": 50.0},
+                                        "d2h_pinned": {"gbs": 50.0}}}}
+        data["sections"]["memory"][field]["gbs"] = 1e12
+        with pytest.raises(UserError, match=f"sections.memory.{field}.gbs = 1e.12 is implausibly large"):
+            make_cluster("8xH100", probe=write_json(tmp_path, data))
+    data["sections"]["memory"]["h2d_pinned"]["gbs"] = True
+    with pytest.raises(UserError, match="h2d_pinned.gbs should be a positive number, got True"):
+        make_cluster("8xH100", probe=write_json(tmp_path, data))
+
+
 @pytest.mark.parametrize("node_of_rank, nodes, rails", [
     ([0, 0, 1, 1], [[0, 1], [2, 3]], [[0, 2], [1, 3]]),
     ([0] * 4, [[0, 1, 2, 3]], [[0], [1], [2], [3]]),

@@ -26,7 +26,8 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from slipstream.errors import UserError
-from slipstream.plan.gpus import DTYPE_KEYS, GpuDescription, GpuSpec, lookup_gpu, read_gpu_file
+from slipstream.plan.gpus import (DTYPE_KEYS, MAX_HOST_LINK_GBS, MAX_MEM_BW_GBS, MAX_PEAK_TFLOPS, GpuDescription,
+                                   GpuSpec, lookup_gpu, read_gpu_file)
 
 
 @dataclass(frozen=True)
@@ -118,6 +119,11 @@ _LINK_SPEC = re.compile(
     rf"\s*(?:(?P<kind>[A-Za-z]+)\s*:\s*)?(?P<value>{_NUMBER})\s*(?P<prefix>[kKMGT]?)(?P<unit>[Bb])(?:/s|ps)"
     rf"(?:\s*@\s*(?P<latency>{_NUMBER})\s*(?P<latency_unit>ns|us|µs|ms))?\s*")
 MAX_NICS_PER_NODE = 64
+# Plausibility ceilings of a link, given (parse_link) or measured (a probe file): 100 TB/s per
+# GPU is a unit slip (B for b, or T for G), not a real link (NVLink 5 is 0.9 TB/s per direction);
+# a second per ring step is no network.
+MAX_LINK_GBS = 100_000.0
+MAX_LINK_LATENCY_US = 1e6
 # A group of one rank communicates with nobody: infinite bandwidth, no latency.
 LOCAL = Link("local", math.inf, 0.0, "no communication (group of one rank)")
 
@@ -355,7 +361,7 @@ def parse_link(text: str, flag: str, replaces: Link | None = None) -> Link:
     rate = float(match["value"]) * _UNIT_SCALE[match["prefix"]] / 1e9 / (8 if match["unit"] == "b" else 1)
     if not 0 < rate < math.inf:
         raise UserError(f"{flag} {text!r}: the bandwidth must be greater than 0; {how}.")
-    if rate > 100_000:  # 100 TB/s per GPU: a unit slip (B for b, or T for G), not a real link
+    if rate > MAX_LINK_GBS:
         raise UserError(f"{flag} {text!r} is {rate:g} GB/s per GPU, implausibly fast; check the unit: {how}.")
     if kind is None:
         bandwidth, what = rate, f"{rate:.4g} GB/s achievable bus bandwidth"
@@ -365,7 +371,7 @@ def parse_link(text: str, flag: str, replaces: Link | None = None) -> Link:
     if match["latency"] is not None:
         latency = float(match["latency"]) * _LATENCY_SCALE[match["latency_unit"]]
         said = "given"
-        if latency > 1e6:  # a second per ring step is no network
+        if latency > MAX_LINK_LATENCY_US:
             raise UserError(f"{flag} {text!r}: a latency of {latency:g} us per step is implausible; give e.g. @5us.")
     elif kind is not None:
         latency, said = WIRE_KINDS[kind][1], f"the usual {WIRE_KINDS[kind][2]} one"
@@ -502,6 +508,13 @@ class _Fact(NamedTuple):
     path: str
 
 
+PROBE_REDO = "re-run `slipstream probe --out FILE` (add --sections comm under torchrun for links)"
+# A measured matmul rate cannot beat the datasheet's dense peak, which already is the boost-clock
+# rate; 20 % above it leaves room for timer noise and a rounded datasheet figure. More is a unit
+# slip, another GPU, or a broken timer, and would plan with an efficiency above 1.
+PROBE_MAX_OF_PEAK = 1.2
+
+
 def _read_probe(path: str) -> dict:
     try:
         with open(path, "rb") as f:
@@ -513,28 +526,56 @@ def _read_probe(path: str) -> dict:
                         f"{PROBE_HOW}.")
     try:
         data = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the decoder's stack
         raise UserError(f"probe file {path} is not valid JSON ({e}); {PROBE_HOW}.") from None
     sections = data.get("sections") if isinstance(data, dict) else None
     if not isinstance(sections, dict) or not any(s in sections for s in ("compute", "memory", "comm")):
         raise UserError(f"probe file {path} has no compute, memory or comm section; {PROBE_HOW}.")
+    # The top levels are checked here, the deeper ones by their readers, before any .get() or .items().
+    _table(data, "machine", path, "machine")
+    for name in ("compute", "memory", "comm"):
+        _table(sections, name, path, f"sections.{name}")
     return data
 
 
-def _number(value: object, path: str, where: str) -> float:
+def _json_kind(value: object) -> str:
+    for kind, name in ((bool, "true/false"), ((int, float), "a number"), (str, "a string"), (list, "a list"),
+                       (dict, "an object")):
+        if isinstance(value, kind):
+            return name
+    return "null"
+
+
+def _table(parent: dict, key: str, path: str, where: str) -> dict | None:
+    """parent[key] when it is a JSON object, None when there is no such key; anything else
+    means the file is not (or no longer) what `slipstream probe` writes."""
+    if key not in parent:
+        return None
+    value = parent[key]
+    if not isinstance(value, dict):
+        raise UserError(f"probe file {path}: {where} should be an object, got {_json_kind(value)}; {PROBE_REDO}.")
+    return value
+
+
+def _number(value: object, path: str, where: str, ceiling: float, unit: str) -> float:
+    """A positive finite number (not a bool) at most `ceiling` (in `unit`, which may explain it)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
-        raise UserError(f"probe file {path}: {where} should be a positive number, got {value!r}; "
-                        "re-run `slipstream probe --out FILE`.")
+        raise UserError(f"probe file {path}: {where} should be a positive number, got {value!r}; {PROBE_REDO}.")
+    if value > ceiling:
+        raise UserError(f"probe file {path}: {where} = {value:g} is implausibly large (more than {ceiling:g}"
+                        f"{unit}); {PROBE_REDO}.")
     return float(value)
 
 
 def _host_gbs(memory: dict, path: str) -> tuple[float, str] | None:
-    """Offload copies both ways: the slower direction, pinned buffers if measured."""
+    """Offload copies both ways: the slower direction, pinned buffers if measured. A direction
+    the probe could not measure is a string ("n/a (no accelerator)")."""
     for kind in ("pinned", "pageable"):
         h2d, d2h = memory.get(f"h2d_{kind}"), memory.get(f"d2h_{kind}")
         if isinstance(h2d, dict) and isinstance(d2h, dict):
-            where = f"sections.memory.{{h2d,d2h}}_{kind}.gbs"
-            return min(_number(h2d.get("gbs"), path, where), _number(d2h.get("gbs"), path, where)), kind
+            return min(_number(h2d.get("gbs"), path, f"sections.memory.h2d_{kind}.gbs", MAX_HOST_LINK_GBS, " GB/s"),
+                       _number(d2h.get("gbs"), path, f"sections.memory.d2h_{kind}.gbs", MAX_HOST_LINK_GBS,
+                               " GB/s")), kind
     return None
 
 
@@ -542,43 +583,67 @@ def _ring(section: dict, path: str, where: str) -> dict | None:
     """A link measured by all_reduce over one group: the largest message's bus bandwidth, and
     the smallest message's time per ring step (a ring all_reduce takes 2(n-1) steps; a tiny
     message is all latency). None when the group had fewer than 2 ranks or no rows."""
-    world = int(_number(section.get("world_size"), path, f"{where}.world_size"))
-    rows = (section.get("collectives") or {}).get("all_reduce") or []
-    if not isinstance(rows, list) or not all(isinstance(r, dict) and isinstance(r.get("bytes"), int) for r in rows):
-        raise UserError(f"probe file {path}: {where}.collectives.all_reduce should be a list of rows with bytes; "
-                        "re-run `slipstream probe --sections comm`.")
+    world = section.get("world_size")
+    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
+        raise UserError(f"probe file {path}: {where}.world_size should be a whole number of ranks >= 1, got "
+                        f"{world!r}; {PROBE_REDO}.")
+    collectives = _table(section, "collectives", path, f"{where}.collectives") or {}
+    rows = collectives.get("all_reduce", [])
+    if not isinstance(rows, list) or not all(isinstance(r, dict) and type(r.get("bytes")) is int and r["bytes"] > 0
+                                             for r in rows):
+        raise UserError(f"probe file {path}: {where}.collectives.all_reduce should be a list of rows (objects), "
+                        f"each with a whole positive number of bytes; {PROBE_REDO}.")
     if world < 2 or not rows:
         return None
     largest, smallest = max(rows, key=lambda r: r["bytes"]), min(rows, key=lambda r: r["bytes"])
-    bandwidth = _number(largest.get("busbw_gbs"), path, f"{where}.collectives.all_reduce.busbw_gbs")
-    seconds = _number(smallest.get("seconds"), path, f"{where}.collectives.all_reduce.seconds")
-    return {"bandwidth": bandwidth, "latency": seconds * 1e6 / (2 * (world - 1)), "world": world,
-            "bytes": largest["bytes"], "groups": section.get("groups")}
+    bandwidth = _number(largest.get("busbw_gbs"), path, f"{where}.collectives.all_reduce.busbw_gbs",
+                        MAX_LINK_GBS, " GB/s, no real link")
+    steps = 2 * (world - 1)
+    seconds = _number(smallest.get("seconds"), path, f"{where}.collectives.all_reduce.seconds",
+                      MAX_LINK_LATENCY_US / 1e6 * steps, f" s, over {MAX_LINK_LATENCY_US / 1e6:g} s per ring step")
+    groups = section.get("groups")
+    return {"bandwidth": bandwidth, "latency": seconds * 1e6 / steps, "world": world,
+            "bytes": largest["bytes"], "groups": groups if type(groups) is int else None}
 
 
-def _probe_facts(data: dict, path: str, per_node: int, notes: list[str]) -> dict[str, _Fact]:
+def _probe_facts(data: dict, path: str, per_node: int, notes: list[str], peaks: dict[str, float]) -> dict[str, _Fact]:
     """What one probe file measured, by name: "<dtype> matmul" (TFLOP/s), "host<->device" and
-    "memory copy" (GB/s), "intra-node link" and "inter-node link" (bus bandwidth GB/s)."""
+    "memory copy" (GB/s), "intra-node link" and "inter-node link" (bus bandwidth GB/s).
+    peaks: the planned GPU's datasheet TFLOP/s per dtype (PROBE_MAX_OF_PEAK bounds a measured
+    rate); empty for a CPU cluster, whose measured rates are its peaks."""
     sections, facts = data["sections"], {}
-    compute = sections.get("compute") if isinstance(sections.get("compute"), dict) else {}
-    for key, entry in (compute.get("dtypes") or {}).items():
-        if isinstance(entry, dict) and entry.get("status") == "ok":
-            tflops = _number(entry.get("best_tflops"), path, f"sections.compute.dtypes.{key}.best_tflops")
-            facts[f"{key} matmul"] = _Fact(tflops, {}, path)
+    compute = sections.get("compute") or {}
+    for key, entry in (_table(compute, "dtypes", path, "sections.compute.dtypes") or {}).items():
+        where = f"sections.compute.dtypes.{key}"
+        if not isinstance(entry, dict):
+            raise UserError(f"probe file {path}: {where} should be an object, got {_json_kind(entry)}; {PROBE_REDO}.")
+        if entry.get("status") != "ok":
+            continue
+        if key in peaks:
+            ceiling, unit = PROBE_MAX_OF_PEAK * peaks[key], (f" TFLOP/s = {PROBE_MAX_OF_PEAK:g} x the datasheet's "
+                                                             f"{peaks[key]:g}; probe the GPU you plan for, or fix its "
+                                                             "peak (--peak-tflops or the GPU file)")
+        else:
+            ceiling, unit = MAX_PEAK_TFLOPS, " TFLOP/s"
+        facts[f"{key} matmul"] = _Fact(_number(entry.get("best_tflops"), path, f"{where}.best_tflops", ceiling, unit),
+                                       {}, path)
     memory = sections.get("memory")
-    if isinstance(memory, dict):
+    if memory is not None:
         host = _host_gbs(memory, path)
         if host is not None:
             facts["host<->device"] = _Fact(host[0], {"kind": host[1]}, path)
-        if isinstance(memory.get("copy"), dict):
-            facts["memory copy"] = _Fact(_number(memory["copy"].get("gbs"), path, "sections.memory.copy.gbs"), {}, path)
+        copy = _table(memory, "copy", path, "sections.memory.copy")
+        if copy is not None:
+            facts["memory copy"] = _Fact(_number(copy.get("gbs"), path, "sections.memory.copy.gbs", MAX_MEM_BW_GBS,
+                                                 " GB/s"), {}, path)
     comm = sections.get("comm")
-    if not isinstance(comm, dict):
+    if comm is None:
         return facts
     if "intra" in comm or "inter" in comm:
         # Two-level probe (multi-node, or a single node that says so): each level is its own group.
         for level, label in (("intra", "intra-node link"), ("inter", "inter-node link")):
-            ring = _ring(comm[level], path, f"sections.comm.{level}") if isinstance(comm.get(level), dict) else None
+            group = _table(comm, level, path, f"sections.comm.{level}")
+            ring = _ring(group, path, f"sections.comm.{level}") if group is not None else None
             if ring is not None:
                 facts[label] = _Fact(ring["bandwidth"], ring, path)
         return facts
@@ -596,12 +661,12 @@ def _probe_facts(data: dict, path: str, per_node: int, notes: list[str]) -> dict
 def _check_machine(data: dict, path: str, short: str, spec: GpuSpec | None, seen: dict[str, str]) -> None:
     """Refuse a probe from another kind of machine: a CPU for a GPU plan, another GPU model, or
     a device other than the one an earlier probe file measured."""
-    machine = data.get("machine") if isinstance(data.get("machine"), dict) else {}
+    machine = data.get("machine") or {}
     on_cpu = str(machine.get("device", "")).startswith("cpu")
     if on_cpu != (short == CPU):
         raise UserError(f"probe file {path} was measured on {'a CPU' if on_cpu else 'a GPU'} but --gpus asks for "
                         f"{short}; probe the machine you plan for, or drop --probe.")
-    compute = data["sections"].get("compute") if isinstance(data["sections"].get("compute"), dict) else {}
+    compute = data["sections"].get("compute") or {}
     device = str(machine.get("device_name") or compute.get("datasheet") or "")
     if spec is not None and short != CPU:
         probed = lookup_gpu(device)
@@ -622,10 +687,11 @@ def _read_probes(paths: Sequence[str], per_node: int, short: str, spec: GpuSpec 
     files measured more than PROBE_AGREEMENT apart is a contradiction and refused."""
     facts: dict[str, _Fact] = {}
     seen: dict[str, str] = {}
+    peaks = spec.peaks if spec is not None and short != CPU else {}
     for path in paths:
         data = _read_probe(path)
         _check_machine(data, path, short, spec, seen)
-        for key, fact in _probe_facts(data, path, per_node, sources).items():
+        for key, fact in _probe_facts(data, path, per_node, sources, peaks).items():
             first = facts.setdefault(key, fact)
             if first is fact:
                 continue
