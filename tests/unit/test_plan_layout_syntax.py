@@ -66,6 +66,9 @@ def test_what_a_layout_leaves_out():
     assert parse_layout("hsdp:2x8 mb4 offload", 16, 64) == Strategy("hsdp", dp=16, dp_shard=8, micro_batch=4,
                                                                      grad_accum=1, offload=True)
     assert parse_layout("pp4:zbv fsdp", 8, 16).pp_virtual == 2
+    assert parse_layout("pp4:zbvx2 fsdp", 8, 16).pp_virtual == 2          # its own count may be written
+    assert parse_layout("pp4:1f1bx1", 4, 16).pp_virtual == 1
+    assert parse_layout("pp2:interleaved-1f1bx3", 2, 16).pp_virtual == 3  # a looping schedule takes any
     assert parse_layout("pp4:interleavedx3", 4, 16).pp_schedule == "interleaved-1f1b"   # the planner's alias
     assert parse_layout("mb2x3", 1, None) == Strategy(micro_batch=2, grad_accum=3)       # no batch: as given
     # the plan's precision and attention unless the layout names its own
@@ -92,6 +95,11 @@ def test_what_a_layout_leaves_out():
     ("pp4 layers:1,2,3", "gives 3 stages, pp4 x 1 per rank has 4"),
     ("layers:1,2", "splits a pipeline: give its degree too"),
     ("tp0", "degrees and counts are at least 1"),
+    # A fixed schedule's own chunk count only: the label would say x3 while the plan runs 2.
+    ("pp2:zbvx3", "'pp2:zbvx3': zbv runs exactly 2 stage(s) per rank, not 3"),
+    ("pp2:dualpipevx1", "dualpipev runs exactly 2 stage(s) per rank, not 1"),
+    ("pp2:1f1bx2", "'pp2:1f1bx2': 1f1b runs exactly 1 stage(s) per rank, not 2"),
+    ("pp4:gpipex4", "gpipe runs exactly 1 stage(s) per rank, not 4"),
     ("", "it is empty"),
 ])
 def test_a_bad_layout_names_the_word_and_shows_the_syntax(text, message):

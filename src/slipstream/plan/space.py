@@ -347,6 +347,13 @@ def parse_layout(text: str, world: int, global_batch: int | None = None, *, prec
         raise bad(f"{found['pipeline'][0]!r}: unknown pipeline schedule {schedule!r} (valid: "
                   f"{', '.join(PP_SCHEDULES)})") from None
     virtual = group("pipeline", 3, SCHEDULE_VIRTUAL[schedule])
+    if (schedule in PP_ONE_STAGE or schedule in PP_V_SHAPED) and virtual != SCHEDULE_VIRTUAL[schedule]:
+        # Only the looping schedules take a chunk count: a fixed one would plan its own count under
+        # a label that says another (and the trainer refuses it, config.dims.check_pipeline_config).
+        runs = SCHEDULE_VIRTUAL[schedule]
+        raise bad(f"{found['pipeline'][0]!r}: {schedule} runs exactly {runs} stage(s) per rank, not {virtual}; "
+                  f"write pp{pp}:{schedule} (or x{runs}), or a looping schedule for {virtual} chunks "
+                  "(interleaved-1f1b, interleaved-zero-bubble, looped-bfs)")
     strategy, dp, shard = group("data-parallel strategy", 1), group("data-parallel strategy", 2), \
         group("data-parallel strategy", 3)
     if world % (tp * pp * cp):
