@@ -18,8 +18,10 @@ from slipstream.plan.efficiency import FITTED, Fit
 from slipstream.plan.hardware import make_cluster
 from slipstream.plan.model import resolve_model
 from slipstream.plan.space import PlanModel, Strategy, Workload
-from slipstream.plan.timing import (CAUSAL_WORK, FUSED_ATTENTION_BACKWARD, POINTWISE_BACKWARD, SCORE_PASSES_BACKWARD,
-                                    SCORE_PASSES_FORWARD, ALIBI_SCORE_PASSES, estimate_time, step_collectives)
+from slipstream.plan.timing import (ALIBI_BIAS_READS_BACKWARD, ALIBI_BIAS_READS_FORWARD, ALIBI_SCORE_PASSES,
+                                    CAUSAL_WORK, FUSED_ATTENTION_BACKWARD, PARTIAL_ROPE_OPS, POINTWISE_BACKWARD,
+                                    ROPE_OPS, SCORE_PASSES_BACKWARD, SCORE_PASSES_FORWARD, attention_kernel,
+                                    estimate_time, gemm_seconds, step_collectives)
 
 ROOT = Path(__file__).resolve().parents[2]
 T = 4096
@@ -124,7 +126,9 @@ def test_hfu_exceeds_mfu_by_exactly_the_rematerialized_flops(llama, gpt, h100):
         kernel = (FUSED_ATTENTION_BACKWARD - 2) * attention_fwd     # flash's backward recomputes the scores
         cases = {  # (ac, attention): (activation recompute, a kernel's own recompute) FLOPs per token
             ("none", "materialized"): (0.0, 0.0),
-            ("selective", "materialized"): (0.0, 0.0),                            # pointwise only: no FLOPs counted
+            # the attention core (QK^T, AV) re-run: 4 T d per layer, the whole square, as models.flops counts it
+            ("selective", "materialized"): (attention_fwd, 0.0),
+            ("selective", "flash"): (0.0, kernel),                                # pointwise only: no FLOPs counted
             ("full", "materialized"): (2 * block_matmul + attention_fwd, 0.0),    # every block's forward once more
             ("none", "flash"): (0.0, kernel),
             ("full", "flash"): (2 * block_matmul + attention_fwd, kernel),
@@ -170,17 +174,152 @@ def test_materialized_attention_adds_the_score_traffic_quadratic_in_t(gpt, h100)
     assert eff.compute_s["attention"] == pytest.approx(t.compute_s["attention"] * r.flash / r.efficient, rel=1e-9)
 
 
-def test_alibi_adds_its_bias_pass_on_materialized_scores_only(gpt, h100):
+def test_alibi_adds_its_bias_pass_on_materialized_scores(gpt, h100):
     alibi = PlanModel("alibi", dataclasses.replace(gpt.cfg, position="alibi"))
-    learned = gpt
     bw = _bandwidth(h100)
     tokens, scores = S.micro_batch * T, S.micro_batch * gpt.cfg.n_head * T * T * A
     # learned positions: the embedding's position add (read the table row, add: 2 n d r forward, x2 backward)
     positions = 2 * tokens * gpt.cfg.d_model * R * (1 + POINTWISE_BACKWARD) * S.grad_accum / bw
-    for attention, bias in (("materialized", ALIBI_SCORE_PASSES), ("flash", 0.0)):
-        a = _compute(alibi, S.replace(attention=attention), h100).compute_s["pointwise"]
-        b = _compute(learned, S.replace(attention=attention), h100).compute_s["pointwise"]
-        assert a - b == pytest.approx(gpt.cfg.n_layer * S.grad_accum * scores * bias / bw - positions, rel=1e-9)
+    a = _compute(alibi, S.replace(attention="materialized"), h100).compute_s["pointwise"]
+    b = _compute(gpt, S.replace(attention="materialized"), h100).compute_s["pointwise"]
+    assert a - b == pytest.approx(gpt.cfg.n_layer * S.grad_accum * scores * ALIBI_SCORE_PASSES / bw - positions,
+                                  rel=1e-9)
+
+
+def test_alibi_runs_flash_as_the_efficient_kernel_over_the_whole_square(gpt, h100):
+    """ALiBi's bias goes to SDPA as a float attn_mask, which the flash backend does not take: the
+    memory-efficient kernel runs, every score tile (the causal mask is in the bias), and reads the
+    heads x T x T bias in forward and backward."""
+    alibi = PlanModel("alibi", dataclasses.replace(gpt.cfg, position="alibi"))
+    assert attention_kernel(alibi, S) == "efficient" and attention_kernel(gpt, S) == "flash"
+    assert attention_kernel(alibi, S.replace(attention="materialized")) == "materialized"
+    flash = _compute(alibi, S, h100)
+    efficient = _compute(alibi, S.replace(attention="efficient"), h100)
+    assert flash.step_s == efficient.step_s and flash.compute_s == efficient.compute_s
+    r = efficiency.rates("hopper")
+    kernel = 4 * S.micro_batch * T * T * gpt.cfg.d_model / (h100.peak_flops("bf16") * r.efficient)   # no causal half
+    assert flash.compute_s["attention"] == pytest.approx(
+        gpt.cfg.n_layer * S.grad_accum * kernel * (1 + FUSED_ATTENTION_BACKWARD), rel=1e-9)
+    no_bias = _compute(gpt, S.replace(attention="efficient"), h100).compute_s["attention"]
+    assert flash.compute_s["attention"] == pytest.approx(no_bias / CAUSAL_WORK, rel=1e-9)
+    # the bias reads, against learned positions on the same kernel
+    bw = _bandwidth(h100)
+    tokens, scores = S.micro_batch * T, S.micro_batch * gpt.cfg.n_head * T * T * A
+    positions = 2 * tokens * gpt.cfg.d_model * R * (1 + POINTWISE_BACKWARD) * S.grad_accum / bw
+    bias = gpt.cfg.n_layer * S.grad_accum * scores * (ALIBI_BIAS_READS_FORWARD + ALIBI_BIAS_READS_BACKWARD) / bw
+    learned = _compute(gpt, S.replace(attention="efficient"), h100).compute_s["pointwise"]
+    assert flash.compute_s["pointwise"] - learned == pytest.approx(bias - positions, rel=1e-9)
+    assert flash.step_s > _compute(gpt, S, h100).step_s
+    # the kernel's own recompute counts as for any fused kernel; no AC recompute in the HFU
+    f = flops_per_token(alibi.cfg, T)
+    assert flash.hfu == pytest.approx(flash.mfu, rel=1e-12)
+    assert flash.hardware_tflops_per_gpu == pytest.approx(
+        flash.model_tflops_per_gpu * (f + (FUSED_ATTENTION_BACKWARD - 2) * 4 * T * gpt.cfg.d_model * gpt.cfg.n_layer) / f,
+        rel=1e-9)
+
+
+# ---------------------------------------------------------------- selective AC with materialized scores
+
+
+def test_selective_ac_recomputes_the_materialized_attention_core(gpt, h100, device_bound):
+    """plan/memory.py plans selective AC over materialized scores as Megatron runs it: no T x T
+    matrix kept, the core (QK^T, softmax, AV) recomputed. The time re-runs that core's forward:
+    its batched GEMMs (on the roofline) and its score passes, besides the pointwise forward."""
+    cfg = gpt.cfg
+    s = S.replace(attention="materialized")
+    none = _compute(gpt, s, h100)
+    selective = _compute(gpt, s.replace(ac="selective"), h100)
+    tokens, hd, heads = S.micro_batch * T, cfg.d_model // cfg.n_head, cfg.n_head
+    r = efficiency.rates("hopper")
+    rate, bw = h100.peak_flops("bf16") * r.gemm, _bandwidth(h100)
+    bmm = S.micro_batch * heads * (gemm_seconds(T, hd, T, rate, bw, A) + gemm_seconds(T, T, hd, rate, bw, A))
+    scores = S.micro_batch * heads * T * T * A * SCORE_PASSES_FORWARD / bw
+    expected = cfg.n_layer * S.grad_accum * (_pointwise_forward_bytes(cfg, tokens) / bw + scores + bmm)
+    assert selective.compute_s["recompute"] == pytest.approx(expected, rel=1e-9)
+    assert selective.breakdown["compute"] - none.breakdown["compute"] == pytest.approx(expected, rel=1e-9)
+    # the core's GEMMs are in the attention class: it grows by a third (forward 1 of backward's 2)
+    assert selective.compute_s["attention"] == pytest.approx(none.compute_s["attention"] * 4 / 3, rel=1e-9)
+    # a fused kernel keeps its output and log-sum-exp: no attention re-run
+    flash = _compute(gpt, S, h100)
+    assert _compute(gpt, S.replace(ac="selective"), h100).compute_s["attention"] == flash.compute_s["attention"]
+
+
+KORTHIKANTI_SELECTIVE = {   # run: reported HFU / MFU (Korthikanti et al. 2022, Table 5)
+    "korthikanti-22b-8gpu-selective-sp": 0.437 / 0.415,
+    "korthikanti-175b-64gpu-selective-sp": 0.528 / 0.514,
+    "korthikanti-530b-280gpu-selective-sp": 0.570 / 0.560,
+    "korthikanti-1t-512gpu-selective-sp": 0.570 / 0.563,
+}
+
+
+@pytest.mark.parametrize("name", sorted(KORTHIKANTI_SELECTIVE))
+def test_selective_hfu_of_the_korthikanti_runs(name):
+    """HFU / MFU of Megatron's selective runs: 1 + the recomputed core's 4 T d L over the model
+    FLOPs. Megatron's formula (the reported ratios) adds s / (6h) to 1 + s / (6h) + V / (16 l h),
+    three times the core's forward (its forward and backward): the planned excess is about a third
+    of the reported one."""
+    from slipstream.plan.published import ALL_PUBLISHED_RUNS
+    from slipstream.plan.report import _setup
+
+    run = next(r for r in ALL_PUBLISHED_RUNS if r.name == name)
+    model, s, work, cluster = _setup(run)
+    t = estimate_time(model, s, work, cluster)
+    f = flops_per_token(model.cfg, run.seq_len)
+    core = 4.0 * run.seq_len * run.d_model * run.n_layer
+    assert t.hfu / t.mfu == pytest.approx(1 + core / f, rel=1e-12)
+    h, sq, l, v = run.d_model, run.seq_len, run.n_layer, run.vocab_size
+    megatron = 1 + (sq / (6 * h)) / (1 + sq / (6 * h) + v / (16 * l * h))
+    assert megatron == pytest.approx(KORTHIKANTI_SELECTIVE[name], abs=0.002)   # the reported figures' rounding
+    assert (t.hfu / t.mfu - 1) == pytest.approx((megatron - 1) / 3, rel=0.03)
+
+
+# ---------------------------------------------------------------- the block's pointwise ops
+
+
+def test_partial_rotary_reads_and_writes_all_of_q_and_k(llama, h100, device_bound):
+    """apply_rope with rotary_fraction < 1 rotates the fraction, then assembles new q and k
+    (empty_like, two copies): a read and a write of all of q and k more than the rotation."""
+    cfg = llama.cfg
+    quarter = PlanModel("llama-quarter-rope", dataclasses.replace(cfg, rotary_fraction=0.25))
+    full = _compute(llama, S, h100).compute_s["pointwise"]
+    partial = _compute(quarter, S, h100).compute_s["pointwise"]
+    tokens, d = S.micro_batch * T, cfg.d_model
+    qk = tokens * (d + cfg.n_kv_head * d // cfg.n_head) * A                      # q and k, bf16
+    per_block = (2 * 0.25 * qk + 2 * qk) - 2 * qk                                  # partial - full, forward
+    expected = cfg.n_layer * S.grad_accum * per_block * (1 + POINTWISE_BACKWARD) / _bandwidth(h100)
+    assert partial - full == pytest.approx(expected, rel=1e-9)
+    assert partial > full          # not the fraction's bytes only: the copies cost more than they save
+
+
+def test_partial_rotary_launches_its_copies(llama):
+    """The host's side: 7 more eager ops per tensor (profiled), on a host-bound step."""
+    small = Strategy(micro_batch=1, grad_accum=1, precision="bf16")
+    work = Workload(128, 1)
+    cluster = make_cluster("1xH100")
+    quarter = PlanModel("q", dataclasses.replace(llama.cfg, rotary_fraction=0.25))
+    launch = efficiency.rates("hopper").launch_s
+    a, b = estimate_time(quarter, small, work, cluster), estimate_time(llama, small, work, cluster)
+    from slipstream.plan.timing import BACKWARD_OPS_PER_FORWARD_OP
+    extra_ops = llama.cfg.n_layer * PARTIAL_ROPE_OPS * (1 + BACKWARD_OPS_PER_FORWARD_OP)
+    assert a.compute_s["launch"] > 0 and b.compute_s["launch"] > 0     # host-bound: the step is the host's ops
+    assert a.breakdown["compute"] - b.breakdown["compute"] == pytest.approx(extra_ops * launch, rel=1e-9)
+    assert PARTIAL_ROPE_OPS == 14 and ROPE_OPS == 16
+
+
+def test_the_parallel_block_charges_the_two_adds_eager_runs(gpt, h100, device_bound):
+    """models/transformer's parallel block returns x + attn + mlp: eager PyTorch runs that as two
+    binary adds (profiled: two aten::add, the first writing x + attn), the same bytes as the
+    sequential block's two residual adds; its norms both read the block input, as the sequential
+    ones read theirs. Same pointwise time, same ops."""
+    import torch
+    from torch.profiler import profile
+
+    x, y, z = (torch.randn(4, 4) for _ in range(3))
+    with profile() as prof:
+        x + y + z
+    assert [e.name for e in prof.events() if e.cpu_parent is None] == ["aten::add", "aten::add"]
+    parallel = PlanModel("gpt-parallel", dataclasses.replace(gpt.cfg, parallel_block=True))
+    assert _compute(parallel, S, h100).compute_s == _compute(gpt, S, h100).compute_s
 
 
 # ---------------------------------------------------------------- tensor and pipeline parallel
@@ -273,11 +412,22 @@ def test_efficiency_divides_the_device_time(llama, h100):
     assert half.breakdown["optimizer"] == one.breakdown["optimizer"]
 
 
-def test_the_fit_is_one_of_its_candidates():
-    """estimate_time(fit=...) uses the candidate's constants, not the committed ones."""
+def test_the_fit_is_one_of_its_candidates(llama, h100):
+    """estimate_time(fit=...) uses the candidate's constants, not the committed ones: each class's
+    seconds scale by the committed / candidate fraction (llama-8b at 8K rows: compute-bound GEMMs)."""
     fit = Fit(gemm={"hopper": 0.5}, attention_scale=1.0, pointwise_scale=1.0)
     assert efficiency.rates("hopper", fit).gemm == 0.5
     assert efficiency.rates("hopper", fit).flash == efficiency.PRIORS["hopper"].flash
+    committed = estimate_time(llama, S, WORK, h100)
+    assert estimate_time(llama, S, WORK, h100, fit=FITTED).compute_s == committed.compute_s
+    candidate = estimate_time(llama, S, WORK, h100, fit=fit)
+    assert candidate.compute_s["gemm"] == pytest.approx(committed.compute_s["gemm"] * FITTED.gemm["hopper"] / 0.5,
+                                                        rel=1e-9)
+    assert candidate.compute_s["attention"] == pytest.approx(committed.compute_s["attention"]
+                                                             * FITTED.attention_scale, rel=1e-9)
+    assert candidate.compute_s["pointwise"] == pytest.approx(committed.compute_s["pointwise"]
+                                                             * FITTED.pointwise_scale, rel=1e-9)
+    assert candidate.step_s != committed.step_s
 
 
 def test_cpu_calibration_predictions_are_todays():

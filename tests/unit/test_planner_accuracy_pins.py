@@ -64,6 +64,50 @@ def test_held_out_median_speed_error_within_target(fresh):
         run.name for run in ALL_PUBLISHED_RUNS if run.n_layer and any(getattr(run, m) for m in SPEED_METRICS)}
 
 
+def test_each_fold_is_fitted_without_its_run(monkeypatch):
+    """held_out_fits hands each fold's fit the other runs only (every one of them)."""
+    from slipstream.plan import report
+
+    seen = []
+
+    def recorder(runs=ALL_PUBLISHED_RUNS):
+        seen.append([r.name for r in runs])
+        return FITTED, 0.0
+
+    monkeypatch.setattr(report, "fit_constants", recorder)
+    speed = report._runs_with_speed(ALL_PUBLISHED_RUNS)
+    folds = report.held_out_fits()
+    assert list(folds) == [r.name for r in speed] and len(seen) == len(speed)
+    for run, names in zip(speed, seen):
+        assert run.name not in names
+        assert sorted(names + [run.name]) == sorted(r.name for r in speed)
+
+
+def test_a_held_out_prediction_does_not_see_its_run(monkeypatch):
+    """Two A100 runs, each run's error table made to prefer one GEMM fraction (synthetic, so the
+    fit is cheap): moving run A's preference wildly moves the constants fitted on both runs and
+    the fold that holds out B, never the fold that holds A out."""
+    from slipstream.plan import report
+
+    a, b = (next(r for r in ALL_PUBLISHED_RUNS if r.name == name)
+            for name in ("korthikanti-22b-8gpu-selective-sp", "korthikanti-175b-64gpu-selective-sp"))
+    prefer = {b.name: 0.60}
+
+    def table(run):
+        return {(g, at, p): abs(g - prefer[run.name]) for g in report.GRID_GEMM
+                for at in report.GRID_ATTENTION_SCALE for p in report.GRID_POINTWISE_SCALE}
+
+    monkeypatch.setattr(report, "_error_table", table)
+    fits = {}
+    for where in (0.52, 0.80):
+        prefer[a.name] = where
+        fits[where] = (report.held_out_fits([a, b]), report.fit_constants([a, b])[0])
+    (low, low_all), (high, high_all) = fits[0.52], fits[0.80]
+    assert low[a.name] == high[a.name] and low[a.name].gemm == {"ampere": 0.60}   # fitted on b alone
+    assert low[b.name].gemm == {"ampere": 0.52} and high[b.name].gemm == {"ampere": 0.80}
+    assert low_all.gemm != high_all.gemm                                            # in-sample: a counts
+
+
 def test_committed_published_rows_equal_a_fresh_leave_one_out(committed, fresh):
     assert [(r["run"], r["metric"]) for r in committed["published"]] == [(r["run"], r["metric"]) for r in fresh]
     for old, new in zip(committed["published"], fresh):
@@ -126,6 +170,11 @@ def test_docs_state_the_committed_held_out_accuracy(committed):
     n = summary["runs"]
     assert f"{sum(e <= 0.10 for e in held)} of the {n} runs are within 10 % held out" in text
     assert f"{sum(e <= 0.20 for e in held)} within 20 %" in text
+    readme = _text(ROOT / "README.md")
+    assert {float(m) for m in re.findall(r"in-sample (\d+(?:\.\d+)?) %", readme)} == {
+        round(100 * summary["in_sample_median_run_error"], 1)}
+    assert {float(m) for m in re.findall(r"held-out median error (\d+(?:\.\d+)?) %", readme)} == {
+        round(100 * summary["held_out_median_run_error"], 1)}
     folds = {r["run"] for r in committed["published"] if r.get("held_out_fit") == committed["fit"]["fitted"]}
     assert f"{len(folds)} of the {n} folds give the same constants" in text
 

@@ -10,7 +10,9 @@ compute      per operation class, each at its own achievable rate (plan/efficien
                attention  a fused kernel (flash, efficient: Strategy.attention) runs the causal
                           half of QK^T and AV at peak x its fraction; its backward recomputes the
                           scores (2.5x the forward); materialized scores run as batched GEMMs and
-                          their softmax (+ ALiBi bias, dropout) passes over B x heads x T x T
+                          their softmax (+ ALiBi bias, dropout) passes over B x heads x T x T.
+                          ALiBi's float mask runs flash as the efficient kernel, over the whole
+                          square, reading the bias (attention_kernel)
                pointwise  norms, activations, rope, residual adds, dropout, layout copies, the
                           loss: their bytes (read + write, forward; backward twice that) at the
                           memory bandwidth x pointwise fraction
@@ -20,7 +22,8 @@ compute      per operation class, each at its own achievable rate (plan/efficien
              Activation checkpointing adds what it re-runs: full, each block's whole forward
              (not the head's or the embedding's); selective (slipstream's policy, optimize/
              activations.py: matmul and attention outputs saved) only the block's pointwise
-             forward. A pipeline rank runs its own whole blocks (plan/stages.rank_parts, the
+             forward, and with materialized scores the attention core's forward (QK^T, the
+             score passes, AV: no T x T matrix is kept, as plan/memory.py plans it). A pipeline rank runs its own whole blocks (plan/stages.rank_parts, the
              trainer's split), the first also the embedding, the last the head and loss; the
              step follows the busiest rank. `efficiency` divides the device time: a calibration
              measured by `slipstream tune system` / --calibrate (1 = the fitted rates).
@@ -44,8 +47,9 @@ bubble       pipeline_bubble: the idle fraction f of a pipeline rank's step, so 
              zero-bubble schedules 5% of that (Qi et al. 2023).
 offload      parameters up and gradients down over the host link, Adam on the CPU.
 
-MFU counts the model's FLOPs (models.flops); HFU the FLOPs the hardware runs: those plus
-activation checkpointing's recomputed forward and a fused attention kernel's recomputed scores.
+MFU counts the model's FLOPs (models.flops); HFU those plus activation checkpointing's recomputed
+forward (selective with materialized scores: the attention core's 4 T d per layer); the hardware
+FLOPs also a fused attention kernel's recomputed scores.
 """
 
 from __future__ import annotations
@@ -92,6 +96,14 @@ CAUSAL_WORK = 0.5
 SCORE_PASSES_FORWARD = 2.0
 SCORE_PASSES_BACKWARD = 3.0
 ALIBI_SCORE_PASSES = 2.0
+# ALiBi through a fused kernel: the model passes its (heads, T, T) bias as SDPA's float attn_mask
+# (models/transformer.Attention.forward), which torch's flash backend does not take: SDPA runs the
+# memory-efficient kernel (planned as `efficient` whatever Strategy.attention says). The kernel
+# reads the bias once per (sequence, head) tile in the forward and once more in the backward
+# (which recomputes the scores), and, the causal mask being inside the bias (no is_causal), it
+# computes every score tile: the whole square, not the causal half.
+ALIBI_BIAS_READS_FORWARD = 1.0
+ALIBI_BIAS_READS_BACKWARD = 1.0
 # The loss, bytes per logit (forward + backward) in slipstream's cross-entropy (models/transformer.lm_loss):
 # log-softmax reads and writes fp32 (8), the nll gradient is written (4), log-softmax's backward
 # reads two and writes one (12); with low-precision logits also the fp32 copy (read 2, write 4)
@@ -105,6 +117,10 @@ LOSS_BYTES_CASTS = 12
 # k (16). Backward issues about 3.8 ops per forward op (counted: GPT 92 / 22, Llama 132 / 40).
 LAYOUT_OPS = 8
 ROPE_OPS = 16
+# Partial rotary (rotary_fraction < 1, models/transformer.apply_rope): an empty_like, the slices
+# and two copies (the rotated part and the pass-through part) per tensor, 7 more ops for each of
+# q and k (counted with torch.profiler, torch 2.13: 15 top-level ops per tensor against 8).
+PARTIAL_ROPE_OPS = 14
 BACKWARD_OPS_PER_FORWARD_OP = 3.8
 # DDP's gradient bucket (torch's default 25 MiB): one all-reduce, with its latency, per bucket.
 DDP_BUCKET_BYTES = 25 * 2**20
@@ -473,13 +489,22 @@ def _gemm_fraction(cluster: Cluster, dtype: str, r: Rates) -> float:
     return r.gemm * DEFAULT_MATMUL_EFFICIENCY.get(dtype, 0.75) / DEFAULT_MATMUL_EFFICIENCY["bf16"]
 
 
-def _speeds(s: Strategy, cluster: Cluster, efficiency: float, fit: Fit | None) -> _Speeds:
+def attention_kernel(model: PlanModel, s: Strategy) -> str:
+    """The attention implementation a layout runs: Strategy.attention, except that a float
+    attn_mask (ALiBi's bias) keeps SDPA off its flash backend, which takes no mask: flash runs
+    as the memory-efficient kernel (ALIBI_BIAS_READS_FORWARD's comment)."""
+    if s.attention == "flash" and model.traced is None and model.cfg.position == "alibi":
+        return "efficient"
+    return s.attention
+
+
+def _speeds(model: PlanModel, s: Strategy, cluster: Cluster, efficiency: float, fit: Fit | None) -> _Speeds:
     dtype = _dtype_key(s)
     r = rates_table.rates(cluster.gpu.generation, fit)
     peak = cluster.peak_flops(dtype)
     dt = _dtypes(s)
     return _Speeds(gemm=peak * _gemm_fraction(cluster, dtype, r) * efficiency,
-                   attention=peak * r.attention(s.attention) * efficiency,
+                   attention=peak * r.attention(attention_kernel(model, s)) * efficiency,
                    bandwidth=cluster.gpu.mem_bw_gbs * 1e9 * r.pointwise * efficiency,
                    rates=r, compute=dt.compute, residual=dt.residual)
 
@@ -500,7 +525,8 @@ class _BlockCost:
 
     forward: _Work
     backward: _Work
-    selective: _Work     # the pointwise forward (slipstream's selective policy keeps matmul and attention outputs)
+    selective: _Work     # the pointwise forward (slipstream's selective policy keeps matmul and attention
+                         # outputs); with materialized scores also the attention core's forward
     full: _Work          # the whole forward
 
 
@@ -564,9 +590,11 @@ def _block_cost(model: PlanModel, s: Strategy, tokens: float, seq_len: int, sp: 
         attention_ops = 2.0 + 2 + (1 if cfg.position == "alibi" else 0) + (1 if cfg.dropout > 0 else 0)
         attention_gemm_ops = 2.0
     else:
-        attention_fwd = attn_flops * CAUSAL_WORK / sp.attention
+        alibi = cfg.position == "alibi"     # a float mask: the efficient kernel, every tile (attention_kernel)
+        attention_fwd = attn_flops * (1.0 if alibi else CAUSAL_WORK) / sp.attention
         attention_bwd = attention_fwd * FUSED_ATTENTION_BACKWARD
-        score_fwd_bytes = score_bwd_bytes = 0.0
+        score_fwd_bytes = score_elems * a * ALIBI_BIAS_READS_FORWARD if alibi else 0.0
+        score_bwd_bytes = score_elems * a * ALIBI_BIAS_READS_BACKWARD if alibi else 0.0
         attention_ops, attention_gemm_ops = 0.0, 1.0
 
     # ---- pointwise: bytes each op reads and writes in the forward (module doc)
@@ -577,8 +605,14 @@ def _block_cost(model: PlanModel, s: Strategy, tokens: float, seq_len: int, sp: 
     pointwise = norm_bytes + add_bytes + layout_bytes + act_bytes
     ops = 2.0 * 2 + 2 + LAYOUT_OPS + (2 if cfg.mlp in ("swiglu", "relu2") else 1)  # norms, adds, dropout calls, layout, activation
     if cfg.position == "rope":
-        pointwise += 2 * getattr(cfg, "rotary_fraction", 1.0) * tokens * (d + kv) * a / tp
+        fraction = getattr(cfg, "rotary_fraction", 1.0)
+        pointwise += 2 * fraction * tokens * (d + kv) * a / tp
         ops += ROPE_OPS
+        if fraction < 1:
+            # apply_rope assembles a new q and k (empty_like): the rotated part copied in and the
+            # pass-through part copied over, a read and a write of all of q and k
+            pointwise += 2 * tokens * (d + kv) * a / tp
+            ops += PARTIAL_ROPE_OPS
     if cfg.qk_norm:
         pointwise += 2 * tokens * (d + kv) * a / tp
         ops += 2
@@ -595,8 +629,13 @@ def _block_cost(model: PlanModel, s: Strategy, tokens: float, seq_len: int, sp: 
     # torch's selective checkpointing also runs its Python dispatch mode over every forward op
     # (in the forward and the recompute): host time, Rates.selective_dispatch_s per op. Either AC
     # mode pays the checkpoint frame once per block (Rates.checkpoint_s; fitted on a GPU host).
+    # With materialized scores selective AC re-runs the attention core too (QK^T, softmax, AV: the
+    # T x T scores are not kept, as Megatron's selective recompute and plan/memory.py plan it):
+    # its batched GEMMs besides the score passes already in pointwise_fwd.
     checkpoint = sp.rates.checkpoint_s
-    selective = _Work(pointwise=pointwise_fwd, ops=pointwise_ops,
+    core = s.attention == "materialized"
+    selective = _Work(attention=attention_fwd if core else 0.0, pointwise=pointwise_fwd,
+                      ops=pointwise_ops + (attention_gemm_ops if core else 0.0),
                       host=(gemm_ops + pointwise_ops) * sp.rates.selective_dispatch_s + checkpoint)
     return _BlockCost(forward, backward, selective, dataclasses.replace(forward, host=forward.host + checkpoint))
 
@@ -679,8 +718,11 @@ def _rank_compute(model: PlanModel, s: Strategy, work: Workload, sp: _Speeds) ->
 def _hardware_flops_per_token(model: PlanModel, s: Strategy, seq_len: int) -> tuple[float, float]:
     """Training FLOPs per token beyond models.flops' count: (activation checkpointing's recomputed
     forward, a fused attention kernel's recomputed scores). Full AC re-runs every block's forward:
-    2 x its (active) matmul parameters + the attention's 4 T d; selective re-runs no matmul. A fused
-    kernel's backward runs 2.5 attention forwards where the count has 2."""
+    2 x its (active) matmul parameters + the attention's 4 T d; selective re-runs no weight matmul,
+    but with materialized scores it re-runs the attention core, QK^T and AV: 4 T d per layer (the
+    whole square, which batched GEMMs compute and models.flops counts). A fused kernel's backward
+    runs 2.5 attention forwards where the count has 2 (ALiBi's flash runs as the efficient
+    kernel, attention_kernel: the same count)."""
     from slipstream.models.transformer import padded_vocab_size
 
     cfg = model.cfg
@@ -689,7 +731,9 @@ def _hardware_flops_per_token(model: PlanModel, s: Strategy, seq_len: int) -> tu
     if s.ac == "full":
         block_matmul = param_count(cfg).active_matmul - padded_vocab_size(cfg) * cfg.d_model
         recompute = 2.0 * block_matmul + attention_fwd
-    kernel = 0.0 if s.attention == "materialized" else (FUSED_ATTENTION_BACKWARD - 2.0) * attention_fwd
+    elif s.ac == "selective" and s.attention == "materialized":
+        recompute = attention_fwd
+    kernel = 0.0 if attention_kernel(model, s) == "materialized" else (FUSED_ATTENTION_BACKWARD - 2.0) * attention_fwd
     return recompute, kernel
 
 
@@ -704,7 +748,7 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
     """
     cfg = model.cfg
     dtype = _dtype_key(s)
-    sp = _speeds(s, cluster, efficiency, fit)
+    sp = _speeds(model, s, cluster, efficiency, fit)
     tokens_step = work.global_batch * work.seq_len
     if model.traced is not None:
         return _traced_time(model, s, work, cluster, sp, dtype)
