@@ -261,6 +261,13 @@ def check_training_rules(cfg: Config) -> None:
     checks them again for a Config built in code (it trains any model, so the [model] rules of
     check_consistency do not apply to it)."""
     o = cfg.optim
+    # Issue 21 in progress: the switches exist in the schema, their implementation lands next;
+    # until then they are refused rather than silently ignored.
+    if o.state_dtype in ("int8", "int4"):
+        raise UserError(f"optim.state_dtype = {o.state_dtype} (torchao low-bit AdamW) is not implemented yet; "
+                        "use fp32 or bf16")
+    if cfg.quant.qat != "none":
+        raise UserError(f"quant.qat = {cfg.quant.qat} is not implemented yet; use quant.qat=none")
     if o.in_backward and o.offload:
         raise UserError("optim.in_backward and optim.offload cannot be combined; choose one")
     if o.in_backward and cfg.precision.autocast == "fp16":

@@ -157,7 +157,7 @@ class OptimConfig:
     implementation: str = option("auto", "AdamW implementation: auto (fused where possible), fused, foreach or for-loop.",
                                  choices=("auto", "fused", "foreach", "for-loop"))
     in_backward: bool = option(False, "Step each parameter inside backward (post-accumulate-grad hooks), so all gradients never coexist (with grad_accum_steps = 1). Needs grad_clip = 0.")
-    state_dtype: str = option("fp32", "Dtype of the Adam moments: fp32, or bf16 (half the optimizer-state memory).", choices=("fp32", "bf16"))
+    state_dtype: str = option("fp32", "Dtype of the Adam moments: fp32, bf16 (half the optimizer-state memory), or int8 / int4 (torchao's block-quantized low-bit AdamW: about 1/4 and 1/8 of fp32's moment bytes).", choices=("fp32", "bf16", "int8", "int4"))
     offload: bool = option(False, "Keep fp32 master weights and Adam state in CPU memory and run the optimizer step there.")
     optimizer: str = option("adamw", "adamw, or muon: Muon (torch.optim.Muon: momentum orthogonalized by Newton-Schulz iterations) for the 2-D weight matrices of the hidden layers (attention and MLP projections), AdamW with the settings above for the rest (embeddings, output head, norms, biases, MoE routers and experts). Newton-Schulz needs whole matrices: single process, ddp or pp; not with optim.offload, in_backward or state_dtype = bf16.", choices=("adamw", "muon"))
     muon_lr: float = option(0.0, "Muon: peak learning rate of the hidden matrices, on the same schedule (the same warmup and decay multipliers); 0 = optim.lr, which carries over with muon_adjust_lr = match_rms_adamw.", min=0.0)
@@ -176,6 +176,18 @@ class PrecisionConfig:
     fp16_growth_interval: int = option(2000, "fp16: steps without overflow before the loss scale doubles.", min=1)
     tf32: bool = option(False, "CUDA: run fp32 matmuls and convolutions on TF32 tensor cores (no effect on CPU).")
     fp8: bool = option(False, "CUDA, compute capability >= 8.9: fp8 linear layers through torchao (error elsewhere).")
+
+
+@dataclass
+class QuantConfig:
+    """Quantization-aware training (torchao): fake-quantized weights (and activations) in the
+    forward, so the model learns to live with the rounding `slipstream checkpoint export
+    --quantize` later applies for real."""
+
+    qat: str = option("none", "none, int8-dynact-int4-weight (int8 per-token dynamic activations + int4 grouped weights: the usual LLM edge recipe) or int8-weight (int8 per-channel weights).",
+                      choices=("none", "int8-dynact-int4-weight", "int8-weight"))
+    qat_group_size: int = option(32, "qat = int8-dynact-int4-weight: weights quantized in groups of this many input features (divides every linear's input width).", min=1)
+    qat_start_step: int = option(0, "Train in full precision until this step, then fake-quantize (QAT from a warm start).", min=0)
 
 
 @dataclass
@@ -344,6 +356,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     activations: ActivationsConfig = field(default_factory=ActivationsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
