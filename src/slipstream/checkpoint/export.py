@@ -3,6 +3,7 @@
     slipstream checkpoint inspect DIR [--json]
     slipstream checkpoint export DIR --format torch|safetensors|hf --out FOLDER
                                      [--dtype fp32|bf16|fp16] [--force]
+                                     [--quantize int8-dynact-int4-weight|int8-weight]
 
 DIR is a checkpoint folder, a run's checkpoints/ folder or a run folder (its latest complete
 checkpoint), as everywhere in the CLI.
@@ -41,6 +42,16 @@ export
                    (models/hf_moe.py: experts stored one tensor per expert, as on the Hub)
                    only; needs `transformers`. A bpe checkpoint also gets
                    tokenizer.json and tokenizer_config.json (PreTrainedTokenizerFast).
+
+    --quantize (format torch only) converts the blocks' linears to torchao's quantized
+    weights (optimize/qat.py convert_qat: torchao's QAT convert step): a checkpoint trained
+    with quant.qat gives exactly the model its fake-quantized forward trained; any other
+    checkpoint gets the same post-training quantization. int8-dynact-int4-weight uses the
+    checkpoint's quant.qat_group_size (32 by default). model.pt then holds torchao tensor
+    subclasses (int8 storage; int4 values one per byte, so int4 saves as much file size as
+    int8): `import torchao` first, then `torch.load(path, weights_only=True)`. The embedding
+    and head stay as saved. The command prints the file size. Without --quantize, a QAT
+    checkpoint exports its float weights like any other.
 
     Every format also gets config.toml (the run's resolved config), export.json (source,
     step, format, dtype, tied keys) and, for bpe tokenizers, tokenizer.json (the copy inside
@@ -297,6 +308,9 @@ def _plain_state_dict(model: torch.nn.Module, dtype: torch.dtype | None) -> tupl
     ties: dict[str, str] = {}
     first: dict[tuple, str] = {}
     for key, value in model.state_dict().items():
+        if not isinstance(value, torch.Tensor) or type(value) not in (torch.Tensor, torch.nn.Parameter):
+            sd[key] = value.detach()  # torchao's quantized weights (--quantize): stored as they are, never tied
+            continue
         tk = _tie_key(value)
         if tk in first:
             ties[key] = first[tk]
@@ -311,7 +325,7 @@ def _plain_state_dict(model: torch.nn.Module, dtype: torch.dtype | None) -> tupl
 
 
 def export_checkpoint(path: str | Path, fmt: str, out: str | Path, dtype: str | None = None,
-                      force: bool = False) -> Path:
+                      force: bool = False, quantize: str | None = None) -> Path:
     """Write the checkpoint's model as a `fmt` folder at `out` (see the module docstring)."""
     from slipstream import __version__
     from slipstream.checkpoint import manager as ckpt
@@ -320,6 +334,15 @@ def export_checkpoint(path: str | Path, fmt: str, out: str | Path, dtype: str | 
         raise UserError(f"unknown --format '{fmt}'; choose one of: {', '.join(FORMATS)}")
     if dtype is not None and dtype not in DTYPES:
         raise UserError(f"unknown --dtype '{dtype}'; choose one of: {', '.join(DTYPES)}")
+    if quantize is not None:
+        from slipstream.optimize.qat import SCHEMES, import_torchao_qat
+
+        if quantize not in SCHEMES:
+            raise UserError(f"unknown --quantize '{quantize}'; choose one of: {', '.join(SCHEMES)}")
+        if fmt != "torch":
+            raise UserError(f"--quantize writes torchao's quantized tensors, which only --format torch stores; "
+                            f"use --format torch (not {fmt}) or drop --quantize")
+        import_torchao_qat()  # refuse before any loading when torchao is missing
     ckpt_dir = ckpt.resolve_checkpoint(path)
     out = Path(out).expanduser()
     _check_out(out, force)
@@ -332,6 +355,12 @@ def export_checkpoint(path: str | Path, fmt: str, out: str | Path, dtype: str | 
     spec = ckpt.checkpoint_tokenizer(ckpt_dir, meta, "byte")
     tokenizer_file = Path(spec[4:]) if spec.startswith("bpe:") else None
     model, cfg = _load_model(ckpt_dir)
+    if quantize is not None:
+        from slipstream.optimize.qat import convert_qat
+
+        if torch_dtype is not None:  # cast first: the quantized model computes in this dtype
+            model = model.to(torch_dtype)
+        convert_qat(model, quantize, cfg.quant.qat_group_size)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -358,7 +387,7 @@ def export_checkpoint(path: str | Path, fmt: str, out: str | Path, dtype: str | 
                 shutil.copyfile(tokenizer_file, tmp / "tokenizer.json")
         (tmp / "config.toml").write_text(ckpt.read_text_inside(ckpt_dir, "config.toml"), encoding="utf-8")
         info = {"source": str(ckpt_dir.resolve()), "step": meta.get("step"), "format": fmt,
-                "dtype": dtype or "as saved", "weights": _WEIGHT_FILES[fmt], "tied": ties,
+                "dtype": dtype or "as saved", "quantize": quantize, "weights": _WEIGHT_FILES[fmt], "tied": ties,
                 "preset": cfg.model.preset, "slipstream_version": __version__, "torch": torch.__version__}
         (tmp / "export.json").write_text(json.dumps(info, indent=2), encoding="utf-8")
         _commit(tmp, out)

@@ -4,6 +4,7 @@ choose the checkpoint interval.
     slipstream checkpoint inspect DIR [--json]
     slipstream checkpoint export DIR --format torch|safetensors|hf --out FOLDER
                                      [--dtype fp32|bf16|fp16] [--force]
+                                     [--quantize int8-dynact-int4-weight|int8-weight]
     slipstream checkpoint advise --save-cost 30s --mtbf 24h [--nodes N --restart 5m --step-time 1.2s]
 
 What inspect and export do: slipstream/checkpoint/export.py. The interval: slipstream/plan/checkpoint_interval.py.
@@ -58,6 +59,9 @@ def add_commands(sub) -> None:
     p.add_argument("--out", required=True, help="output folder (created; see --force)")
     p.add_argument("--dtype", default=None, help="cast floating-point weights: fp32 | bf16 | fp16 (default: as saved)")
     p.add_argument("--force", action="store_true", help="replace an existing output folder from an earlier export")
+    p.add_argument("--quantize", default=None,
+                   help="int8-dynact-int4-weight | int8-weight: convert the blocks' linears to torchao's quantized "
+                        "weights (the real model of a quant.qat run; needs --format torch and torchao)")
     p.set_defaults(func=cmd_export)
 
     p = add_checkpoint_subcommand("advise", "the checkpoint interval that loses the least time, from save cost and MTBF")
@@ -98,9 +102,15 @@ def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
     from slipstream.checkpoint.export import export_checkpoint
 
     no_extra(extra)
-    out = export_checkpoint(args.dir, args.format, args.out, dtype=args.dtype, force=args.force)
+    out = export_checkpoint(args.dir, args.format, args.out, dtype=args.dtype, force=args.force,
+                            quantize=args.quantize)
     files = ", ".join(sorted(p.name for p in out.iterdir()))
     print(f"wrote {out} ({args.format}, {args.dtype or 'as saved'}): {files}")
+    if args.quantize:
+        from slipstream.checkpoint.export import _human
+
+        size = (out / "model.pt").stat().st_size
+        print(f"quantized {args.quantize}: model.pt is {_human(size)} ({size:,} bytes)")
     return 0
 
 

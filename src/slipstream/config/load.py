@@ -261,13 +261,12 @@ def check_training_rules(cfg: Config) -> None:
     checks them again for a Config built in code (it trains any model, so the [model] rules of
     check_consistency do not apply to it)."""
     o = cfg.optim
-    # Issue 21 in progress: the switches exist in the schema, their implementation lands next;
-    # until then they are refused rather than silently ignored.
+    # Issue 21 in progress: the switch exists in the schema, its implementation lands next;
+    # until then it is refused rather than silently ignored.
     if o.state_dtype in ("int8", "int4"):
         raise UserError(f"optim.state_dtype = {o.state_dtype} (torchao low-bit AdamW) is not implemented yet; "
                         "use fp32 or bf16")
-    if cfg.quant.qat != "none":
-        raise UserError(f"quant.qat = {cfg.quant.qat} is not implemented yet; use quant.qat=none")
+    check_quant_rules(cfg)
     if o.in_backward and o.offload:
         raise UserError("optim.in_backward and optim.offload cannot be combined; choose one")
     if o.in_backward and cfg.precision.autocast == "fp16":
@@ -284,6 +283,20 @@ def check_training_rules(cfg: Config) -> None:
         raise UserError(f"stability.policy = {cfg.stability.policy} must see the gradients before the update, "
                         "but optim.in_backward updates during backward; use policy stop or none")
     check_muon_rules(cfg)
+
+
+def check_quant_rules(cfg: Config) -> None:
+    """quant.qat swaps the blocks' linears for torchao's FakeQuantizedLinear (optimize/qat.py)."""
+    q = cfg.quant
+    if q.qat == "none":
+        return
+    if cfg.precision.fp8:
+        raise UserError(f"quant.qat = {q.qat} and precision.fp8 both replace the linear layers; choose one "
+                        "(--precision.fp8=false or --quant.qat=none)")
+    if cfg.parallel.tp > 1:
+        raise UserError(f"quant.qat = {q.qat} does not work with tensor parallelism (the fake quantizers compute "
+                        "their scales over a whole weight, not a DTensor shard); set --parallel.tp=1 or "
+                        "--quant.qat=none")
 
 
 def check_muon_rules(cfg: Config) -> None:

@@ -1,6 +1,6 @@
 """The one ordered chain that turns a model into the model a rank trains.
 
-    [pipeline split] -> fp8 -> tensor/sequence parallel -> context parallel -> expert parallel
+    [pipeline split] -> fp8 | QAT -> tensor/sequence parallel -> context parallel -> expert parallel
         -> activation checkpointing -> compile -> FSDP/HSDP or DDP -> materialize + init
 
 `parallelize(model, parallel, cfg)` is called once, by the Trainer. Each step is one
@@ -72,6 +72,15 @@ def _parallelize_part(model: nn.Module, parallel: Parallel, cfg: Config, device)
         from slipstream.optimize.precision import apply_fp8
 
         model = apply_fp8(model, device, tp=dims.tp)
+    # Quantization-aware training swaps the blocks' linears too (torchao's FakeQuantizedLinear),
+    # at the same place and for the same reason; the two are exclusive (config/load.py refuses
+    # both at once, and QAT with tensor parallelism: its fake quantizers compute their scales
+    # over the whole weight, not a DTensor shard). AC, compile and FSDP then wrap the swapped
+    # modules like any nn.Linear.
+    if cfg.quant.qat != "none":
+        from slipstream.optimize.qat import apply_qat
+
+        model = apply_qat(model, cfg.quant)
 
     # Model parallelism inside the layer next: it splits the linears (tp) and the attention
     # (cp) that activation checkpointing, compile and data parallelism then wrap.

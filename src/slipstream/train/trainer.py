@@ -48,6 +48,7 @@ from slipstream.observe.loggers import RunLoggers
 from slipstream.observe.memory import peak_memory_bytes, reset_peak_memory
 from slipstream.optimize.optimizers import torch_optimizers
 from slipstream.optimize.precision import autocast_context, make_grad_scaler
+from slipstream.optimize.qat import FakeQuantSwitch
 from slipstream.runtime import configure_runtime
 from slipstream.train.early_stop import EarlyStopping
 from slipstream.train.evaluate import format_eval
@@ -136,6 +137,8 @@ class Trainer:
         # Mixture of experts: balancing-loss scale, bias updates and the load statistics (None: dense).
         self.moe = MoEMonitor.attach(self.model, self.parallel, self.pipeline.n_microbatches if self.pipeline
                                      else self.cfg.train.grad_accum_steps)
+        # quant.qat: fake quantization turns on at quant.qat_start_step (None: no QAT).
+        self.qat = FakeQuantSwitch.attach(self.model, self.cfg.quant)
         if self.pipeline is not None:  # evaluation runs through the stages too
             sequence_loss_fn, eval_loss_fn = self.pipeline.sequence_losses, self.pipeline.batch_loss
         self.loss_fn = loss_fn
@@ -257,6 +260,8 @@ class Trainer:
                                       self.job.checkpoint_meta, self.job.checkpoint_files)
         self.load_state_dict(state, keep_data_position)
         restore_step(self.model, self.optimizer, self.step)
+        if self.qat is not None:  # the phase follows the step count: evaluate() agrees before any step
+            self.qat.update(self.step)
         changes = config_changes(path, self.cfg)
         if changes and self.parallel.is_main and not keep_data_position:
             print("note: resuming with settings that differ from the checkpoint's: " + "; ".join(changes))
@@ -298,6 +303,8 @@ class Trainer:
                            silent=not self.parallel.is_main) as progress, \
                 profiling, self.resilience, self._commit_pending_on_error():
             while self.step < cfg.train.max_steps and not self.early_stop.stopped:
+                if self.qat is not None:
+                    self.qat.update(self.step)
                 self.memory.before_step(self.step)
                 run_step = self._measured_train_step if self.memory.measures(self.step + 1) else self.train_step
                 with self.comm.counting(self.step + 1):
