@@ -48,6 +48,18 @@ def reference(reference_run) -> tuple[list[float], list[float]]:
     return _records(reference_run)
 
 
+# 2 FSDP ranks of 4 sequences (one process's 8), checkpoints at steps 3 and 6.
+FSDP2 = ["--train.micro_batch_size=4", "--parallel.dp_strategy=fsdp", "--checkpoint.interval=3"]
+
+
+@pytest.fixture(scope="module")
+def fsdp2_run(tmp_path_factory, data_dir) -> tuple[Path, subprocess.CompletedProcess]:
+    """One launch for two tests: the fsdp case of test_launch_local_trains_like_one_process and the
+    source of test_resharding_resume_continues_the_same_training's resumes (which copy it)."""
+    run = tmp_path_factory.mktemp("fsdp2") / "run"
+    return run, _launch(["train", *COMMON, *FSDP2, f"--data.dir={data_dir}", f"--run.dir={run}"])
+
+
 def _stderrs(run_dir: Path) -> list[float]:
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [r["val_loss_stderr"] for r in lines if "val_loss" in r]
@@ -55,14 +67,17 @@ def _stderrs(run_dir: Path) -> list[float]:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("strategy, extra", [
-    ("fsdp", ["--train.micro_batch_size=4"]),
+    ("fsdp", FSDP2),  # the shared launch (fsdp2_run)
     # DDP with accumulation: no_sync on the first micro-batch, all-reduce on the second.
     ("ddp", ["--train.micro_batch_size=2", "--train.grad_accum_steps=2", "--logging.rank_logs=true"]),
 ])
-def test_launch_local_trains_like_one_process(strategy, extra, reference, data_dir, tmp_path):
-    run = tmp_path / "run"
-    proc = _launch(["train", *COMMON, *extra, f"--data.dir={data_dir}", f"--run.dir={run}",
-                    f"--parallel.dp_strategy={strategy}"])
+def test_launch_local_trains_like_one_process(strategy, extra, reference, data_dir, tmp_path, request):
+    if strategy == "fsdp":
+        run, proc = request.getfixturevalue("fsdp2_run")
+    else:
+        run = tmp_path / "run"
+        proc = _launch(["train", *COMMON, *extra, f"--data.dir={data_dir}", f"--run.dir={run}",
+                        f"--parallel.dp_strategy={strategy}"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert f"parallel: {strategy} on 2 process(es)" in proc.stdout
     assert proc.stdout.count("run summary") == 1  # only rank 0 reports
@@ -107,15 +122,14 @@ def test_fsdp_options_compose(extra, rel, reference, data_dir, tmp_path):
 
 
 @pytest.mark.timeout(400)
-def test_resharding_resume_continues_the_same_training(data_dir, tmp_path):
+def test_resharding_resume_continues_the_same_training(fsdp2_run, data_dir, tmp_path):
     """Saved by 2 FSDP ranks (4 sequences each), resumed by 1 process (8 sequences), back to 2 DDP
     ranks, and from FSDP to DDP at 2 ranks: same global batch, and the sequential loader continues at the same
     position, so the resumed steps match the uninterrupted run (fp32, different reduction order)."""
     import shutil
 
     common = COMMON + [f"--data.dir={data_dir}", "--checkpoint.interval=3"]
-    two = tmp_path / "two"
-    proc = _launch(["train", *common, "--train.micro_batch_size=4", f"--run.dir={two}", "--parallel.dp_strategy=fsdp"])
+    two, proc = fsdp2_run  # the straight run, launched once for this test and the fsdp parity test
     assert proc.returncode == 0, proc.stderr[-3000:]
     straight, _ = _records(two)
     # 2 -> 1: keep the step-3 checkpoint only and continue in one process.
