@@ -2,7 +2,7 @@
 
     slipstream train [--config FILE] [--section.key=value ...]
     slipstream eval --checkpoint PATH [--data.dir DIR --split val --tokens N --json]
-    slipstream generate --checkpoint PATH --prompt TEXT [--max-new-tokens N --temperature T --top-k K]
+    slipstream generate --checkpoint PATH --prompt TEXT [--max-new-tokens N --temperature T --top-k K --quantize int8|int4]
     slipstream data prepare --input PATH... --tokenizer T --out DIR
     slipstream data verify --dir DIR
     slipstream data train-tokenizer --input PATH... --vocab-size N --out FILE [--force]

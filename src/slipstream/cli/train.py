@@ -2,7 +2,13 @@
 
     slipstream train [--config FILE] [--section.key=value ...]
     slipstream generate --checkpoint PATH --prompt TEXT [--max-new-tokens N --temperature T --top-k K]
+                        [--quantize int8|int4]
     slipstream eval --checkpoint PATH [--data.dir DIR --split val --tokens N --json]
+
+generate prints the text on stdout and, on stderr once it is done, the model's weight size (bytes of
+its saved state dict; with --quantize before -> after) and the generation speed in tokens/s (wall
+time after one warm-up token). --quantize int8|int4 quantizes the weights of the blocks' linears
+with torchao (weight-only; embedding and head stay in full precision; optimize/weight_quant.py).
 """
 
 from __future__ import annotations
@@ -36,9 +42,18 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
+    def stats(s: dict) -> None:  # on stderr: stdout stays the text alone, for pipes
+        size = (f"{s['weight_bytes_before']:,} -> {s['weight_bytes_after']:,} bytes "
+                f"({s['weight_bytes_before'] / s['weight_bytes_after']:.2f}x smaller, {s['quantize']} weight-only)"
+                if s["quantize"] else f"{s['weight_bytes_after']:,} bytes")
+        speed = f"{s['tokens_per_s']:.1f} tokens/s" if s["tokens_per_s"] else "too fast to time"
+        print(f"weights: {size}; generation: {speed} ({s['tokens']} tokens in {s['seconds']:.3f} s "
+              f"after a warm-up token, on {s['device']})", file=sys.stderr, flush=True)
+
     try:
         generate_text(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                      top_k=args.top_k or None, seed=args.seed, device=args.device, on_text=show)
+                      top_k=args.top_k or None, seed=args.seed, device=args.device, on_text=show,
+                      quantize=args.quantize, on_stats=stats)
         print(flush=True)
     except BrokenPipeError:  # `slipstream generate ... | head`: the reader has all it wants
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
@@ -77,6 +92,8 @@ def add_commands(sub) -> None:
     p.add_argument("--top-k", type=int, default=50, help="sample from the k most likely tokens; 0 = all")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="auto")
+    p.add_argument("--quantize", choices=("int8", "int4"), default=None,
+                   help="weight-only quantization of the blocks' linears (torchao); prints the bytes before/after")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("eval", help="validation loss of a checkpoint on every window of a split (or a fixed sample)")

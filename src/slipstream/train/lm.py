@@ -305,10 +305,21 @@ class TextStream:
 
 
 def generate_text(checkpoint: str, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
-                  top_k: int | None = 50, seed: int = 0, device: str = "auto", on_text=None) -> str:
+                  top_k: int | None = 50, seed: int = 0, device: str = "auto", on_text=None,
+                  quantize: str | None = None, on_stats=None) -> str:
     """Prompt + continuation as text. on_text(piece) receives it piece by piece as the tokens
-    are sampled (the CLI prints them as they come)."""
+    are sampled (the CLI prints them as they come).
+
+    quantize: "int8" or "int4" weight-only quantization of the blocks' linears before sampling
+    (optimize/weight_quant.py). on_stats(dict) receives, once the text is done: quantize,
+    weight_bytes_before / weight_bytes_after (size of the model's saved state dict, before and
+    after quantization; equal without it), tokens and seconds of the timed part, device and
+    tokens_per_s. The first token is a warm-up and is not timed (with max_new_tokens = 1 it is
+    the only one and is timed)."""
+    import time
+
     from slipstream.models.transformer import generate
+    from slipstream.optimize.weight_quant import KINDS, quantize_weights, weight_bytes
 
     if max_new_tokens < 1:
         raise UserError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
@@ -320,8 +331,13 @@ def generate_text(checkpoint: str, prompt: str, max_new_tokens: int = 200, tempe
         raise UserError(f"--temperature must be a finite number >= 0 (0 = greedy), got {temperature}")
     if top_k is not None and top_k < 1:
         raise UserError(f"--top-k must be >= 1, got {top_k}")
+    if quantize is not None and quantize not in KINDS:
+        raise UserError(f"--quantize must be one of {', '.join(KINDS)}, got '{quantize}'")
     check_prompt(prompt)
     model, tokenizer, cfg = load_lm_from_checkpoint(checkpoint, device)
+    bytes_before = weight_bytes(model) if on_stats is not None else None
+    if quantize is not None:
+        quantize_weights(model, quantize)
     ids = tokenizer.encode(prompt)
     start = 0
     if not ids:  # an empty prompt starts a new document: after the end-of-text token, which we don't print
@@ -340,9 +356,18 @@ def generate_text(checkpoint: str, prompt: str, max_new_tokens: int = 200, tempe
     # A document-packed model continues the document after the last end-of-text token as training
     # saw documents: alone (attention inside it, positions from 0).
     eot_id = tokenizer.eot_id if cfg.data.packing == "document" else None
-    for _ in range(max_new_tokens):
+    started = time.perf_counter()
+    for i in range(max_new_tokens):
+        if i == 1:  # the first token warmed up the kernels and allocator: time the rest
+            started = time.perf_counter()
         window = generate(model, window, 1, temperature=temperature, top_k=top_k, generator=gen,
                           eot_id=eot_id)[:, -context:]
         stream.feed([window[0, -1].item()])  # the sync streaming needs: the token goes to the screen now
+    seconds = time.perf_counter() - started  # .item() above synchronized every token with the device
     stream.close()
+    if on_stats is not None:
+        timed = max(max_new_tokens - 1, 1)
+        on_stats({"quantize": quantize, "weight_bytes_before": bytes_before, "weight_bytes_after": weight_bytes(model),
+                  "tokens": timed, "seconds": seconds, "device": str(device_),
+                  "tokens_per_s": timed / seconds if seconds > 0 else None})
     return stream.text
