@@ -43,6 +43,9 @@ export
                    only; needs `transformers`. A bpe checkpoint also gets
                    tokenizer.json and tokenizer_config.json (PreTrainedTokenizerFast).
 
+    A checkpoint trained with [sparsity] exports weight * mask under the weights' own names
+    (no mask buffers): the pruned entries are exact zeros in every format.
+
     --quantize (format torch only) converts the blocks' linears to torchao's quantized
     weights (optimize/qat.py convert_qat: torchao's QAT convert step): a checkpoint trained
     with quant.qat gives exactly the model its fake-quantized forward trained; any other
@@ -292,7 +295,15 @@ def _load_model(ckpt_dir: Path):
     with torch.device("meta"):
         model = Transformer(cfg.model)
     model = materialize(model, "cpu", seed=0)
+    if cfg.sparsity.method != "none":  # its masks, saved with the model: loaded, then folded in below
+        from slipstream.optimize.sparsity import register_masks
+
+        register_masks(model, cfg.sparsity)
     ckpt.load_checkpoint(ckpt_dir, model)  # checks the manifest; per-rank models: rank 0's copy
+    if cfg.sparsity.method != "none":
+        from slipstream.optimize.sparsity import fold_masks
+
+        fold_masks(model)  # weight * mask under the weights' own names; no mask buffers in the export
     return model.eval(), cfg
 
 

@@ -191,6 +191,21 @@ class QuantConfig:
 
 
 @dataclass
+class SparsityConfig:
+    """Pruning during training: masks on the blocks' linears, saved in checkpoints (optimize/sparsity.py).
+
+    The masks are model state: checkpoints save them, resume is exact, export writes the masked weights."""
+
+    method: str = option("none", "none, magnitude (unstructured: the smallest abs(w) zeroed), 2:4 (semi-structured: exactly two zeros in every block of four along the input dimension; all at once at start_step; training runs the masked weights as dense matmuls on every device), heads (structured: whole attention heads, by the L2 norm of their weights; k/v kept with GQA) or channels (structured: whole MLP hidden channels). The blocks' linears only (embedding and head stay dense); not with tp, pp, FSDP/zero2, local SGD or MoE.",
+                         choices=("none", "magnitude", "2:4", "heads", "channels"))
+    target: float = option(0.5, "Final fraction of the pruned weights zeroed (magnitude), of heads (heads) or of MLP channels (channels); 2:4 needs 0.5.", min=0.0, max=0.99)
+    scope: str = option("layer", "magnitude only: rank the weights per layer (each layer reaches the target) or globally (one threshold over all pruned layers).", choices=("layer", "global"))
+    start_step: int = option(0, "Step of the first pruning; dense before it.", min=0)
+    end_step: int = option(0, "Step at which the target is reached, on the cubic schedule of Zhu & Gupta 2017 (s_t = s_f (1 - (1 - (t - t0) / (t1 - t0))^3)); 0 or <= start_step = all at once at start_step. The cubic is 0 at start_step, so the first weights go at start_step + every.", min=0)
+    every: int = option(100, "Recompute the masks every this many steps between start_step and end_step (and at end_step).", min=1)
+
+
+@dataclass
 class CompileConfig:
     """torch.compile, applied after activation checkpointing."""
 
@@ -357,6 +372,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
+    sparsity: SparsityConfig = field(default_factory=SparsityConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     activations: ActivationsConfig = field(default_factory=ActivationsConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)

@@ -1,6 +1,6 @@
 """The one ordered chain that turns a model into the model a rank trains.
 
-    [pipeline split] -> fp8 | QAT -> tensor/sequence parallel -> context parallel -> expert parallel
+    [pipeline split] -> fp8 | QAT -> sparsity masks -> tensor/sequence parallel -> context parallel -> expert parallel
         -> activation checkpointing -> compile -> FSDP/HSDP or DDP -> materialize + init
 
 `parallelize(model, parallel, cfg)` is called once, by the Trainer. Each step is one
@@ -81,6 +81,12 @@ def _parallelize_part(model: nn.Module, parallel: Parallel, cfg: Config, device)
         from slipstream.optimize.qat import apply_qat
 
         model = apply_qat(model, cfg.quant)
+    # Sparsity masks after the linears are swapped (a swap would drop their buffers) and before
+    # everything that wraps or shards them: compile sees plain linears (the masks are applied to
+    # the weights between steps, not in the forward), DDP replicates the masks with the model.
+    # Refused with tp, pp and FSDP2 (config/sparsity_rules.py: whole masks, sharded weights).
+    if cfg.sparsity.method != "none":
+        model = apply_sparsity(model, parallel, cfg)
 
     # Model parallelism inside the layer next: it splits the linears (tp) and the attention
     # (cp) that activation checkpointing, compile and data parallelism then wrap.
@@ -143,6 +149,18 @@ def apply_context_parallel(model: nn.Module, parallel: Parallel, cfg: Config) ->
 
     check_context_parallel(cfg, parallel.dims.cp, parallel.dims.tp)
     return split_the_sequence(model, ContextParallel(parallel.cp_mesh, cfg.parallel.cp_load_balance))
+
+
+def apply_sparsity(model: nn.Module, parallel: Parallel, cfg: Config) -> nn.Module:
+    from slipstream.config.sparsity_rules import check_sparsity_rules
+    from slipstream.optimize.sparsity import apply_sparsity as register_masks
+
+    check_sparsity_rules(cfg)  # a Config built in code was never loaded
+    if parallel.dims.strategy in SHARDED:  # dp_strategy = auto may have resolved to one
+        raise UserError(f"sparsity.method = {cfg.sparsity.method} does not work with dp_strategy = "
+                        f"{parallel.dims.strategy}: FSDP2 holds only a shard of each weight between steps, the "
+                        "masks are whole tensors; use --parallel.dp_strategy=ddp (or zero1, none)")
+    return register_masks(model, cfg.sparsity)
 
 
 def _has_blocks(model: nn.Module) -> bool:

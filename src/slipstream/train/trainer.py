@@ -49,6 +49,7 @@ from slipstream.observe.memory import peak_memory_bytes, reset_peak_memory
 from slipstream.optimize.optimizers import torch_optimizers
 from slipstream.optimize.precision import autocast_context, make_grad_scaler
 from slipstream.optimize.qat import FakeQuantSwitch
+from slipstream.optimize.sparsity import SparsitySchedule
 from slipstream.runtime import configure_runtime
 from slipstream.train.early_stop import EarlyStopping
 from slipstream.train.evaluate import format_eval
@@ -139,6 +140,8 @@ class Trainer:
                                      else self.cfg.train.grad_accum_steps)
         # quant.qat: fake quantization turns on at quant.qat_start_step (None: no QAT).
         self.qat = FakeQuantSwitch.attach(self.model, self.cfg.quant)
+        # sparsity: new masks on the schedule's steps, pruned weights re-zeroed after each step (None: dense).
+        self.sparsity = SparsitySchedule.attach(self.model, self.cfg.sparsity)
         if self.pipeline is not None:  # evaluation runs through the stages too
             sequence_loss_fn, eval_loss_fn = self.pipeline.sequence_losses, self.pipeline.batch_loss
         self.loss_fn = loss_fn
@@ -305,10 +308,14 @@ class Trainer:
             while self.step < cfg.train.max_steps and not self.early_stop.stopped:
                 if self.qat is not None:
                     self.qat.update(self.step)
+                if self.sparsity is not None:  # the step count decides: a resumed run needs only the saved masks
+                    self.sparsity.update(self.step)
                 self.memory.before_step(self.step)
                 run_step = self._measured_train_step if self.memory.measures(self.step + 1) else self.train_step
                 with self.comm.counting(self.step + 1):
                     loss, grad_norm, wait, items = run_step(it)
+                if self.sparsity is not None:  # the optimizer moved the pruned weights (momentum, decay): zero again
+                    self.sparsity.apply()
                 verdict = self._verdict
                 self.step += 1
                 self.tokens_seen += items

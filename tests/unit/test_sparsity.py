@@ -1,0 +1,268 @@
+"""[sparsity]: masks on the blocks' linears (optimize/sparsity.py), the cubic schedule, the
+config rules, the trainer's hook (train, checkpoint, resume bit for bit) and export."""
+
+import json
+import shutil
+
+import pytest
+import torch
+import torch.nn as nn
+
+from slipstream.config import load_config
+from slipstream.config.schema import SparsityConfig
+from slipstream.errors import UserError
+from slipstream.optimize import sparsity as sp
+
+
+def tiny_model(*overrides, preset="tiny"):
+    from slipstream.models.transformer import build_model
+
+    cfg = load_config(None, [f"--model.preset={preset}", "--model.vocab_size=256", "--train.seq_len=32", *overrides])
+    return build_model(cfg.model, seed=0)
+
+
+def tokens(n=2, t=32, seed=1):
+    return torch.randint(0, 256, (n, t), generator=torch.Generator().manual_seed(seed))
+
+
+def loss_of(model, x):
+    from slipstream.models.transformer import lm_loss
+
+    return lm_loss(model(x[:, :-1]), x[:, 1:].contiguous())
+
+
+def pruned(model, method, target=0.5, scope="layer"):
+    cfg = SparsityConfig(method=method, target=target, scope=scope)
+    sp.apply_sparsity(model, cfg)
+    sp.compute_masks(model, cfg, target)
+    return model
+
+
+def test_cubic_schedule_matches_the_hand_computed_values():
+    cfg = SparsityConfig(method="magnitude", target=0.8, start_step=10, end_step=50, every=10)
+    # s_t = 0.8 (1 - (1 - (t - 10) / 40)^3), held between the pruning steps 10, 20, ..., 50
+    hand = {0: 0.0, 9: 0.0, 10: 0.0, 19: 0.0, 20: 0.8 * (1 - 0.75 ** 3), 29: 0.4625, 30: 0.8 * 0.875,
+            40: 0.8 * (1 - 0.25 ** 3), 49: 0.7875, 50: 0.8, 99: 0.8}
+    assert hand[20] == pytest.approx(0.4625) and hand[40] == pytest.approx(0.7875)
+    for step, value in hand.items():
+        assert sp.sparsity_at(step, cfg) == pytest.approx(value, abs=1e-12), step
+    assert [t for t in range(100) if sp.pruning_step(t, cfg)] == [10, 20, 30, 40, 50]
+    odd = SparsityConfig(method="magnitude", target=0.8, start_step=10, end_step=45, every=10)
+    assert [t for t in range(100) if sp.pruning_step(t, odd)] == [10, 20, 30, 40, 45]  # the target at end_step
+    at_once = SparsityConfig(method="magnitude", target=0.8, start_step=7)
+    assert [t for t in range(100) if sp.pruning_step(t, at_once)] == [7] and sp.sparsity_at(7, at_once) == 0.8
+    # torchao's implementation of the same formula agrees (s_0 = 0, n x dt = end - start)
+    from torchao.prototype.sparsity.scheduler.cubic_scheduler import CubicSL
+
+    for t in (10, 20, 30, 40, 50):
+        assert sp.sparsity_at(t, cfg) == pytest.approx(CubicSL.sparsity_compute_fn(0.0, 0.8, t, 10, 1, 40))
+
+
+def test_magnitude_per_layer_reaches_the_target_in_every_layer():
+    model = pruned(tiny_model(), "magnitude", 0.75)
+    per_layer, overall = sp.measured_sparsity(model)
+    assert len(per_layer) == 2 * 6 and all(name.startswith("blocks.") for name in per_layer)  # q k v o up down
+    assert all(s == 0.75 for s in per_layer.values()), per_layer  # widths divisible by 4: exactly
+    assert overall == 0.75
+    w, mask = model.blocks[0].mlp.up_proj.weight, model.blocks[0].mlp.up_proj.weight_mask
+    assert torch.equal(w == 0, ~mask)
+    assert w.abs()[mask].min() >= model_before().blocks[0].mlp.up_proj.weight.abs()[~mask].max()  # smallest |w| went
+    assert sp.measured_sparsity(model_before())[1] == 0  # (nothing without masks)
+
+
+def model_before():
+    return tiny_model()
+
+
+def test_magnitude_global_one_threshold_over_all_layers():
+    dense = tiny_model()
+    model = pruned(tiny_model(), "magnitude", 0.5, scope="global")
+    per_layer, overall = sp.measured_sparsity(model)
+    assert overall == 0.5
+    assert len({round(s, 3) for s in per_layer.values()}) > 2  # layers differ (the residual projections are smaller)
+    kept, gone = [], []
+    for (name, m), (_, d) in zip(model.named_modules(), dense.named_modules()):
+        if hasattr(m, "weight_mask"):
+            kept.append(d.weight.abs()[m.weight_mask])
+            gone.append(d.weight.abs()[~m.weight_mask])
+    assert torch.cat(kept).min() >= torch.cat(gone).max()  # one threshold
+
+
+def test_2_4_two_zeros_in_every_block_of_four_along_the_input_dim(capsys, monkeypatch):
+    monkeypatch.setattr(sp, "_said_dense_math", False)
+    dense = tiny_model()
+    model = pruned(tiny_model(), "2:4")
+    pruned(tiny_model(), "2:4")
+    assert capsys.readouterr().out.count("run as dense matmuls on CPU (the 2:4 sparse matmul needs CUDA") == 1
+    checked = 0
+    for (name, m), (_, d) in zip(model.named_modules(), dense.named_modules()):
+        if not hasattr(m, "weight_mask"):
+            continue
+        blocks = m.weight.view(m.out_features, m.in_features // 4, 4)
+        assert ((blocks == 0).sum(-1) == 2).all(), name
+        # the two kept of each block are its two largest |w| (values unchanged)
+        ref = d.weight.view_as(blocks)
+        top2 = ref.abs().topk(2, dim=-1).indices
+        assert torch.equal(torch.zeros_like(blocks).scatter(-1, top2, ref.gather(-1, top2)), blocks), name
+        checked += 1
+    assert checked == 12
+    assert sp.measured_sparsity(model)[1] == 0.5
+
+
+@pytest.mark.parametrize("preset", ["tiny", "llama-tiny"])
+def test_heads_zero_whole_heads_by_weight_norm(preset):
+    dense = tiny_model("--model.n_head=4", preset=preset)
+    model = pruned(tiny_model("--model.n_head=4", preset=preset), "heads", 0.5)
+    for b, d in zip(model.blocks, dense.blocks):
+        a, hd, H = b.attn, b.attn.head_dim, 4
+        q, o = a.q_proj.weight.view(H, hd, -1), a.o_proj.weight.view(-1, H, hd)
+        q_zero = (q == 0).flatten(1).all(1)
+        assert q_zero.sum() == 2 and ((q == 0).flatten(1).any(1) == q_zero).all()  # whole heads or nothing
+        assert torch.equal((o == 0).transpose(0, 1).flatten(1).all(1), q_zero)  # o_proj's columns of the same heads
+        if a.q_proj.bias is not None:
+            assert torch.equal((~a.q_proj.bias_mask.view(H, hd)).all(1), q_zero)  # (biases start at zero)
+        mha = a.n_kv_head == H
+        assert torch.equal((a.k_proj.weight.view(-1, hd, a.k_proj.in_features) == 0).flatten(1).all(1),
+                           q_zero if mha else torch.zeros(a.n_kv_head, dtype=torch.bool))  # GQA: k/v kept
+        # the pruned heads are the two of smallest L2 norm over their q (k, v) rows and o columns
+        dq, do = d.attn.q_proj.weight.view(H, hd, -1), d.attn.o_proj.weight.view(-1, H, hd)
+        norm2 = dq.pow(2).sum((1, 2)) + do.pow(2).sum((0, 2))
+        if mha:
+            norm2 = norm2 + sum(w.weight.view(H, hd, -1).pow(2).sum((1, 2)) for w in (d.attn.k_proj, d.attn.v_proj))
+        assert set(norm2.topk(2, largest=False).indices.tolist()) == set(q_zero.nonzero().flatten().tolist())
+
+
+def test_channels_zero_whole_mlp_channels():
+    model = pruned(tiny_model(preset="llama-tiny"), "channels", 0.25)
+    for b in model.blocks:
+        m = b.mlp
+        hidden = m.down_proj.in_features
+        gone = (m.up_proj.weight == 0).all(1)
+        assert gone.sum() == hidden // 4 and ((m.up_proj.weight == 0).any(1) == gone).all()
+        assert torch.equal((m.gate_proj.weight == 0).all(1), gone)
+        assert torch.equal((m.down_proj.weight == 0).all(0), gone)
+        assert not (m.down_proj.weight[:, ~gone] == 0).any()
+
+
+def test_masked_model_equals_dense_model_with_the_masked_weights_and_stays_masked_after_steps():
+    cfg = SparsityConfig(method="magnitude", target=0.6, start_step=1)
+    model = sp.apply_sparsity(tiny_model(), cfg)
+    schedule = sp.SparsitySchedule(model, cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    x = tokens()
+    moved = []
+    for step in range(3):
+        schedule.update(step)  # dense at step 0 (AdamW's moments fill up), pruned from step 1 on
+        loss_of(model, x).backward()
+        q, up = model.blocks[0].attn.q_proj, model.blocks[0].mlp.up_proj
+        assert (q.weight.grad[~q.weight_mask] == 0).all() and q.weight.grad.abs().sum() > 0  # masked gradient
+        opt.step()
+        opt.zero_grad()
+        moved.append(bool((up.weight[~up.weight_mask] != 0).any()))
+        schedule.apply()
+    assert moved == [False, True, True]  # momentum moves pruned weights: apply() is what keeps them zero
+    assert sp.measured_sparsity(model)[1] == pytest.approx(0.6, abs=1e-3)
+    dense = tiny_model()
+    dense.load_state_dict({k: v for k, v in model.state_dict().items() if not k.endswith("_mask")})
+    with torch.no_grad():
+        assert torch.equal(loss_of(model, x), loss_of(dense, x))
+        assert loss_of(model, x) != loss_of(tiny_model(), x)
+    folded = sp.fold_masks(model)
+    assert not any(k.endswith("_mask") for k in folded.state_dict())
+
+
+def test_refusals():
+    from slipstream.config.sparsity_rules import check_sparsity_rules
+
+    def refused(match, *overrides):
+        with pytest.raises(UserError, match=match):
+            check_sparsity_rules(load_config(None, ["--train.max_steps=100", *overrides]))
+
+    check_sparsity_rules(load_config(None, ["--sparsity.method=magnitude", "--sparsity.end_step=50"]))
+    refused("parallel.tp=1", "--sparsity.method=magnitude", "--parallel.tp=2")
+    refused("parallel.pp=1", "--sparsity.method=heads", "--parallel.pp=2")
+    refused("dp_strategy=ddp", "--sparsity.method=magnitude", "--parallel.dp_strategy=fsdp")
+    refused("not implemented yet", "--sparsity.method=2:4", "--sparsity.end_step=50")
+    refused("target=0.5", "--sparsity.method=2:4", "--sparsity.target=0.7")
+    refused("scope=layer", "--sparsity.method=heads", "--sparsity.scope=global")
+    refused("never be reached", "--sparsity.method=magnitude", "--sparsity.end_step=200")
+    refused("nothing would be pruned", "--sparsity.method=magnitude", "--sparsity.start_step=100")
+    refused("mixture-of-experts", "--sparsity.method=magnitude", "--model.moe_experts=4")
+    with pytest.raises(UserError, match="prunes no head"):
+        sp.apply_sparsity(tiny_model(), SparsityConfig(method="heads", target=0.2))  # 0.2 x 2 heads
+    with pytest.raises(UserError, match="slipstream transformers"):
+        sp.apply_sparsity(nn.Sequential(nn.Linear(8, 8)), SparsityConfig(method="magnitude"))
+
+
+def losses(run_dir):
+    return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+            if "loss" in r}
+
+
+@pytest.fixture(scope="module")
+def sparse_runs(tmp_path_factory, data_dir):
+    """The default job (tiny) pruned on the cubic schedule from step 1 to 3 (global magnitude,
+    target 0.6, from 0 at step 0 to 0.6 at step 3): 4 steps straight, and the same resumed from
+    its step-2 checkpoint."""
+    from slipstream.train.lm import train_lm
+
+    tmp = tmp_path_factory.mktemp("sparsity")
+    base = ["--model.preset=tiny", f"--data.dir={data_dir}", "--train.max_steps=4", "--train.micro_batch_size=2",
+            "--train.seq_len=32", "--train.eval_steps=0", "--optim.warmup_steps=1", "--logging.log_interval=1",
+            "--logging.progress=false", "--train.deterministic=true", "--logging.tensorboard=false",
+            "--checkpoint.interval=2", "--sparsity.method=magnitude", "--sparsity.scope=global",
+            "--sparsity.target=0.6", "--sparsity.start_step=0", "--sparsity.end_step=3", "--sparsity.every=1"]
+    straight, resumed = tmp / "straight", tmp / "resumed"
+    train_lm(load_config(None, base + [f"--run.dir={straight}"]))
+    shutil.copytree(straight, resumed, symlinks=True)
+    _step_2, *later = sorted((resumed / "checkpoints").glob("step_*"))
+    for checkpoint in later:
+        shutil.rmtree(checkpoint)  # as if the run had died after the step-2 checkpoint
+    (resumed / "metrics.jsonl").unlink()
+    train_lm(load_config(None, base + [f"--run.dir={resumed}", "--checkpoint.resume=auto"]))
+    return straight, resumed
+
+
+def checkpoint_model(run_dir, step):
+    from slipstream.checkpoint import manager as ckpt
+    from slipstream.config.load import config_from_toml_text
+    from slipstream.models.transformer import build_model
+
+    folder = run_dir / "checkpoints" / f"step_{step:08d}"
+    cfg = config_from_toml_text((folder / "config.toml").read_text())
+    model = build_model(cfg.model)
+    sp.register_masks(model, cfg.sparsity)
+    ckpt.load_checkpoint(folder, model)
+    return model
+
+
+def test_default_job_prunes_on_schedule_and_resumes_exactly(sparse_runs):
+    straight, resumed = sparse_runs
+    assert losses(resumed) == {s: loss for s, loss in losses(straight).items() if s > 2}  # bitwise
+    # 2 steps done: the masks computed before the second step, 0.6 (1 - (1 - 1/3)^3) = 0.6 x 19/27;
+    # 4 steps done: those of step 3 (end_step), the target
+    at_2, at_4 = checkpoint_model(straight, 2), checkpoint_model(straight, 4)
+    assert sp.measured_sparsity(at_2)[1] == pytest.approx(0.6 * 19 / 27, abs=1e-4)
+    assert sp.measured_sparsity(at_4)[1] == pytest.approx(0.6, abs=1e-4)
+    for model in (at_2, at_4):  # the saved masks are the saved zeros
+        for m, name in sp.masked_tensors(model):
+            assert torch.equal(getattr(m, name) == 0, ~getattr(m, name + "_mask"))
+    again = checkpoint_model(resumed, 4)
+    assert all(torch.equal(a, b) for a, b in zip(at_4.state_dict().values(), again.state_dict().values()))
+
+
+def test_export_writes_the_masked_weights_under_their_own_names(sparse_runs, tmp_path):
+    from slipstream.cli import main
+
+    straight, _ = sparse_runs
+    assert main(["checkpoint", "export", str(straight), "--format", "torch", "--out", str(tmp_path / "t")]) == 0
+    sd = torch.load(tmp_path / "t" / "model.pt", weights_only=True)
+    assert not any(k.endswith("_mask") for k in sd)
+    saved = checkpoint_model(straight, 4)
+    zeros = total = 0
+    names = {id(p): k for k, p in saved.named_parameters()}
+    for m, name in sp.masked_tensors(saved):
+        key = names[id(getattr(m, name))]
+        assert torch.equal(sd[key], getattr(m, name) * getattr(m, name + "_mask"))
+        zeros, total = zeros + int((sd[key] == 0).sum()), total + sd[key].numel()
+    assert zeros / total == pytest.approx(0.6, abs=1e-4)
