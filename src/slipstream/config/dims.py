@@ -200,6 +200,26 @@ def _check_fixed(strategy: str, replicate: int, shard: int, want_replicate: int,
     return want_replicate, want_shard
 
 
+def check_low_bit_state(cfg: Config, strategy: str, tp: int) -> None:
+    """optim.state_dtype = int8 / int4 (torchao's low-bit AdamW) runs where the parameters are
+    plain tensors and the optimizer is slipstream's own: one process, ddp, pp, optim.offload,
+    optim.in_backward. ZeRO-1 builds torch's AdamW inside ZeroRedundancyOptimizer; FSDP2 and
+    tensor parallelism hand the optimizer DTensors, which torchao supports but slipstream has not
+    tested (nor their checkpoints): refused rather than run untested."""
+    dtype = cfg.optim.state_dtype
+    if dtype not in ("int8", "int4"):
+        return
+    if strategy == "zero1":
+        raise UserError(f"optim.state_dtype = {dtype} cannot be combined with dp_strategy = zero1 (ZeRO-1 shards "
+                        "torch's plain AdamW state); use --parallel.dp_strategy=ddp with the low-bit state (it "
+                        "is already about 1/4 or 1/8 of fp32's), or --optim.state_dtype=fp32")
+    if strategy in SHARDED or tp > 1:
+        where = f"dp_strategy = {strategy}" if strategy in SHARDED else f"parallel.tp = {tp}"
+        raise UserError(f"optim.state_dtype = {dtype} (torchao's low-bit AdamW) with {where} (DTensor parameters) "
+                        "is not supported yet; use --optim.state_dtype=bf16 with sharding, or "
+                        "--parallel.dp_strategy=ddp (or a single process) with the low-bit state")
+
+
 def check_compatibility(cfg: Config, dims: ParallelDims) -> None:
     """Combinations that cannot work, refused before any work starts."""
     s, p = dims.strategy, cfg.parallel
@@ -237,6 +257,7 @@ def check_compatibility(cfg: Config, dims: ParallelDims) -> None:
             raise UserError("parallel.async_tp overlaps sequence parallelism's all-gathers and reduce-scatters with "
                             f"the matmuls inside compiled graphs; it needs {', '.join(missing)}, or set "
                             "--parallel.async_tp=false")
+    check_low_bit_state(cfg, s, dims.tp)
     if s == "none":
         return
     if cfg.optim.in_backward:

@@ -261,11 +261,6 @@ def check_training_rules(cfg: Config) -> None:
     checks them again for a Config built in code (it trains any model, so the [model] rules of
     check_consistency do not apply to it)."""
     o = cfg.optim
-    # Issue 21 in progress: the switch exists in the schema, its implementation lands next;
-    # until then it is refused rather than silently ignored.
-    if o.state_dtype in ("int8", "int4"):
-        raise UserError(f"optim.state_dtype = {o.state_dtype} (torchao low-bit AdamW) is not implemented yet; "
-                        "use fp32 or bf16")
     check_quant_rules(cfg)
     if o.in_backward and o.offload:
         raise UserError("optim.in_backward and optim.offload cannot be combined; choose one")
@@ -279,6 +274,10 @@ def check_training_rules(cfg: Config) -> None:
     if o.state_dtype == "bf16" and o.implementation not in ("auto", "for-loop"):
         raise UserError(f"optim.implementation = {o.implementation} is not available with optim.state_dtype = bf16 "
                         "(it has its own for-loop implementation); use auto or for-loop")
+    if o.state_dtype in ("int8", "int4") and o.implementation == "foreach":
+        raise UserError(f"optim.implementation = foreach is not available with optim.state_dtype = {o.state_dtype} "
+                        "(torchao's low-bit AdamW updates one parameter at a time); use auto or fused (compiled) "
+                        "or for-loop (eager)")
     if o.in_backward and cfg.stability.policy in ("skip", "rollback"):
         raise UserError(f"stability.policy = {cfg.stability.policy} must see the gradients before the update, "
                         "but optim.in_backward updates during backward; use policy stop or none")
@@ -309,8 +308,9 @@ def check_muon_rules(cfg: Config) -> None:
     variants = (("optim.offload", o.offload, "the offloaded step is AdamW on CPU master weights", "offload=false"),
                 ("optim.in_backward", o.in_backward, "the in-backward step is one AdamW per parameter",
                  "in_backward=false"),
-                ("optim.state_dtype = bf16", o.state_dtype == "bf16", "bf16 moments are AdamW's; Muon keeps one "
-                 "momentum buffer per matrix, half of AdamW's state already", "state_dtype=fp32"))
+                (f"optim.state_dtype = {o.state_dtype}", o.state_dtype != "fp32", f"{o.state_dtype} moments are "
+                 "AdamW's; Muon keeps one momentum buffer per matrix, half of AdamW's state already",
+                 "state_dtype=fp32"))
     for switch, on, why, fix in variants:
         if on:
             raise UserError(f"optim.optimizer = muon cannot be combined with {switch} ({why}); set --optim.{fix} "

@@ -1,15 +1,18 @@
 """AdamW variants that trade speed for memory, each usable from the trainer as one switch.
 
     make_adamw             torch AdamW with a chosen implementation (for-loop / foreach / fused),
-                           or AdamWBf16State when state_dtype="bf16" (moments stored in bf16)
+                           or AdamWBf16State when state_dtype="bf16" (moments stored in bf16),
+                           or torchao's AdamW8bit / AdamW4bit when state_dtype="int8" / "int4"
+                           (block-quantized moments: low_bit_adamw)
     OptimizerInBackward    one AdamW per parameter, stepped from the backward pass, so the
                            gradients of the whole model never exist at the same time
     CPUOffloadOptimizer    fp32 master weights + Adam state on the CPU; the device holds only
                            the model's params and grads
 
 Memory per parameter (fp32 params, plain AdamW): 4 param + 4 grad + 8 state bytes.
-bf16 state saves 4 bytes, in-backward saves most of the 4 grad bytes, CPU offload moves the
-8 state bytes (plus a 4-byte fp32 master and a 4-byte grad buffer) off the device.
+bf16 state saves 4 bytes, int8 about 6, int4 about 7 (plan.memory.low_bit_state_bytes),
+in-backward saves most of the 4 grad bytes, CPU offload moves the 8 state bytes (plus a 4-byte
+fp32 master and a 4-byte grad buffer) off the device.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import torch.nn as nn
 from slipstream.errors import UserError
 
 IMPLEMENTATIONS = ("auto", "for-loop", "foreach", "fused")
-STATE_DTYPES = ("fp32", "bf16")
+STATE_DTYPES = ("fp32", "bf16", "int8", "int4")
+LOW_BIT_STATE_DTYPES = ("int8", "int4")
 # Hyperparameters a scheduler (or the trainer) may change between steps; the wrappers below
 # copy them from their public param_groups into the optimizers that do the work.
 _HYPERPARAMS = ("lr", "betas", "eps", "weight_decay")
@@ -59,7 +63,9 @@ def make_adamw(params_or_groups: Iterable[Any], lr: float, betas: tuple[float, f
 
     implementation: for-loop (one param at a time), foreach (batched kernels), fused (one kernel
     per dtype/device: the fastest on CPU and CUDA), auto (fused where supported, else foreach).
-    state_dtype: fp32 (torch AdamW, moments in the param dtype) or bf16 (AdamWBf16State).
+    state_dtype: fp32 (torch AdamW, moments in the param dtype), bf16 (AdamWBf16State), or int8 /
+    int4 (torchao's block-quantized AdamW8bit / AdamW4bit: low_bit_adamw; implementation for-loop
+    runs its per-parameter update eagerly, auto and fused compile it, foreach is refused).
     """
     _check_choice(implementation, IMPLEMENTATIONS, "optimizer implementation")
     _check_choice(state_dtype, STATE_DTYPES, "optimizer state dtype")
@@ -70,6 +76,9 @@ def make_adamw(params_or_groups: Iterable[Any], lr: float, betas: tuple[float, f
             raise UserError(f"optimizer implementation '{implementation}' is not available with bf16 "
                             "optimizer state (it has its own for-loop implementation); use auto or for-loop")
         return AdamWBf16State(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    if state_dtype in LOW_BIT_STATE_DTYPES:
+        return low_bit_adamw(groups, state_dtype, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                             implementation=implementation)
     flags = adamw_flags(implementation, [p for g in groups for p in g["params"]])
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, **flags)
 
@@ -109,10 +118,23 @@ def torch_optimizers(optimizer: Any) -> Any:
     return optimizer
 
 
+def tensor_storage_bytes(tensor: torch.Tensor) -> int:
+    """Bytes a tensor really holds. A wrapper subclass (torchao's quantized optimizer states) only
+    appears to have its dtype and shape: its bytes are those of the plain tensors inside it
+    (codes, block scales, the code book), found through __tensor_flatten__."""
+    if type(tensor) is not torch.Tensor and hasattr(tensor, "__tensor_flatten__"):
+        names, _ = tensor.__tensor_flatten__()
+        return sum(tensor_storage_bytes(getattr(tensor, name)) for name in names)
+    if hasattr(tensor, "to_local"):  # a DTensor: this rank's shard
+        return tensor_storage_bytes(tensor.to_local())
+    return tensor.numel() * tensor.element_size()
+
+
 def optimizer_state_bytes(optimizer: Any) -> int:
-    """Bytes held in optimizer.state (moments and step counters). For CPUOffloadOptimizer this is
-    the CPU-side Adam state; its fp32 master weights and grad buffers are not counted."""
-    return sum(t.numel() * t.element_size() for t in _state_tensors(optimizer))
+    """Bytes held in optimizer.state (moments and step counters; quantized moments by the bytes of
+    their codes, scales and code book). For CPUOffloadOptimizer this is the CPU-side Adam state;
+    its fp32 master weights and grad buffers are not counted."""
+    return sum(tensor_storage_bytes(t) for t in _state_tensors(optimizer))
 
 
 def optimizer_state_devices(optimizer: Any) -> set[str]:
@@ -198,6 +220,112 @@ class AdamWBf16State(torch.optim.Optimizer):
             for key in ("exp_avg", "exp_avg_sq"):
                 if key in state:
                     state[key] = state[key].to(torch.bfloat16)
+
+
+# --- AdamW with int8 / int4 moments (torchao) ----------------------------------------------------
+
+def low_bit_adamw(params_or_groups: Iterable[Any], state_dtype: str, lr: float, betas: tuple[float, float],
+                  eps: float, weight_decay: float, implementation: str = "auto") -> torch.optim.Optimizer:
+    """torchao's AdamW8bit (state_dtype int8) or AdamW4bit (int4): AdamW whose two moments are
+    stored block-quantized (Dettmers et al. 2022, arXiv:2110.02861; Li et al. 2023,
+    arXiv:2309.01507): about 1/4 and 1/8 of fp32's moment bytes. The update itself runs in fp32
+    per parameter (dequantize, update, requantize).
+
+    Small tensors stay in full precision: a parameter with fewer than 4096
+    elements, or a count that is not a multiple of the block size (256 for int8, 128 for int4),
+    keeps plain moments in its own dtype (norm weights and biases, typically).
+    plan/memory.py's low_bit_state_bytes counts exactly this, and the planner plans with it.
+
+    implementation: for-loop runs torchao's per-parameter update eagerly (no compilation: the
+    quickest start, the slowest step); auto and fused run it as torchao does, compiled per
+    parameter shape by torch.compile (a C++ compiler on CPU; the first step compiles). foreach
+    has no meaning here and is refused.
+    lr stays a Python float in param_groups, as for every other optimizer here (schedulers, the
+    in-backward and offload wrappers and the metrics log set and read it); the step hands torchao
+    the fp32 tensor it wants.
+    """
+    _check_choice(state_dtype, LOW_BIT_STATE_DTYPES, "low-bit optimizer state dtype")
+    if implementation not in ("auto", "for-loop", "fused"):
+        raise UserError(f"optimizer implementation '{implementation}' is not available with {state_dtype} "
+                        "optimizer state (torchao's update runs one parameter at a time); use auto, fused "
+                        "(compiled) or for-loop (eager)")
+    try:
+        import torchao.optim
+    except ImportError as exc:
+        raise UserError(f"optim.state_dtype = {state_dtype} uses torchao's low-bit AdamW, but torchao is not "
+                        f"installed ({exc}); run `pip install torchao`, or use optim.state_dtype = fp32 or bf16"
+                        ) from exc
+    base = torchao.optim.AdamW8bit if state_dtype == "int8" else torchao.optim.AdamW4bit
+    return _low_bit_class(base)(_as_groups(params_or_groups), lr=lr, betas=betas, eps=eps,
+                                weight_decay=weight_decay, compiled=implementation != "for-loop")
+
+
+_LOW_BIT_CLASSES: dict[type, type] = {}
+_MOMENTS = {"exp_avg": True, "exp_avg_sq": False, "max_exp_avg_sq": False}  # moment: signed codes
+
+
+def _low_bit_class(base: type) -> type:
+    """`base` (a torchao low-bit AdamW) with float learning rates and an eager mode; made once per
+    base so that pickling and isinstance checks see one class."""
+    if base in _LOW_BIT_CLASSES:
+        return _LOW_BIT_CLASSES[base]
+
+    class LowBitAdamW(base):
+        def __init__(self, params, *, compiled: bool = True, **hyper):
+            super().__init__(params, **hyper)
+            self.compiled = compiled
+            self.state_dtype = "int8" if "8bit" in base.__name__ else "int4"
+
+        def add_param_group(self, param_group: dict) -> None:
+            # torchao turns lr into a tensor here; keep the float every other optimizer has.
+            torch.optim.Optimizer.add_param_group(self, param_group)
+
+        @torch.no_grad()
+        def step(self, closure=None):
+            lrs = [group["lr"] for group in self.param_groups]
+            for group in self.param_groups:
+                # torchao's step refuses a float lr (a compiled graph would specialize on its value).
+                group["lr"] = torch.tensor(float(group["lr"]), dtype=torch.float32)
+            try:
+                if self.compiled:
+                    return super().step(closure)
+                with torch.compiler.set_stance("force_eager"):
+                    return super().step(closure)
+            finally:
+                for group, lr in zip(self.param_groups, lrs):
+                    group["lr"] = lr
+
+        def state_dict(self) -> dict[str, Any]:
+            # Checkpoints hold each quantized moment as its plain codes and block scales (the code
+            # book is a constant of the format): DCP's staging and loading handle plain tensors
+            # only (torchao's subclasses lack e.g. new_empty), and the bits round-trip exactly.
+            state_dict = super().state_dict()
+            state = {}
+            for index, entry in state_dict["state"].items():
+                entry = dict(entry)  # the packed state's values are the live per-param dicts
+                for key in _MOMENTS:
+                    if hasattr(entry.get(key), "codes"):
+                        # Under the moment's own name: DCP's flat form keys the state by the live
+                        # state's names and rebuilds nested dicts ("...exp_avg.codes").
+                        entry[key] = {"codes": entry[key].codes, "scale": entry[key].scale}
+                state[index] = entry
+            return {"state": state, "param_groups": state_dict["param_groups"]}
+
+        def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            super().load_state_dict(state_dict)
+            # Optimizer.load_state_dict casts every state tensor to its param's dtype: the uint8
+            # codes come back as exact fp32 integers and are cast back.
+            for param, entry in self.state.items():
+                for key, signed in _MOMENTS.items():
+                    if isinstance(entry.get(key), dict):
+                        saved, moment = entry[key], self._new_buffer(param, signed)
+                        moment.codes.copy_(saved["codes"].to(torch.uint8).view_as(moment.codes))
+                        moment.scale.copy_(saved["scale"].view_as(moment.scale))
+                        entry[key] = moment
+
+    LowBitAdamW.__name__ = LowBitAdamW.__qualname__ = f"LowBit{base.__name__}"
+    _LOW_BIT_CLASSES[base] = LowBitAdamW
+    return LowBitAdamW
 
 
 # --- optimizer step inside backward ------------------------------------------------------------

@@ -324,11 +324,14 @@ def _head_in_flight(s: Strategy) -> int:
 # ---------------------------------------------------------------- the step
 
 def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "cuda",
-                    optimizer_state_bytes: int = 4, optimizer: str = "adamw") -> MemoryEstimate:
+                    optimizer_state_bytes: int = 4, optimizer: str = "adamw",
+                    state_dtype: str = "") -> MemoryEstimate:
     """Predicted peak memory per GPU of one training step of `model` laid out as `s`.
 
     seq_len: tokens per sequence; s.micro_batch sequences go through each forward.
     optimizer_state_bytes: bytes per Adam moment (4 fp32, 2 bf16).
+    state_dtype: int8 / int4 (optim.state_dtype): torchao's block-quantized moments, counted tensor
+    by tensor (low_bit_optimizer_bytes; optimizer_state_bytes is then unused).
     optimizer: adamw, or muon (optim.optimizer): one fp32 momentum buffer per hidden-matrix
     parameter instead of two moments (a traced user module is planned with AdamW's state).
     device: "cuda" adds the allocator's fragmentation margin; "cpu" does not.
@@ -336,11 +339,11 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
     busiest rank's, with its index in peak_rank.
     """
     if model.traced is not None:
-        return _traced_memory(model, s, seq_len, device, optimizer_state_bytes)
+        return _traced_memory(model, s, seq_len, device, optimizer_state_bytes, state_dtype)
     parts = pipeline_parts(model, s, seq_len)
     if s.pp == 1:
         return _rank_memory(model, s, seq_len, parts[0], _moe_blocks(model, parts, parts[0]), device,
-                            optimizer_state_bytes, optimizer)
+                            optimizer_state_bytes, optimizer, state_dtype)
     # A rank that holds the same kind of pieces as another, no more blocks and no more
     # micro-batches in flight cannot be the peak: only the others are planned (a model with
     # experts plans every rank: its blocks differ in kind).
@@ -355,7 +358,8 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
             if blocks > most_blocks:   # more blocks than every rank with as many in flight or more
                 candidates.append((part, _moe_blocks(model, parts, part), in_flight))
                 most_blocks = blocks
-    planned = [(part, _rank_memory(model, s, seq_len, part, n_moe, device, optimizer_state_bytes, optimizer))
+    planned = [(part, _rank_memory(model, s, seq_len, part, n_moe, device, optimizer_state_bytes, optimizer,
+                                   state_dtype))
                for part, n_moe, _ in sorted(candidates, key=lambda c: c[0].rank)]
     part, chosen = max(planned, key=lambda pe: (pe[1].total_bytes, -pe[0].rank))   # the first of equal peaks
     pieces = " + ".join(["embedding"] * part.embedding + [f"{part.blocks} blocks"] + ["head and loss"] * part.head)
@@ -366,18 +370,18 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
 
 
 def rank_memory(model: PlanModel, s: Strategy, seq_len: int, rank: int, device: str = "cuda",
-                optimizer_state_bytes: int = 4, optimizer: str = "adamw") -> MemoryEstimate:
+                optimizer_state_bytes: int = 4, optimizer: str = "adamw", state_dtype: str = "") -> MemoryEstimate:
     """The step's peak on pipeline rank `rank` alone (estimate_memory plans the busiest)."""
     parts = pipeline_parts(model, s, seq_len)
     part = parts[rank]
     estimate = _rank_memory(model, s, seq_len, part, _moe_blocks(model, parts, part), device,
-                            optimizer_state_bytes, optimizer)
+                            optimizer_state_bytes, optimizer, state_dtype)
     estimate.peak_rank = rank if s.pp > 1 else None
     return estimate
 
 
 def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_moe: int, device: str,
-                 optimizer_state_bytes: int, optimizer: str) -> MemoryEstimate:
+                 optimizer_state_bytes: int, optimizer: str, state_dtype: str = "") -> MemoryEstimate:
     """The step's peak on one pipeline rank (without a pipeline: the one GPU's whole model)."""
     cfg, dt = model.cfg, _dtypes(s)
     pc = param_count(cfg)
@@ -424,6 +428,11 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
         param_bytes, grad_bytes, optim_bytes = (a + b for a, b in zip(dense, expert))
     if optimizer == "muon":  # one moment instead of two for the matrices Muon steps
         optim_bytes -= model_state_bytes(muon_matrix_params(model, layers, n_moe, s), s, optimizer_state_bytes)[2] / 2
+    if state_dtype in LOW_BIT_FORMATS:
+        # config.dims refuses low-bit state with sharding and tp: this rank's whole tensors, one by one.
+        optim_bytes = low_bit_optimizer_bytes(model, part, state_dtype, piped)
+        notes.append(f"optimizer state {state_dtype}: torchao's block-quantized moments; tensors under "
+                     f"{LOW_BIT_MIN_NUMEL} values (norms, biases) keep fp32 moments")
     host = 0
     if s.offload:
         host = int(param_bytes + grad_bytes + optim_bytes)
@@ -584,7 +593,7 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
 
 
 def _traced_memory(model: PlanModel, s: Strategy, seq_len: int, device: str,
-                   optimizer_state_bytes: int) -> MemoryEstimate:
+                   optimizer_state_bytes: int, state_dtype: str = "") -> MemoryEstimate:
     """A user module measured on fake tensors (plan/trace.py). Its measured step peak at
     micro-batch 1 splits into the model states alive at that peak and the rest (activations
     and temporaries); the states are re-computed for the layout's sharding, the rest grows
@@ -597,6 +606,10 @@ def _traced_memory(model: PlanModel, s: Strategy, seq_len: int, device: str,
     acts = t.activation_bytes_per_sequence[key] * scale * s.micro_batch
     temporaries = max(0.0, dynamic_one - t.activation_bytes_per_sequence[key] * scale)
     params, grads, optim = model_state_bytes(t.n_params, s, optimizer_state_bytes)
+    if state_dtype in LOW_BIT_FORMATS:
+        # A traced module's tensor shapes are not kept: planned as if every tensor were quantized.
+        block, value_bytes, _ = LOW_BIT_FORMATS[state_dtype]
+        optim = t.n_params * 2 * (value_bytes + 4 / block)
     # The peak comes early in backward, before most gradients exist (unless they persist).
     if s.dp_strategy not in ("ddp", "zero1") and s.grad_accum == 1 and t.grad_bytes:
         grads *= t.peak_grad_bytes.get(key, t.grad_bytes) / t.grad_bytes
@@ -621,6 +634,69 @@ def muon_matrix_params(model: PlanModel, layers: int, n_moe: int, s: Strategy) -
     bare = param_count(dataclasses.replace(cfg, bias=False))  # weights only: biases stay on AdamW
     shared = bare.mlp - bare.experts // bare.moe_layers - cfg.d_model * cfg.moe_experts if bare.moe_layers else 0
     return ((layers - n_moe) * (bare.attn + bare.dense_mlp) + n_moe * (bare.attn + shared)) / s.tp
+
+
+# ---------------------------------------------------------------- low-bit optimizer states
+
+# torchao.optim (0.18) quantizes a moment only when its tensor has at least this many values and
+# a multiple of the block size; smaller tensors keep plain moments in the param dtype. Source:
+# torchao/optim/adam.py, _AdamBase._new_buffer ("follow bitsandbytes, only quantize tensors >= 4096
+# values"); block sizes: the defaults of AdamW8bit (block_size=256) and AdamW4bit (128) there;
+# codes: subclass_8bit.py (one uint8 per value, a 256-entry fp32 code book per tensor) and
+# subclass_4bit.py (two 4-bit codes per uint8, a 16-entry fp32 code book); one fp32 scale per
+# block (torch.zeros(numel // block_size)). optimize/optimizers.py builds the optimizer from these.
+LOW_BIT_MIN_NUMEL = 4096
+LOW_BIT_FORMATS = {  # state_dtype: (block size, bytes per quantized value, code-book entries)
+    "int8": (256, 1.0, 256),
+    "int4": (128, 0.5, 16),
+}
+
+
+def low_bit_quantized(numel: int, state_dtype: str) -> bool:
+    """Whether torchao stores the moments of a tensor of `numel` values quantized."""
+    return numel >= LOW_BIT_MIN_NUMEL and numel % LOW_BIT_FORMATS[state_dtype][0] == 0
+
+
+def low_bit_state_bytes(numel: int, state_dtype: str, param_bytes: int = 4) -> int:
+    """Bytes of one parameter's state under torchao's low-bit AdamW: two moments (codes, one fp32
+    scale per block and the code book; or plain param-dtype tensors below the size threshold) and
+    the fp32 step counter."""
+    if not low_bit_quantized(numel, state_dtype):
+        return 2 * numel * param_bytes + 4
+    block, value_bytes, codebook = LOW_BIT_FORMATS[state_dtype]
+    return 2 * (int(numel * value_bytes) + 4 * (numel // block) + 4 * codebook) + 4
+
+
+_LOW_BIT_CACHE: dict[tuple[str, str], tuple[float, int, int, int]] = {}
+
+
+def low_bit_optimizer_bytes(model: PlanModel, part: RankPart, state_dtype: str, piped: bool = False) -> int:
+    """Optimizer-state bytes of one rank's whole (unsharded, tp = 1) parameters under torchao's
+    low-bit AdamW, tensor by tensor: the model's parameter shapes come from building it on the
+    meta device (no memory). Blocks are counted at the mean block's bytes (exact where the blocks
+    are alike); the copy of a tied table a pipeline's last stage holds (piped) is counted there too."""
+    key = (repr(model.cfg), state_dtype)
+    if key not in _LOW_BIT_CACHE:
+        import torch
+
+        from slipstream.models.transformer import Transformer
+
+        with torch.device("meta"):
+            net = Transformer(model.cfg)
+        blocks = embedding = head = 0
+        for name, param in net.named_parameters():   # a tied table once, under tok_emb
+            nbytes = low_bit_state_bytes(param.numel(), state_dtype)
+            if name.startswith("blocks."):
+                blocks += nbytes
+            elif name.startswith(("final_norm.", "lm_head.")):
+                head += nbytes
+            else:
+                embedding += nbytes
+        tied = net.lm_head.weight is net.tok_emb.weight
+        _LOW_BIT_CACHE[key] = (blocks / model.cfg.n_layer, embedding, head,
+                               low_bit_state_bytes(net.tok_emb.weight.numel(), state_dtype) if tied else 0)
+    per_block, embedding, head, tied_table = _LOW_BIT_CACHE[key]
+    return int(part.blocks * per_block + part.embedding * embedding + part.head * (head + piped * tied_table))
 
 
 def model_state_bytes(params: float, s: Strategy, optimizer_state_bytes: int = 4,

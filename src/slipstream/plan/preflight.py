@@ -82,12 +82,12 @@ def plan_training_memory(cfg, world: int, dp_strategy: str, dp_shard: int, devic
     strategy = strategy_from_config(cfg, world, dp_strategy, dp_shard)
     return estimate_memory(PlanModel(cfg.model.preset, cfg.model), strategy, cfg.train.seq_len, device=device_type,
                            optimizer_state_bytes=2 if cfg.optim.state_dtype == "bf16" else 4,
-                           optimizer=cfg.optim.optimizer)
+                           optimizer=cfg.optim.optimizer, state_dtype=cfg.optim.state_dtype)
 
 
 # What shrinks each half of the step's memory, named in the refusal (the bigger half first).
-_REDUCE_STATES = ("the model state (model.n_layer, model.d_model, model.vocab_size; optim.state_dtype=bf16; "
-                  "shard it over more processes: parallel.dp_strategy=fsdp)")
+_REDUCE_STATES = ("the model state (model.n_layer, model.d_model, model.vocab_size; optim.state_dtype=bf16, "
+                  "int8 or int4; shard it over more processes: parallel.dp_strategy=fsdp)")
 _REDUCE_ACTIVATIONS = ("the activations (train.micro_batch_size, train.seq_len, with train.grad_accum_steps to keep "
                        "the batch; activations.checkpointing=full; train.fused_loss=true: logits are tokens x vocabulary)")
 
