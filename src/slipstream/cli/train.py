@@ -42,7 +42,9 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    def stats(s: dict) -> None:  # on stderr: stdout stays the text alone, for pipes
+    done: list[dict] = []
+
+    def report(s: dict) -> None:  # on stderr: stdout stays the text alone, for pipes
         size = (f"{s['weight_bytes_before']:,} -> {s['weight_bytes_after']:,} bytes "
                 f"({s['weight_bytes_before'] / s['weight_bytes_after']:.2f}x smaller, {s['quantize']} weight-only)"
                 if s["quantize"] else f"{s['weight_bytes_after']:,} bytes")
@@ -53,8 +55,9 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
     try:
         generate_text(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_k=args.top_k or None, seed=args.seed, device=args.device, on_text=show,
-                      quantize=args.quantize, on_stats=stats)
-        print(flush=True)
+                      quantize=args.quantize, on_stats=done.append)
+        print(flush=True)  # ends the text's line before the report goes to the same terminal
+        report(done[0])
     except BrokenPipeError:  # `slipstream generate ... | head`: the reader has all it wants
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error at exit's flush
     return 0
