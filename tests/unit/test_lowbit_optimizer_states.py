@@ -91,45 +91,53 @@ BASE = ["--optim.grad_clip=0", "--optim.implementation=for-loop"]
 
 
 def _toy_lm_losses(state_dtype, steps=50):
-    """A tiny next-token model (embedding 256 x 64, MLP 64 -> 128 -> 256: every matrix quantized)
-    learning a fixed random token map, 50 AdamW steps."""
+    """A tiny next-token model learning a fixed random token map over 64 tokens, 50 AdamW steps.
+    Its embedding (64 x 64 = 4096 values, 16 blocks of 256) is the one tensor torchao quantizes;
+    the MLP's (under 4096 values each) keep full-precision moments, which keeps the slow eager
+    low-bit update to one tensor a step."""
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Embedding(256, 64), torch.nn.Linear(64, 128), torch.nn.GELU(),
-                                torch.nn.Linear(128, 256))
+    model = torch.nn.Sequential(torch.nn.Embedding(64, 64), torch.nn.Linear(64, 32), torch.nn.GELU(),
+                                torch.nn.Linear(32, 64))
     optimizer = make_adamw(model.parameters(), implementation="for-loop", state_dtype=state_dtype,
                            **{**HYPER, "lr": 3e-3})
     generator = torch.Generator().manual_seed(1)
-    table = torch.randint(0, 256, (256,), generator=generator)
+    table = torch.randint(0, 64, (64,), generator=generator)
     losses = []
     for _ in range(steps):
-        x = torch.randint(0, 256, (64,), generator=generator)
+        x = torch.randint(0, 64, (64,), generator=generator)
         loss = torch.nn.functional.cross_entropy(model(x), table[x])
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
+    if state_dtype != "fp32":   # the embedding's moments really are low-bit
+        kind = "OptimState8bit" if state_dtype == "int8" else "OptimState4bit"
+        assert type(optimizer.state[model[0].weight]["exp_avg"]).__name__ == kind
     return losses
 
 
 def test_losses_over_50_steps_against_fp32_adamw():
-    """Measured on this toy: int8 within 1.7 % of fp32 at every step (1.4 % at step 50), so 3 % is
-    the tolerance. int4 learns markedly slower here (step 50: 2.60 vs 1.25): its second moment's
-    linear code book has no zero (torchao subclass_4bit.py), so the rarely-updated embedding rows'
-    small moments round up to 1/16 of their block's largest and their steps shrink; it is checked
-    to learn, not to match."""
+    """Measured on this toy (AMD EPYC): int8 within 0.06 % of fp32 at every step, int4 within
+    5.0 % (loss 4.221 -> 0.912 fp32, 0.913 int8, 0.958 int4 at step 50); the tolerances are
+    3 % and 10 %. (On a larger toy whose MLP was quantized too, int4 learned markedly slower:
+    its second moment's linear code book has no zero, torchao subclass_4bit.py.)"""
     fp32, int8, int4 = (_toy_lm_losses(dtype) for dtype in ("fp32", "int8", "int4"))
     assert int8 != fp32 and int4 != fp32  # really other optimizers
     assert all(abs(a - b) <= 0.03 * b for a, b in zip(int8, fp32))
-    assert int4[-1] < 0.6 * int4[0]
+    assert all(abs(a - b) <= 0.10 * b for a, b in zip(int4, fp32))
+    assert int4[-1] < 0.3 * int4[0]
 
 
 def test_int8_state_resumes_exactly(tiny_overrides, tmp_path):
-    switch = BASE + ["--optim.state_dtype=int8", "--train.max_steps=6", "--train.eval_interval=0"]
+    # one block: the embedding and the MLP's two matrices are the quantized tensors (torchao's eager
+    # low-bit update is slow, one tensor at a time); the rest keep full-precision moments
+    switch = BASE + ["--optim.state_dtype=int8", "--train.max_steps=4", "--train.eval_interval=0",
+                     "--model.n_layer=1"]
     straight, part = tmp_path / "straight", tmp_path / "part"
     train_lm(load_config(None, tiny_overrides + switch + [f"--run.dir={straight}"]))
-    train_lm(load_config(None, tiny_overrides + switch + [f"--run.dir={part}", "--checkpoint.interval=3"]))
+    train_lm(load_config(None, tiny_overrides + switch + [f"--run.dir={part}", "--checkpoint.interval=2"]))
     for later in sorted((part / "checkpoints").glob("step_*"))[1:]:
-        shutil.rmtree(later)  # as if the run had died after the step-3 checkpoint
+        shutil.rmtree(later)  # as if the run had died after the step-2 checkpoint
     trainer = build_lm_trainer(load_config(None, tiny_overrides + switch + [f"--run.dir={part}",
                                                                             "--checkpoint.resume=auto"]))
     trainer.fit()
