@@ -21,6 +21,7 @@ from typing import Any
 import tomli_w
 
 from slipstream.config.schema import Config, sections
+from slipstream.config.sparsity_rules import check_sparsity_rules
 from slipstream.config.dims import check_pipeline_config
 from slipstream.errors import UserError
 
@@ -262,6 +263,7 @@ def check_training_rules(cfg: Config) -> None:
     check_consistency do not apply to it)."""
     o = cfg.optim
     check_quant_rules(cfg)
+    check_sparsity_rules(cfg)
     if o.in_backward and o.offload:
         raise UserError("optim.in_backward and optim.offload cannot be combined; choose one")
     if o.in_backward and cfg.precision.autocast == "fp16":
