@@ -186,6 +186,10 @@ def test_refusals():
     refused("target=0.5", "--sparsity.method=2:4", "--sparsity.target=0.7")
     refused("scope=layer", "--sparsity.method=heads", "--sparsity.scope=global")
     refused("never be reached", "--sparsity.method=magnitude", "--sparsity.end_step=200")
+    # steps run 0 .. max_steps - 1: end_step = max_steps would stop short of the target
+    refused("end_step <= train.max_steps - 1 = 99", "--sparsity.method=magnitude", "--sparsity.end_step=100")
+    check_sparsity_rules(load_config(None, ["--train.max_steps=100", "--sparsity.method=magnitude",
+                                            "--sparsity.end_step=99"]))
     refused("nothing would be pruned", "--sparsity.method=magnitude", "--sparsity.start_step=100")
     refused("mixture-of-experts", "--sparsity.method=magnitude", "--model.moe_experts=4")
     with pytest.raises(UserError, match="prunes no head"):

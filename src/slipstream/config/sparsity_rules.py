@@ -27,9 +27,11 @@ def check_sparsity_rules(cfg: Config) -> None:
     if s.start_step >= cfg.train.max_steps:
         raise UserError(f"sparsity.start_step = {s.start_step} is not before train.max_steps = "
                         f"{cfg.train.max_steps}: nothing would be pruned; lower sparsity.start_step")
-    if s.end_step > cfg.train.max_steps:
-        raise UserError(f"sparsity.end_step = {s.end_step} is after train.max_steps = {cfg.train.max_steps}: "
-                        "the target would never be reached; set sparsity.end_step <= train.max_steps")
+    if s.end_step >= cfg.train.max_steps:
+        # The loop prunes at steps 0 .. max_steps - 1, so a pruning step at end_step = max_steps never runs.
+        raise UserError(f"sparsity.end_step = {s.end_step} is not before train.max_steps = {cfg.train.max_steps}: "
+                        "the target would never be reached (the last step is max_steps - 1); set "
+                        f"sparsity.end_step <= train.max_steps - 1 = {cfg.train.max_steps - 1}")
     if cfg.model.moe_experts > 0:
         raise UserError(f"{what} with mixture-of-experts models is not implemented yet (the experts' weights "
                         "are not linear layers); set --sparsity.method=none or --model.moe_experts=0")
