@@ -116,6 +116,13 @@ def test_refusals():
         load_config(None, ["--quant.qat=int8-weight", "--precision.fp8=true"])
     with pytest.raises(UserError, match="tensor parallelism"):
         load_config(None, ["--quant.qat=int8-weight", "--parallel.tp=2"])
+    # steps run 0 .. max_steps - 1: a switch at max_steps would never fake-quantize
+    with pytest.raises(UserError, match="qat_start_step <= train.max_steps - 1 = 9"):
+        load_config(None, ["--quant.qat=int8-weight", "--train.max_steps=10", "--quant.qat_start_step=10"])
+    assert load_config(None, ["--quant.qat=int8-weight", "--train.max_steps=10",
+                              "--quant.qat_start_step=9"]).quant.qat_start_step == 9
+    with pytest.raises(UserError, match="mixture-of-experts"):
+        load_config(None, ["--quant.qat=int8-weight", "--model.moe_experts=4"])
 
 
 def test_torchao_missing_is_a_user_error(monkeypatch):

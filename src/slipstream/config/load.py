@@ -298,6 +298,16 @@ def check_quant_rules(cfg: Config) -> None:
         raise UserError(f"quant.qat = {q.qat} does not work with tensor parallelism (the fake quantizers compute "
                         "their scales over a whole weight, not a DTensor shard); set --parallel.tp=1 or "
                         "--quant.qat=none")
+    if q.qat_start_step >= cfg.train.max_steps:
+        # The loop runs steps 0 .. max_steps - 1: a later switch would train (and export) in full precision.
+        raise UserError(f"quant.qat_start_step = {q.qat_start_step} is not before train.max_steps = "
+                        f"{cfg.train.max_steps}: fake quantization would never start (the last step is max_steps - 1); "
+                        f"set quant.qat_start_step <= train.max_steps - 1 = {cfg.train.max_steps - 1}")
+    if cfg.model.moe_experts > 0:
+        # QAT swaps nn.Linear modules: it would quantize the routers and leave the 3-D expert weights
+        # (most of an MoE block's weights) in full precision, silently.
+        raise UserError(f"quant.qat = {q.qat} with mixture-of-experts models is not implemented yet (the experts' "
+                        "weights are not linear layers); set --quant.qat=none or --model.moe_experts=0")
 
 
 def check_muon_rules(cfg: Config) -> None:
