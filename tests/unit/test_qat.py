@@ -125,6 +125,20 @@ def test_refusals():
         load_config(None, ["--quant.qat=int8-weight", "--model.moe_experts=4"])
 
 
+def test_generate_quantize_refuses_moe():
+    """Only the router is an nn.Linear in an MoE block: quantizing it alone would leave the experts
+    (most of the weights) fp32 while reporting a quantized model."""
+    from slipstream.models.transformer import Transformer
+    from slipstream.optimize.weight_quant import quantize_weights
+
+    cfg = load_config(None, ["--model.preset=tiny", "--model.vocab_size=256", "--train.seq_len=32",
+                             "--model.moe_experts=4"])
+    model = Transformer(cfg.model)
+    with pytest.raises(UserError, match="mixture-of-experts"):
+        quantize_weights(model, "int8")
+    assert type(model.blocks[0].mlp.router.weight) is nn.Parameter  # left alone
+
+
 def test_torchao_missing_is_a_user_error(monkeypatch):
     import sys
 

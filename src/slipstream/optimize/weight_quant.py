@@ -12,7 +12,8 @@ set as quant.qat and `checkpoint export --quantize` (optimize/qat.py). The token
 the output head stay in full precision: in GPT-2-shaped models they are one tied tensor, and
 quantizing the head as a linear would untie it (a second copy: more bytes, not fewer); the
 head's vocabulary-wide logits are also where low-bit rounding costs the most quality.
-Mixture-of-experts weights stored as 3-D expert tensors (not nn.Linear) stay in full precision.
+Mixture-of-experts models are refused: their experts are 3-D tensors (not nn.Linear), so only
+the routers would be quantized while most of the blocks' weights stayed in full precision.
 
 int4 on CPU: torchao 0.18's Int4WeightOnlyConfig has no CPU path (its PLAIN / PRESHUFFLED
 formats need the mslk package, PLAIN_INT32 refuses device 'cpu', TILE_PACKED_TO_4D needs CUDA
@@ -31,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from slipstream.errors import UserError
+from slipstream.models.moe import MoE
 
 KINDS = ("int8", "int4")
 # Same default group as quant.qat_group_size (config/schema.py QuantConfig) so generate's int4
@@ -67,6 +69,9 @@ def quantize_weights(model: nn.Module, kind: str) -> nn.Module:
     from torchao.quantization.granularity import PerGroup
 
     blocks = _blocks(model)
+    if any(isinstance(m, MoE) for m in blocks.modules()):
+        raise UserError("--quantize with mixture-of-experts models is not implemented yet: the experts' weights are "
+                        "3-D tensors, not linear layers, so only the routers would be quantized; drop --quantize")
     linears = [(name, m) for name, m in blocks.named_modules() if _is_linear(m)]
     if not linears:
         raise UserError("the model's blocks hold no nn.Linear to quantize; drop --quantize")
