@@ -20,6 +20,7 @@ from slipstream.optimize.optimizers import make_adamw, optimizer_state_bytes, te
 from slipstream.plan.memory import estimate_memory, low_bit_state_bytes  # noqa: E402
 from slipstream.plan.space import PlanModel, Strategy  # noqa: E402
 from slipstream.train.lm import build_lm_trainer, train_lm  # noqa: E402
+from slipstream.train.resume import LAYOUT_DEFAULTS, check_layout  # noqa: E402
 
 HYPER = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 
@@ -138,10 +139,19 @@ def test_int8_state_resumes_exactly(tiny_overrides, tmp_path):
     train_lm(load_config(None, tiny_overrides + switch + [f"--run.dir={part}", "--checkpoint.interval=2"]))
     for later in sorted((part / "checkpoints").glob("step_*"))[1:]:
         shutil.rmtree(later)  # as if the run had died after the step-2 checkpoint
+    (part / "metrics.jsonl").unlink()  # only the resumed run's losses count below
     trainer = build_lm_trainer(load_config(None, tiny_overrides + switch + [f"--run.dir={part}",
                                                                             "--checkpoint.resume=auto"]))
     trainer.fit()
-    assert _losses(straight) == _losses(part)
+    assert _losses(part) == {s: loss for s, loss in _losses(straight).items() if s > 2}
+    assert sorted(_losses(part)) == [3, 4]
+    # Resuming with other moments is refused by name (not as a damaged checkpoint); a checkpoint
+    # from before state_dtype was recorded counts as fp32.
+    step_2, = sorted((part / "checkpoints").glob("step_*"))[:1]
+    assert LAYOUT_DEFAULTS["state_dtype"] == "fp32"
+    with pytest.raises(UserError, match="optim.state_dtype: int8 -> fp32"):
+        check_layout(step_2, {**trainer.optimizer_layout(), "state_dtype": "fp32"})
+    check_layout(step_2, trainer.optimizer_layout())
     state = next(iter(trainer.optimizer.state.values()))
     assert type(trainer.optimizer.state[trainer.model.tok_emb.weight]["exp_avg"]).__name__ == "OptimState8bit"
     assert state

@@ -11,8 +11,10 @@ from slipstream.config.schema import Config
 from slipstream.errors import UserError
 
 # What a checkpoint's optimizer_layout meant before a key existed (older checkpoints).
-LAYOUT_DEFAULTS = {"in_backward": False, "offload": False, "optimizer": "adamw", "dp_strategy": "none", "world_size": 1}
+LAYOUT_DEFAULTS = {"in_backward": False, "offload": False, "optimizer": "adamw", "state_dtype": "fp32",
+                   "dp_strategy": "none", "world_size": 1}
 LAYOUT_NAMES = {"in_backward": "optim.in_backward", "offload": "optim.offload", "optimizer": "optim.optimizer",
+                "state_dtype": "optim.state_dtype",
                 "dp_strategy": "parallel.dp_strategy", "world_size": "processes"}
 
 

@@ -233,7 +233,7 @@ class Trainer:
     def optimizer_layout(self) -> dict[str, Any]:
         """How the optimizer state is laid out in a checkpoint: resuming needs the same layout."""
         return {"in_backward": self.cfg.optim.in_backward, "offload": self.cfg.optim.offload,
-                "optimizer": self.cfg.optim.optimizer,
+                "optimizer": self.cfg.optim.optimizer, "state_dtype": self.cfg.optim.state_dtype,
                 "dp_strategy": self.parallel.dims.strategy, "world_size": self.parallel.world_size}
 
     def save_checkpoint(self) -> float:
@@ -306,10 +306,7 @@ class Trainer:
                            silent=not self.parallel.is_main) as progress, \
                 profiling, self.resilience, self._commit_pending_on_error():
             while self.step < cfg.train.max_steps and not self.early_stop.stopped:
-                if self.qat is not None:
-                    self.qat.update(self.step)
-                if self.sparsity is not None:  # the step count decides: a resumed run needs only the saved masks
-                    self.sparsity.update(self.step)
+                self._follow_schedules()
                 self.memory.before_step(self.step)
                 run_step = self._measured_train_step if self.memory.measures(self.step + 1) else self.train_step
                 with self.comm.counting(self.step + 1):
@@ -328,6 +325,9 @@ class Trainer:
                     self._log_interval(grad_norm, loggers, progress)
                 with self.meter.side_work():  # eval, checkpoint and trace writing are not step time
                     if (cfg.train.eval_interval and self.step % cfg.train.eval_interval == 0) or last:
+                        # The model evaluated at step N is the one step N + 1 trains: QAT on from
+                        # qat_start_step, the masks of a pruning step at N (both calls are idempotent).
+                        self._follow_schedules()
                         last_eval = self._evaluate_and_log(loggers, progress) or last_eval
                     with self.resilience.paused():  # a long eval or save is not a hang
                         self._checkpoint_if_due(verdict, last or self.early_stop.stopped, loggers, progress)
@@ -338,6 +338,13 @@ class Trainer:
                 if self.early_stop.stopped and not last and self.step % cfg.logging.log_interval:
                     self._log_interval(grad_norm, loggers, progress)  # the interval that ends here
         return self.summarize(loggers, start_step, wall_start, last_eval, resume_from)
+
+    def _follow_schedules(self) -> None:
+        """QAT's switch and the sparsity masks follow the step count (self.step: steps done)."""
+        if self.qat is not None:
+            self.qat.update(self.step)
+        if self.sparsity is not None:  # the step count decides: a resumed run needs only the saved masks
+            self.sparsity.update(self.step)
 
     def _start(self) -> Path | None:
         """Before the first step: profiler, resilience, resume, run directory, start-up print."""
