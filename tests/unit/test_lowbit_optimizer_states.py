@@ -83,6 +83,27 @@ def test_planned_optimizer_state_equals_the_measured(state_dtype):
     assert planned < fp32 * (0.3 if state_dtype == "int8" else 0.2)
 
 
+@pytest.mark.parametrize("state_dtype", ["int8", "int4"])
+def test_bf16_param_state_round_trips_with_fp32_scales(state_dtype):
+    """Optimizer.load_state_dict casts state tensors to the param's dtype; the block scales must
+    come back fp32 and bit-exact, not rounded through bf16."""
+    import copy
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 64, bias=False)).to(torch.bfloat16)  # 8192 values: quantized
+    optimizer = make_adamw(model.parameters(), implementation="for-loop", state_dtype=state_dtype, **HYPER)
+    model(torch.randn(4, 128, dtype=torch.bfloat16)).float().square().mean().backward()
+    optimizer.step()
+    saved = copy.deepcopy(optimizer.state_dict())
+    restored = make_adamw(model.parameters(), implementation="for-loop", state_dtype=state_dtype, **HYPER)
+    restored.load_state_dict(saved)
+    for key in ("exp_avg", "exp_avg_sq"):
+        before, after = optimizer.state[model[0].weight][key], restored.state[model[0].weight][key]
+        assert after.scale.dtype == torch.float32
+        assert not torch.equal(before.scale, before.scale.bfloat16().float())  # bf16 would round them
+        assert torch.equal(after.scale, before.scale) and torch.equal(after.codes, before.codes)
+
+
 def _losses(run_dir):
     return {r["step"]: r["loss"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
             if "loss" in r}

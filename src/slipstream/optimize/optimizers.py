@@ -312,15 +312,21 @@ def _low_bit_class(base: type) -> type:
             return {"state": state, "param_groups": state_dict["param_groups"]}
 
         def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+            # Optimizer.load_state_dict casts every state tensor to its param's dtype: a bf16
+            # param's fp32 block scales would lose bits. So the moments are rebuilt from the
+            # saved tensors, matched to params the way Optimizer.load_state_dict matches them.
+            saved_moments = {}
+            for saved_group, group in zip(state_dict["param_groups"], self.param_groups):
+                for index, param in zip(saved_group["params"], group["params"]):
+                    entry = state_dict["state"].get(index, {})
+                    saved_moments[param] = {key: entry[key] for key in _MOMENTS if isinstance(entry.get(key), dict)}
             super().load_state_dict(state_dict)
-            # Optimizer.load_state_dict casts every state tensor to its param's dtype: the uint8
-            # codes come back as exact fp32 integers and are cast back.
             for param, entry in self.state.items():
                 for key, signed in _MOMENTS.items():
                     if isinstance(entry.get(key), dict):
-                        saved, moment = entry[key], self._new_buffer(param, signed)
-                        moment.codes.copy_(saved["codes"].to(torch.uint8).view_as(moment.codes))
-                        moment.scale.copy_(saved["scale"].view_as(moment.scale))
+                        saved, moment = saved_moments[param][key], self._new_buffer(param, signed)
+                        moment.codes.copy_(saved["codes"].to(moment.codes.device, torch.uint8).view_as(moment.codes))
+                        moment.scale.copy_(saved["scale"].to(moment.scale.device).view_as(moment.scale))
                         entry[key] = moment
 
     LowBitAdamW.__name__ = LowBitAdamW.__qualname__ = f"LowBit{base.__name__}"
