@@ -271,11 +271,11 @@ def _run_scenario(sc: dict[str, Any], out: Path, rank: int, world: int) -> dict[
     return result
 
 
-def main(argv: list[str]) -> int:
+def run_scenarios(out: Path, only: set[str] = frozenset()) -> int:
+    """Every scenario of SCENARIOS[world] (or only the named ones), leaving the process group up
+    (tests/distributed/shared_worker.py runs other workers' scenarios after these). 1 if any failed."""
     import torch.distributed as dist
 
-    out = Path(argv[0])
-    only = set(argv[1:])
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     os.environ.setdefault("SLIPSTREAM_CACHE_DIR", str(out / "cache"))
     failed = 0
@@ -294,10 +294,15 @@ def main(argv: list[str]) -> int:
         path.write_text(json.dumps(result, indent=1, default=str), encoding="utf-8")
         if dist.is_initialized():
             dist.barrier()
+    return 1 if failed else 0
+
+
+def main(argv: list[str]) -> int:
     from slipstream.distributed.mesh import shutdown
 
+    failed = run_scenarios(Path(argv[0]), set(argv[1:]))
     shutdown()
-    return 1 if failed else 0
+    return failed
 
 
 if __name__ == "__main__":

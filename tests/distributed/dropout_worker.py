@@ -158,11 +158,12 @@ def counting_dataset() -> torch.utils.data.Dataset:
     return torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
 
 
-def main(argv: list[str]) -> int:
-    out_dir = Path(argv[0])
+def run_scenarios(out_dir: Path) -> int:
+    """Every scenario of SCENARIOS[world], leaving the process group up (tests/distributed/shared_worker.py
+    runs other workers' scenarios after these). 1 if any failed."""
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     from slipstream.config import load_config
-    from slipstream.distributed.mesh import shutdown, usable_cores
+    from slipstream.distributed.mesh import usable_cores
 
     torch.set_num_threads(max(1, usable_cores() // world))  # one machine: share its cores
 
@@ -182,8 +183,15 @@ def main(argv: list[str]) -> int:
             failed = True
             (where / f"error_rank{rank}.txt").write_text(traceback.format_exc())
             traceback.print_exc()
-    shutdown()
     return 1 if failed else 0
+
+
+def main(argv: list[str]) -> int:
+    from slipstream.distributed.mesh import shutdown
+
+    failed = run_scenarios(Path(argv[0]))
+    shutdown()
+    return failed
 
 
 if __name__ == "__main__":

@@ -166,11 +166,11 @@ def layout(trainer) -> dict[str, Any]:
     return out
 
 
-def main(argv: list[str]) -> int:
-    out_dir, names = Path(argv[0]), set(argv[1:])
+def run_scenarios(out_dir: Path, names: set[str] = frozenset()) -> int:
+    """Every scenario of SCENARIOS[world] (or only the named ones), leaving the process group up
+    (tests/distributed/shared_worker.py runs other workers' scenarios after these). 1 if any failed."""
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
     from slipstream.config import load_config
-    from slipstream.distributed.mesh import shutdown
 
     failed = False
     for sc in SCENARIOS[world]:
@@ -192,8 +192,15 @@ def main(argv: list[str]) -> int:
             where.mkdir(parents=True, exist_ok=True)
             (where / f"error_rank{rank}.txt").write_text(traceback.format_exc())
             traceback.print_exc()
-    shutdown()
     return 1 if failed else 0
+
+
+def main(argv: list[str]) -> int:
+    from slipstream.distributed.mesh import shutdown
+
+    failed = run_scenarios(Path(argv[0]), set(argv[1:]))
+    shutdown()
+    return failed
 
 
 if __name__ == "__main__":

@@ -95,13 +95,15 @@ def run(sc: dict[str, Any], rank: int) -> dict[str, Any]:
             "stages": [list(m.layers) for m in pipe.modules], "indices": [s.stage_index for s in pipe.stages]}
 
 
-def main(argv: list[str]) -> int:
+def run_scenarios(out_dir: Path) -> int:
+    """Every scenario of SCENARIOS[world], in the launch's process group (joined here unless another
+    worker's scenarios already did: tests/distributed/shared_worker.py). 1 if one failed."""
     import torch.distributed as dist
 
-    out_dir = Path(argv[0])
     torch.set_num_threads(1)
     world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    dist.init_process_group("gloo")  # communicates: rendezvous of the launch
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")  # communicates: rendezvous of the launch
     failed = False
     for sc in SCENARIOS[world]:
         where = out_dir / sc["name"]
@@ -115,8 +117,15 @@ def main(argv: list[str]) -> int:
         torch.save(result, where / f"rank{rank}.pt")
         if failed:
             break  # the other rank may be stuck in the failed scenario's communication
-    dist.destroy_process_group()
     return 1 if failed else 0
+
+
+def main(argv: list[str]) -> int:
+    import torch.distributed as dist
+
+    failed = run_scenarios(Path(argv[0]))
+    dist.destroy_process_group()
+    return failed
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Data parallelism (issue 5): every strategy, hook and mode equals its single-process reference.
 
-One torchrun launch per world size (tests/distributed/dp_worker.py) runs all distributed
+One torchrun launch per world size (tests/distributed/dp_worker.py's scenarios, in the launch
+this session's distributed modules share: tests/distributed/conftest.py) runs all distributed
 Trainer runs one after the other in the same process group; the single-process references
 run here, in the pytest process (which never joins a process group). Same model init,
 same data, same config except the strategy and the batch layout:
@@ -37,8 +38,6 @@ from slipstream.errors import UserError
 from tests.distributed import dp_worker as w
 
 SRC = Path(__file__).resolve().parents[2] / "src"
-WORKER = Path(__file__).resolve().parent / "dp_worker.py"
-LAUNCH_TIMEOUT_S = {2: 150, 4: 150}
 
 # Tolerances (the measured max differences on the 2-core dev machine are in the comments).
 # Final parameters: AdamW normalizes each element's update by its own gradient size, so an element
@@ -95,24 +94,15 @@ def launch_scenarios(worker: Path, world: int, out: Path, timeout: float) -> Non
         f"{worker.name} failed (rc {result.returncode}):\n{detail}\n{result.stderr[-3000:]}"
 
 
-def torchrun(worker: Path, world: int, out: Path, timeout: float) -> tuple[subprocess.CompletedProcess, float]:
-    """`torchrun --standalone` of a worker script writing into `out`: (the process, its seconds)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(world),
-           str(worker), str(out)]
-    t0 = time.perf_counter()
-    proc = _run(cmd, timeout)
-    return proc, time.perf_counter() - t0
-
-
 class Launch:
-    """One torchrun launch of dp_worker.py and its per-rank results."""
+    """dp_worker.py's scenarios at one world size (a part of the shared launch) and their per-rank results."""
 
-    def __init__(self, world: int, out: Path):
-        self.world, self.out = world, out
-        self.proc, self.seconds = torchrun(WORKER, world, out, LAUNCH_TIMEOUT_S[world])
+    def __init__(self, part):
+        self.part, self.world, self.out = part, part.world, part.out
+        self.proc, self.seconds = part.launch.proc, part.launch.seconds
 
     def tail(self) -> str:
-        return f"exit code {self.proc.returncode}; stderr tail:\n{self.proc.stderr[-6000:]}"
+        return self.part.launch.tail()
 
     def result(self, name: str, rank: int = 0) -> dict:
         path = self.out / name / f"rank{rank}.json"
@@ -137,23 +127,25 @@ class Launch:
 
 
 @pytest.fixture(scope="module")
-def launch2(tmp_path_factory) -> Launch:
-    return Launch(2, tmp_path_factory.mktemp("dp_world2"))
+def launch2(shared_launches) -> Launch:
+    return Launch(shared_launches.part(2, "dp"))
 
 
 @pytest.fixture(scope="module")
-def launch4(tmp_path_factory) -> Launch:
-    return Launch(4, tmp_path_factory.mktemp("dp_world4"))
+def launch4(shared_launches) -> Launch:
+    return Launch(shared_launches.part(4, "dp"))
 
 
-@pytest.mark.timeout(400)
+@pytest.mark.timeout(900)  # the shared launches run here: every distributed module's scenarios
 def test_launches_exit_cleanly(launch2, launch4):
     """Every scenario ran and the workers left the process group without an error."""
     for launch in (launch2, launch4):
-        print(f"measured world {launch.world} launch: {launch.seconds:.1f} s")
+        print(f"measured world {launch.world}: dp scenarios {launch.part.seconds()} s, "
+              f"shared launch {launch.seconds:.1f} s")
         for sc in w.SCENARIOS[launch.world]:
             launch.results(sc["name"])
-        assert launch.proc.returncode == 0, launch.tail()
+        assert launch.part.exit_codes() == [0] * launch.world, launch.tail()
+        assert launch.part.exited_cleanly(), launch.tail()
 
 
 # --- single-process references (in this process: strategy none, no process group) ------------

@@ -1,7 +1,8 @@
 """Mixture of experts across ranks (issue 15): expert parallelism and the whole-batch balancing
 statistics, against one process at the same global batch (fp32).
 
-One torchrun launch per world size (tests/distributed/ep_worker.py) runs every scenario; the
+One torchrun launch per world size (tests/distributed/ep_worker.py's scenarios, in the launch
+this session's distributed modules share: tests/distributed/conftest.py) runs every scenario; the
 references run here with the same builders (one process, micro-batch MICRO x dp). Each scenario
 is checked on the logged losses and gradient norms of a 4-step fit, every gradient and every
 parameter after one AdamW step, the balancing biases and expert loads after the fit, and the
@@ -22,10 +23,7 @@ from slipstream.config import load_config
 from slipstream.config.dims import resolve_parallel_dims
 from slipstream.errors import UserError
 from tests.distributed import ep_worker as w
-from tests.distributed.test_data_parallel import launch_scenarios
 
-WORKER = Path(__file__).resolve().parent / "ep_worker.py"
-LAUNCH_TIMEOUT_S = 300
 STEPS = 4
 # Bounds (the issue's): measured worst cases are in the README's equivalence table.
 LOSS_RTOL = 1e-6
@@ -36,17 +34,13 @@ STEP_PARAM_ATOL = 5e-5  # after one AdamW step (fp32 noise of near-zero gradient
 FINAL_PARAM_ATOL = 2e-4
 
 
-def _launch(world: int, out: Path) -> None:
-    launch_scenarios(WORKER, world, out, LAUNCH_TIMEOUT_S)
-
-
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    root = tmp_path_factory.mktemp("ep")
-    for world in (2, 4):
-        (root / str(world)).mkdir()
-        _launch(world, root / str(world))
-    return root
+def launches(shared_launches) -> dict[int, Path]:
+    """world -> the folder of ep_worker.py's scenarios in the shared launch of that world size."""
+    parts = {world: shared_launches.part(world, "ep") for world in (2, 4)}
+    for part in parts.values():
+        part.check()
+    return {world: part.out for world, part in parts.items()}
 
 
 def _logged(run_dir: Path) -> list[dict]:
@@ -65,7 +59,7 @@ def test_expert_parallel_equals_one_process(launches, world, name, tmp_path):
     torch.set_num_threads(1)
     sc = {s["name"]: s for s in w.SCENARIOS[world]}[name]
     dp = world // (sc["tp"] * sc["pp"])
-    got_dir = launches / str(world) / name
+    got_dir = launches[world] / name
     ref = w.run(load_config(None, w.reference_overrides(sc, tmp_path / "ref", world)), sc["skew"])
 
     got_logged, ref_logged = _logged(got_dir / "run"), _logged(tmp_path / "ref")

@@ -14,7 +14,6 @@ the same global batch: the loss, every gradient, every parameter after one AdamW
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
@@ -24,10 +23,6 @@ from slipstream.distributed.pipeline_stages import (StageCosts, build_stage_modu
 from slipstream.errors import UserError
 from slipstream.models.transformer import build_model, lm_loss
 from tests.distributed import pp_worker as w
-from tests.distributed.test_data_parallel import torchrun
-
-WORKER = Path(__file__).resolve().parent / "pp_worker.py"
-LAUNCH_TIMEOUT_S = {2: 120, 4: 120}
 
 LOSS_RTOL = 1e-6    # relative; measured <= 1.2e-7 (every schedule, world 2 and 4)
 GRAD_RTOL = 1e-5    # of the largest reference gradient; measured <= 4.5e-7
@@ -234,9 +229,12 @@ def test_v_rank_holds_its_own_copy_of_the_tied_embedding():
 # --- against one process, one launch per world size ------------------------------------------------
 
 class Launch:
-    def __init__(self, world: int, out: Path):
-        self.world, self.out = world, out
-        self.proc, self.seconds = torchrun(WORKER, world, out, LAUNCH_TIMEOUT_S[world])
+    """pp_worker.py's scenarios at one world size, a part of the launch this session's distributed
+    modules share (tests/distributed/conftest.py)."""
+
+    def __init__(self, part):
+        self.part, self.world, self.out = part, part.world, part.out
+        self.proc, self.seconds = part.launch.proc, part.launch.seconds
 
     def results(self, name: str) -> list[dict]:
         out = []
@@ -253,8 +251,8 @@ class Launch:
 
 
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory) -> dict[int, Launch]:
-    return {world: Launch(world, tmp_path_factory.mktemp(f"pp_world{world}")) for world in (2, 4)}
+def launches(shared_launches) -> dict[int, Launch]:
+    return {world: Launch(shared_launches.part(world, "pp")) for world in (2, 4)}
 
 
 @pytest.fixture(scope="module")
@@ -278,8 +276,10 @@ def references() -> dict[tuple[str, int], dict]:
 
 def test_launches_exit_cleanly(launches):
     for launch in launches.values():
-        print(f"measured world {launch.world} launch: {launch.seconds:.1f} s")
-        assert launch.proc.returncode == 0, launch.proc.stderr[-6000:]
+        print(f"measured world {launch.world}: pp scenarios {launch.part.seconds()} s, "
+              f"shared launch {launch.seconds:.1f} s")
+        assert launch.part.exit_codes() == [0] * launch.world, launch.part.launch.tail()
+        assert launch.part.exited_cleanly(), launch.part.launch.tail()
 
 
 ALL = [(world, sc) for world, scs in w.SCENARIOS.items() for sc in scs]

@@ -1,7 +1,8 @@
 """Dropout under tensor and context parallelism (issue 13): the same mask where an activation is
 replicated, a mask of its own on every rank where it is sharded (distributed.sharded_dropout).
 
-One torchrun launch per world size (tests/distributed/dropout_worker.py) writes every rank's
+One torchrun launch per world size (tests/distributed/dropout_worker.py's scenarios, in the launch
+this session's distributed modules share: tests/distributed/conftest.py) writes every rank's
 dropout masks, per site, of two training forwards, and the loss and gradients of one step with
 and without activation checkpointing. Here each scenario's masks are compared rank against rank
 with the stream every rank must draw from (`_stream`): equal streams, equal masks; different
@@ -26,27 +27,20 @@ import torch.nn.functional as F
 from slipstream.config import load_config
 from slipstream.errors import UserError
 from tests.distributed import dropout_worker as w
-from tests.distributed.test_data_parallel import launch_scenarios
 
-WORKER = Path(__file__).resolve().parent / "dropout_worker.py"
-LAUNCH_TIMEOUT_S = 240
 N_LAYER = 2  # the tiny preset's blocks: attention runs once per block, twice with AC's recompute
 # Share of kept elements per site and rank (both forwards, >= 512 elements): 1 - p within 0.12,
 # about 7 standard deviations; a dropout that never ran keeps everything.
 KEEP_ATOL = 0.12
 
 
-def _launch(world: int, out: Path) -> None:
-    launch_scenarios(WORKER, world, out, LAUNCH_TIMEOUT_S)
-
-
 @pytest.fixture(scope="module")
-def launches(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dropout")
-    for world in (2, 4):
-        (root / str(world)).mkdir()
-        _launch(world, root / str(world))
-    return root
+def launches(shared_launches) -> dict[int, Path]:
+    """world -> the folder of dropout_worker.py's scenarios in the shared launch of that world size."""
+    parts = {world: shared_launches.part(world, "dropout") for world in (2, 4)}
+    for part in parts.values():
+        part.check()
+    return {world: part.out for world, part in parts.items()}
 
 
 CASES = [(world, sc["name"]) for world in (2, 4) for sc in w.SCENARIOS[world]]
@@ -56,9 +50,9 @@ def _scenario(world: int, name: str) -> dict:
     return {s["name"]: s for s in w.SCENARIOS[world]}[name]
 
 
-def _ranks(launches: Path, world: int, name: str) -> list[dict]:
+def _ranks(launches: dict[int, Path], world: int, name: str) -> list[dict]:
     # The worker's own tensors (weights_only: no code runs).
-    return [torch.load(launches / str(world) / name / f"rank{r}.pt", weights_only=True) for r in range(world)]
+    return [torch.load(launches[world] / name / f"rank{r}.pt", weights_only=True) for r in range(world)]
 
 
 def _stream(sc: dict, rank: int, site: str) -> tuple:
@@ -134,7 +128,7 @@ def test_activation_checkpointing_replays_the_masks(launches, world, name):
 
 def test_a_tp2_fit_with_dropout_trains(launches):
     """A short fit at tp2 with dropout on data it can learn: every loss finite, and it falls."""
-    run = launches / "2" / "tp2" / "run"
+    run = launches[2] / "tp2" / "run"
     losses = [r["loss"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert len(losses) == w.FIT_STEPS
     assert all(math.isfinite(x) for x in losses), losses

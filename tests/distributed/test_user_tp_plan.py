@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,21 +15,15 @@ import torch
 from slipstream.config import load_config
 from slipstream.errors import UserError
 from tests.distributed import user_tp_worker as w
-from tests.distributed.test_data_parallel import _env, _run
 from tests.distributed.test_tensor_parallel import GRAD_RTOL, LOSS_RTOL, STEP_PARAM_ATOL
-
-WORKER = Path(__file__).resolve().parent / "user_tp_worker.py"
 
 
 @pytest.fixture(scope="module")
-def launch(tmp_path_factory):
-    out = tmp_path_factory.mktemp("user_tp")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(WORKER), str(out)]
-    env = {**_env(), "PYTHONPATH": f"{_env()['PYTHONPATH']}:{Path(__file__).resolve().parents[2]}"}
-    result = _run(cmd, 180, env)
-    errors = "\n".join(e.read_text()[-2000:] for e in sorted(out.glob("*/error_rank*.txt"))[:2])
-    assert result.returncode == 0 and not errors, f"user_tp_worker failed:\n{errors}\n{result.stderr[-3000:]}"
-    return out
+def launch(shared_launches) -> Path:
+    """The folder of user_tp_worker.py's scenarios in the shared launch at world 2 (tests/distributed/conftest.py)."""
+    part = shared_launches.part(2, "user_tp")
+    part.check()
+    return part.out
 
 
 def _logged(run_dir: Path) -> list[dict]:

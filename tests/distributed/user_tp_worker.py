@@ -127,9 +127,10 @@ def layout(trainer):
     return out
 
 
-def main(out_dir: Path) -> int:
+def run_scenarios(out_dir: Path) -> int:
+    """Every scenario and the incomplete plan, leaving the process group up
+    (tests/distributed/shared_worker.py runs other workers' scenarios after these). 1 if any failed."""
     from slipstream.config import load_config
-    from slipstream.distributed.mesh import shutdown
     from slipstream.errors import UserError
 
     rank, failed = int(os.environ["RANK"]), False
@@ -154,8 +155,15 @@ def main(out_dir: Path) -> int:
         message = str(e)
     if rank == 0:
         (out_dir / "incomplete_plan.json").write_text(json.dumps({"error": message}))
-    shutdown()
     return 1 if failed else 0
+
+
+def main(out_dir: Path) -> int:
+    from slipstream.distributed.mesh import shutdown
+
+    failed = run_scenarios(out_dir)
+    shutdown()
+    return failed
 
 
 if __name__ == "__main__":
