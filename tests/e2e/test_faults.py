@@ -128,31 +128,47 @@ def straight2(tmp_path_factory, data_dir) -> Path:
     return run
 
 
+@pytest.fixture(scope="module")
+def preempted(tmp_path_factory, data_dir) -> tuple[Path, subprocess.CompletedProcess]:
+    """SIGUSR1 reaches rank 1 only, in step 6 (asynchronous saves, the default)."""
+    run = tmp_path_factory.mktemp("preempted") / "run"
+    return run, _run(_args2(data_dir) + [f"--run.dir={run}"], fault="sigusr1@6@1", launch=LAUNCH2, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def rerun_with_a_killed_rank(preempted, data_dir) -> subprocess.CompletedProcess:
+    """The preempted job run again, in which rank 1 dies in step 11: one launch for both tests below
+    (the rerun of the preemption test, the restart of the killed-rank test)."""
+    run, _ = preempted
+    launch = ["launch", "local", "--nproc", "2", "--max-restarts", "1", "--"]
+    return _run(_args2(data_dir) + [f"--run.dir={run}", "--checkpoint.async_save=false"], fault="crash@11@1",
+                launch=launch, timeout=240)
+
+
 @pytest.mark.timeout(300)
-def test_preemption_of_a_launched_job_saves_on_every_rank_and_resumes(straight2, data_dir, tmp_path):
+def test_preemption_of_a_launched_job_saves_on_every_rank_and_resumes(straight2, preempted, rerun_with_a_killed_rank):
     """SIGUSR1 reaches one rank only; the ranks agree, save step 6 and exit 75; the rerun resumes."""
-    run = tmp_path / "run"
-    proc = _run(_args2(data_dir) + [f"--run.dir={run}"], fault="sigusr1@6@1", launch=LAUNCH2, timeout=240)
+    run, proc = preempted
     assert proc.returncode == EXIT_PREEMPTED, proc.stderr[-3000:]  # the ranks' code, not torchrun's 1
     assert (run / "checkpoints" / "step_00000006" / "COMPLETE").exists()
-    proc = _run(_args2(data_dir) + [f"--run.dir={run}"], launch=LAUNCH2, timeout=240)
-    assert proc.returncode == 0 and "step_00000006" in proc.stdout, proc.stderr[-3000:]
+    proc = rerun_with_a_killed_rank
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("resumed from ")[1].split()[0].endswith("step_00000006")  # its first attempt
     assert _losses(run) == _losses(straight2)
 
 
 @pytest.mark.timeout(300)
-def test_a_killed_rank_restarts_the_group_and_resumes(straight2, data_dir, tmp_path):
+def test_a_killed_rank_restarts_the_group_and_resumes(straight2, preempted, rerun_with_a_killed_rank):
     """world 2, rank 1 dies in step 11; `launch local --max-restarts 1` starts both ranks again and
     they resume from the step-8 checkpoint: 3 steps lost, less than one interval (4). Saves are
-    synchronous here; with asynchronous saves the bound is one interval plus one save's write time."""
-    run = tmp_path / "run"
-    launch = ["launch", "local", "--nproc", "2", "--max-restarts", "1", "--"]
-    proc = _run(_args2(data_dir) + [f"--run.dir={run}", "--checkpoint.async_save=false"], fault="crash@11@1",
-                launch=launch, timeout=240)
+    synchronous here; with asynchronous saves the bound is one interval plus one save's write time.
+    (The job is the preempted one's rerun, which resumed at step 6 and saved step 8.)"""
+    run, _ = preempted
+    proc = rerun_with_a_killed_rank
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "injected crash at step 11 on rank 1" in proc.stdout + proc.stderr
     assert "restarting all ranks" in proc.stdout
-    assert proc.stdout.split("resumed from ")[1].split()[0].endswith("step_00000008")
+    assert proc.stdout.split("resumed from ")[-1].split()[0].endswith("step_00000008")  # after the restart
     assert _losses(run) == _losses(straight2)
 
 
