@@ -174,8 +174,11 @@ def test_a_killed_rank_restarts_the_group_and_resumes(straight2, preempted, reru
 
 @pytest.mark.timeout(120)
 def test_a_user_error_is_not_retried(data_dir, tmp_path):
+    """Also `launch local` passing on a failing command's exit code: the override reached train
+    untouched and train refused it (exit 2)."""
     proc = _run(["--no.such=1"], launch=["launch", "local", "--nproc", "2", "--max-restarts", "2", "--"], timeout=100)
     assert proc.returncode == 2 and "restarting" not in proc.stdout
+    assert "no.such" in proc.stdout + proc.stderr
 
 
 @pytest.mark.timeout(150)
