@@ -394,12 +394,12 @@ def test_rendezvous_failure_is_a_clear_error(tmp_path, data_dir):
     env.update(RANK="0", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                MASTER_PORT=str(_free_port()))
     t0 = time.perf_counter()
-    r = _run(_train_cmd(data_dir, tmp_path / "run", "--parallel.init_timeout_s=3"), timeout=45, env=env)
+    r = _run(_train_cmd(data_dir, tmp_path / "run", "--parallel.init_timeout_s=1"), timeout=45, env=env)
     elapsed = time.perf_counter() - t0
     assert r.returncode == 2, f"exit {r.returncode}\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
     [line] = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert "process group" in line and "init_timeout_s" in line, line
-    assert elapsed < 30, f"took {elapsed:.1f} s with init_timeout_s = 3"
+    assert elapsed < 30, f"took {elapsed:.1f} s with init_timeout_s = 1"
 
 
 @pytest.mark.timeout(60)
