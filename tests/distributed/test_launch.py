@@ -195,7 +195,7 @@ def test_slurm_node_on_localhost_as_two_nodes(tmp_path, monkeypatch):
 @pytest.mark.timeout(120)
 def test_slurm_node_without_peers_fails_instead_of_hanging():
     r = _slipstream("launch", "slurm-node", "--gpus-per-node", "1", "--port", str(_free_port()),
-                    "--rdzv-timeout", "2", "--", *PROBE,
+                    "--rdzv-timeout", "1", "--", *PROBE,
                     SLURM_JOB_ID="99", SLURM_NNODES="2", SLURM_NODEID="0", SLURM_JOB_NODELIST="localhost")
     assert r.returncode != 0
     assert "RendezvousTimeoutError" in r.stderr
