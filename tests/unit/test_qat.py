@@ -4,6 +4,8 @@ quant.qat_start_step, the parallelize chain, resume, and `checkpoint export --qu
 import json
 import shutil
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
@@ -137,6 +139,12 @@ def test_generate_quantize_refuses_moe():
     with pytest.raises(UserError, match="mixture-of-experts"):
         quantize_weights(model, "int8")
     assert type(model.blocks[0].mlp.router.weight) is nn.Parameter  # left alone
+    # and QAT applied directly (not through the config's check) refuses it too
+    from slipstream.optimize.qat import apply_qat
+
+    with pytest.raises(UserError, match="mixture-of-experts"):
+        apply_qat(model, dataclasses.replace(cfg.quant, qat="int8-weight"))
+    assert type(model.blocks[0].mlp.router) is nn.Linear
 
 
 def test_torchao_missing_is_a_user_error(monkeypatch):
