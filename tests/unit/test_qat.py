@@ -1,10 +1,9 @@
 """quant.qat: torchao fake quantization in training (optimize/qat.py), the switch at
 quant.qat_start_step, the parallelize chain, resume, and `checkpoint export --quantize`."""
 
+import dataclasses
 import json
 import shutil
-
-import dataclasses
 
 import pytest
 import torch
