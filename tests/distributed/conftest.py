@@ -1,11 +1,13 @@
 """The scenario workers' shared launches (tests/distributed/shared_worker.py): one torchrun launch
-per world size runs the scenarios of every module of this session that needs them, started by the
-first test that asks for one. A module run alone (or a selection of its tests) launches its own
-worker only, as before."""
+per world size runs the scenarios of every module of this session that needs them; the first test
+that asks for one starts both world sizes' launches, side by side. A module run alone (or a
+selection of its tests) launches its own worker only, as before."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -79,25 +81,61 @@ class SharedLaunches:
 
     def part(self, world: int, name: str) -> Part:
         if (world, name) not in self.parts:
-            started = {p for w, p in self.parts if w == world}
-            names = [p for p in PARTS if world in PARTS[p][2] and p not in started and (p == name or p in self.needed)]
-            self._launch(world, names)
+            self._launch({w: self._names(w, name if w == world else None) for w in (2, 4)})
         return self.parts[(world, name)]
 
-    def _launch(self, world: int, names: list[str]) -> None:
-        from tests.distributed.test_data_parallel import _env, _run
+    def _names(self, world: int, asked: str | None) -> list[str]:
+        """The parts the next launch at this world size runs: the one asked for and every needed one
+        not run yet, in PARTS's order."""
+        started = {p for w, p in self.parts if w == world}
+        return [p for p in PARTS if world in PARTS[p][2] and p not in started and (p == asked or p in self.needed)]
 
-        out = Path(self.root) / f"world{world}-{'-'.join(names)}"
-        out.mkdir(parents=True)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
-               str(WORKER), str(out), *names]
+    def _launch(self, names_by_world: dict[int, list[str]]) -> None:
+        """One launch per world size, both at once: a launch keeps 2 cores only half busy (its
+        processes start one after the other, its ranks wait for each other), so the two overlap
+        well; they share nothing but the machine."""
+        from tests.distributed.test_data_parallel import _env
+
         env = {**_env(), "PYTHONPATH": f"{_env()['PYTHONPATH']}:{ROOT}"}
-        t0 = time.perf_counter()
-        proc = _run(cmd, sum(PARTS[p][3] for p in names), env)
-        launch = Launch(world, names, proc, time.perf_counter() - t0)
-        print(f"measured shared launch at world {world} of {names}: {launch.seconds:.1f} s")
-        for p in names:
-            self.parts[(world, p)] = Part(p, out / p, launch)
+        running = []
+        for world, names in names_by_world.items():
+            if not names:
+                continue
+            out = Path(self.root) / f"world{world}-{'-'.join(names)}"
+            out.mkdir(parents=True)
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                   str(WORKER), str(out), *names]
+            # Output into files: a pipe that nobody reads while the other launch is awaited would fill up.
+            logs = (open(out / "stdout.txt", "w"), open(out / "stderr.txt", "w"))
+            proc = subprocess.Popen(cmd, env=env, stdout=logs[0], stderr=logs[1], text=True, start_new_session=True)
+            running.append((world, names, out, cmd, proc, logs, time.perf_counter()))
+        ended: dict[int, float | None] = {}  # index in running -> wall seconds (None: killed as a hang)
+        while len(ended) < len(running):
+            time.sleep(0.1)
+            for i, (world, names, _, _, proc, _, t0) in enumerate(running):
+                if i in ended:
+                    continue
+                if proc.poll() is not None:
+                    ended[i] = time.perf_counter() - t0
+                elif time.perf_counter() - t0 > sum(PARTS[p][3] for p in names):
+                    os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its ranks: a hang
+                    proc.wait()
+                    ended[i] = None
+        hangs = []
+        for i, (world, names, out, cmd, proc, logs, _) in enumerate(running):
+            for f in logs:
+                f.close()
+            stdout, stderr = ((out / name).read_text() for name in ("stdout.txt", "stderr.txt"))
+            if ended[i] is None:
+                hangs.append(f"the shared launch of {names} at world {world} did not finish within "
+                             f"{sum(PARTS[p][3] for p in names)} s (a hang). stderr tail:\n{stderr[-4000:]}")
+                continue
+            launch = Launch(world, names, subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr), ended[i])
+            print(f"measured shared launch at world {world} of {names}: {ended[i]:.1f} s")
+            for p in names:
+                self.parts[(world, p)] = Part(p, out / p, launch)
+        if hangs:
+            pytest.fail("\n".join(hangs))
 
 
 @pytest.fixture(scope="session")
