@@ -20,6 +20,7 @@ import torch
 
 from slipstream.config.load import load_config
 from slipstream.train.lm import train_lm
+from tests.e2e.background import Background
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 COMMON = ["--model.preset=tiny", "--model.n_layer=4", "--model.n_head=4", "--train.seq_len=32",
@@ -77,14 +78,30 @@ def single(parquet_data, tmp_path_factory) -> Path:
     return run
 
 
-@pytest.mark.parametrize("layout", [["--parallel.pp=2", "--parallel.pp_schedule=1f1b"],
-                                    ["--parallel.cp=2", "--parallel.dp_strategy=fsdp"]], ids=["pp2", "cp2"])
-def test_model_parallel_ranks_stream_the_same_batch(parquet_data, single, tmp_path, layout):
-    run = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "slipstream", "launch", "local", "--nproc", "2", "--", "train",
-                           *COMMON, f"--data.dir={parquet_data}", f"--run.dir={run}",
-                           f"--data.cache_dir={tmp_path / 'cache'}", *layout],
-                          capture_output=True, text=True, timeout=300, env=_env())
+LAYOUTS = {"pp2": ["--parallel.pp=2", "--parallel.pp_schedule=1f1b"],
+           "cp2": ["--parallel.cp=2", "--parallel.dp_strategy=fsdp"]}
+
+
+@pytest.fixture(scope="module")
+def launched(parquet_data, tmp_path_factory, request) -> dict[str, tuple[Path, Background]]:
+    """The selected layouts' jobs, started side by side (tests/e2e/background.py); the single-process
+    reference trains in this process meanwhile (requested after this fixture)."""
+    selected = [item.callspec.id for item in request.session.items if item.path == Path(__file__)
+                and item.originalname == "test_model_parallel_ranks_stream_the_same_batch"]
+    jobs = {}
+    for name in selected:
+        root = tmp_path_factory.mktemp(f"launch-{name}")
+        cmd = [sys.executable, "-m", "slipstream", "launch", "local", "--nproc", "2", "--", "train", *COMMON,
+               f"--data.dir={parquet_data}", f"--run.dir={root / 'run'}", f"--data.cache_dir={root / 'cache'}",
+               *LAYOUTS[name]]
+        jobs[name] = (root, Background(cmd, env=_env(), timeout=300))
+    return jobs
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_model_parallel_ranks_stream_the_same_batch(launched, single, layout):
+    root, job = launched[layout]
+    proc, run = job.result(), root / "run"
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     for key in ("loss", "val_loss"):
         got, want = _losses(run, key), _losses(single, key)
@@ -92,4 +109,4 @@ def test_model_parallel_ranks_stream_the_same_batch(parquet_data, single, tmp_pa
         for step, value in got.items():
             assert value == pytest.approx(want[step], rel=REL), f"{key} at step {step}"
     # Each process streamed into a cache folder of its own (two ranks of one group never evict each other's chunks).
-    assert len([p for p in (tmp_path / "cache").rglob("*") if p.is_dir()]) >= 2
+    assert len([p for p in (root / "cache").rglob("*") if p.is_dir()]) >= 2
