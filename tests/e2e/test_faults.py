@@ -18,6 +18,7 @@ import pytest
 
 from slipstream.resilience.preemption import EXIT_PREEMPTED
 from slipstream.resilience.watchdog import EXIT_HANG
+from tests.e2e.background import Background
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 
@@ -29,13 +30,23 @@ def _common(data_dir, steps=12):
             "--train.deterministic=true", "--metrics.memory_breakdown=false"]
 
 
-def _run(args, fault="", launch=None, timeout=180):
+def _command(args, fault="", launch=None) -> tuple[list[str], dict[str, str]]:
     env = {**os.environ, "PYTHONPATH": SRC, "OMP_NUM_THREADS": "1"}
     env.pop("SLIPSTREAM_INJECT_FAULT", None)
     if fault:
         env["SLIPSTREAM_INJECT_FAULT"] = fault
-    cmd = [sys.executable, "-m", "slipstream", *(launch or []), "train", *args]
+    return [sys.executable, "-m", "slipstream", *(launch or []), "train", *args], env
+
+
+def _run(args, fault="", launch=None, timeout=180):
+    cmd, env = _command(args, fault, launch)
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _start(args, fault="", launch=None, timeout=180) -> Background:
+    """_run, started now and awaited by result()."""
+    cmd, env = _command(args, fault, launch)
+    return Background(cmd, env=env, timeout=timeout)
 
 
 def _records(run: Path) -> list[dict]:
@@ -121,18 +132,28 @@ def _args2(data_dir):
 
 
 @pytest.fixture(scope="module")
-def straight2(tmp_path_factory, data_dir) -> Path:
-    run = tmp_path_factory.mktemp("straight2") / "run"
-    proc = _run(_args2(data_dir) + [f"--run.dir={run}"], launch=LAUNCH2, timeout=240)
+def first_jobs(tmp_path_factory, data_dir) -> dict[str, tuple[Path, Background]]:
+    """The straight job and the preempted one (SIGUSR1 reaches rank 1 only, in step 6; asynchronous
+    saves, the default) do not depend on each other: started side by side (tests/e2e/background.py)."""
+    runs = {name: tmp_path_factory.mktemp(name) / "run" for name in ("straight2", "preempted")}
+    return {"straight2": (runs["straight2"], _start(_args2(data_dir) + [f"--run.dir={runs['straight2']}"],
+                                                    launch=LAUNCH2, timeout=240)),
+            "preempted": (runs["preempted"], _start(_args2(data_dir) + [f"--run.dir={runs['preempted']}"],
+                                                    fault="sigusr1@6@1", launch=LAUNCH2, timeout=240))}
+
+
+@pytest.fixture(scope="module")
+def straight2(first_jobs) -> Path:
+    run, job = first_jobs["straight2"]
+    proc = job.result()
     assert proc.returncode == 0, proc.stderr[-2000:]
     return run
 
 
 @pytest.fixture(scope="module")
-def preempted(tmp_path_factory, data_dir) -> tuple[Path, subprocess.CompletedProcess]:
-    """SIGUSR1 reaches rank 1 only, in step 6 (asynchronous saves, the default)."""
-    run = tmp_path_factory.mktemp("preempted") / "run"
-    return run, _run(_args2(data_dir) + [f"--run.dir={run}"], fault="sigusr1@6@1", launch=LAUNCH2, timeout=240)
+def preempted(first_jobs) -> tuple[Path, subprocess.CompletedProcess]:
+    run, job = first_jobs["preempted"]
+    return run, job.result()
 
 
 @pytest.fixture(scope="module")
