@@ -1,4 +1,4 @@
-"""A command started now and awaited later: for jobs of one test module that do not depend on each other.
+"""Commands started now and awaited later: for jobs of one test module that do not depend on each other.
 
 A `slipstream launch local` job keeps 2 cores only about half busy: its processes start one after
 the other (the launcher, torchrun, then the ranks: a torch import each) and its ranks wait for each
@@ -14,6 +14,7 @@ import signal
 import subprocess
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 
@@ -52,3 +53,24 @@ class Background:
         if not any(self._dir.iterdir()):
             self._dir.rmdir()
         return text
+
+
+class Jobs:
+    """Independent commands run in background threads, `at_once` at a time, in the order given (what
+    subprocess.run(cmd, capture_output=True, text=True, timeout=..., env=...) returns, by name).
+
+    A module that starts every job its selected tests read when the first of them asks keeps 2 cores
+    busy while each test waits for its own job (and trains its in-process reference meanwhile)."""
+
+    def __init__(self, commands: dict[str, tuple[list[str], dict[str, str], float]], at_once: int = 2):
+        self._pool = ThreadPoolExecutor(at_once, thread_name_prefix="job")
+        self._futures = {name: self._pool.submit(subprocess.run, cmd, capture_output=True, text=True,
+                                                 timeout=timeout, env=env)
+                         for name, (cmd, env, timeout) in commands.items()}
+
+    def result(self, name: str) -> subprocess.CompletedProcess:
+        return self._futures[name].result()  # re-raises subprocess.TimeoutExpired
+
+    def close(self) -> None:
+        """Cancel the jobs not started (their tests did not run) and wait for the running ones."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
