@@ -21,8 +21,9 @@ and the schedules are spread over them (every schedule runs in one launch at lea
     pp2 guards + compile, izb        NaNs on each stage's rank skip the step on both; regional compile
                                      under a split backward
 
-The gradient-level comparison of every schedule (each gradient, parameters after AdamW) is in
-tests/distributed/test_pipeline_parallel.py.
+The launches that depend on no other (JOBS) start together when the first test asks for one, two
+at a time (the `jobs` fixture). The gradient-level comparison of every schedule (each gradient,
+parameters after AdamW) is in tests/distributed/test_pipeline_parallel.py.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 
 from slipstream.config.load import load_config
 from slipstream.train.lm import train_lm
+from tests.e2e.background import Jobs
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 COMMON = ["--model.preset=tiny", "--model.n_layer=5", "--model.n_head=4",  # heads tp 2 divides
@@ -63,20 +65,27 @@ class Job:
     stdout: str
 
 
-def _launch(args: list[str], nproc: int, fault: str = "", restarts: int = 0, timeout: float = 240):
+def _command(args: list[str], nproc: int, fault: str = "", restarts: int = 0) -> tuple[list[str], dict[str, str]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": SRC}
     env.pop("SLIPSTREAM_INJECT_FAULT", None)
     if fault:
         env["SLIPSTREAM_INJECT_FAULT"] = fault
     launch = ["launch", "local", "--nproc", str(nproc), *(["--max-restarts", str(restarts)] if restarts else [])]
-    return subprocess.run([sys.executable, "-m", "slipstream", *launch, "--", "train", *args],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return [sys.executable, "-m", "slipstream", *launch, "--", "train", *args], env
+
+
+def _launch(args: list[str], nproc: int, fault: str = "", restarts: int = 0, timeout: float = 240):
+    cmd, env = _command(args, nproc, fault, restarts)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _done(run: Path, proc: subprocess.CompletedProcess) -> Job:
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return Job(run, proc.stdout + proc.stderr)
 
 
 def _job(run: Path, data_dir: Path, args: list[str], nproc: int, **kw) -> Job:
-    proc = _launch(COMMON + [f"--data.dir={data_dir}", f"--run.dir={run}", *args], nproc, **kw)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    return Job(run, proc.stdout + proc.stderr)
+    return _done(run, _launch(COMMON + [f"--data.dir={data_dir}", f"--run.dir={run}", *args], nproc, **kw))
 
 
 def _single(run: Path, data_dir: Path, args: list[str]) -> Path:
@@ -148,6 +157,60 @@ def _resumed_from(job: Job, source: Path) -> None:
 
 # --- shared runs -------------------------------------------------------------------------------------
 
+BF16 = ["--precision.autocast=bf16", "--train.eval_steps=0", *NO_CHECKPOINTS]
+GUARDED = ["--stability.policy=skip", "--train.eval_steps=0", *NO_CHECKPOINTS]
+# Every launch of this module that depends on no other (the tests below say what each shows):
+# name -> (overrides after COMMON, ranks, injected faults, restarts, timeout s).
+JOBS = {
+    # pp 2, 1F1B, 8 micro-batches of one sequence (the defaults): also the checkpoints' source.
+    "pp2 1f1b": (["--train.micro_batch_size=8", "--parallel.pp=2"], 2, "", 0, 240),
+    "bf16 gpipe": ([*BF16, "--train.micro_batch_size=4", "--train.grad_accum_steps=2", "--parallel.pp=2",
+                    "--parallel.pp_schedule=gpipe"], 2, "", 0, 240),
+    # 4 micro-batches of 2 sequences: under tp each micro-batch costs many small DTensor ops.
+    "gpt2 dualpipev": (["--train.micro_batch_size=8", "--parallel.pp_microbatches=4", "--parallel.pp=2",
+                        "--parallel.tp=2", "--parallel.pp_schedule=dualpipev", "--train.eval_interval=4",
+                        *NO_CHECKPOINTS], 4, "", 0, 240),
+    # a cold compile cache: minutes on a busy machine
+    "guards izb compile": ([*GUARDED, "--train.micro_batch_size=4", "--train.grad_accum_steps=2", "--parallel.pp=2",
+                            "--parallel.pp_schedule=interleaved-zero-bubble", "--compile.scope=blocks"],
+                           2, "nan@2@0,nan@3@1", 0, 480),
+    "dead stage": (["--train.micro_batch_size=8", "--parallel.pp=2", "--checkpoint.resume=auto"],
+                   2, "crash@3@1", 1, 240),
+}
+# The jobs each test reads (by test name and parameters).
+READS = {
+    **dict.fromkeys(["test_a_pipeline_trains_like_one_process", "test_a_pipeline_checkpoint_holds_the_unsplit_names",
+                     "test_checkpoint_export_consolidates_a_pipeline_checkpoint",
+                     "test_a_pipeline_checkpoint_resumes_in_one_process",
+                     "test_pipeline_with_data_parallel_resumes_and_trains_like_one_process[pp2xfsdp2-zbv]"],
+                    ["pp2 1f1b"]),
+    "test_bf16_autocast_reaches_the_stages": ["bf16 gpipe"],
+    "test_the_guards_agree_across_stages_and_compiled_stages_train": ["guards izb compile"],
+    "test_a_dead_stage_restarts_the_pipeline_and_resumes_bitwise": ["dead stage", "pp2 1f1b"],
+    "test_pipeline_with_tensor_parallel_trains_like_one_process[gpt2-dualpipev]": ["gpt2 dualpipev"],
+}
+
+
+@pytest.fixture(scope="module")
+def jobs(request, tmp_path_factory, data_dir):
+    """name -> Job (asserting the launch exited 0). The selected tests' jobs start when the first
+    test asks, two at a time in JOBS's order (tests/e2e/background.py: a launch keeps 2 cores only
+    about half busy), the 4-rank one early, next to 2-rank ones and before the tests' own 4-rank
+    launches; the in-process single-process runs fit next to them."""
+    selected = {name for item in request.session.items if item.path == Path(__file__)
+                for name in READS.get(item.name, [])}
+    runs, commands = {}, {}
+    for name, (overrides, nproc, fault, restarts, timeout) in JOBS.items():
+        if name in selected:
+            runs[name] = tmp_path_factory.mktemp(name.replace(" ", "-")) / "run"
+            cmd, env = _command(COMMON + [f"--data.dir={data_dir}", f"--run.dir={runs[name]}", *overrides], nproc,
+                                fault, restarts)
+            commands[name] = (cmd, env, timeout)
+    started = Jobs(commands)
+    yield lambda name: _done(runs[name], started.result(name))
+    started.close()
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, data_dir) -> Path:
     """One process, 8 sequences per step; its step-2 checkpoint is resumed as a pipeline."""
@@ -155,10 +218,8 @@ def reference(tmp_path_factory, data_dir) -> Path:
 
 
 @pytest.fixture(scope="module")
-def pp2_1f1b(tmp_path_factory, data_dir) -> Job:
-    """pp 2, 1F1B, 8 micro-batches of one sequence (the defaults): also the checkpoints' source."""
-    return _job(tmp_path_factory.mktemp("pp2") / "run", data_dir, ["--train.micro_batch_size=8", "--parallel.pp=2"],
-                nproc=2)
+def pp2_1f1b(jobs) -> Job:
+    return jobs("pp2 1f1b")
 
 
 # --- pp 2 alone ----------------------------------------------------------------------------------------
@@ -170,13 +231,11 @@ def test_a_pipeline_trains_like_one_process(pp2_1f1b, reference):
 
 
 @pytest.mark.timeout(300)
-def test_bf16_autocast_reaches_the_stages(reference, data_dir, tmp_path):
+def test_bf16_autocast_reaches_the_stages(jobs, reference, data_dir, tmp_path):
     """bf16 autocast around the schedule (GPipe): the pipeline logs one bf16 process's losses, which
     are not the fp32 ones (the switch acted inside the stages)."""
-    bf16 = ["--precision.autocast=bf16", "--train.eval_steps=0", *NO_CHECKPOINTS]
-    single = _single(tmp_path / "single", data_dir, bf16)
-    job = _job(tmp_path / "run", data_dir, [*bf16, "--train.micro_batch_size=4", "--train.grad_accum_steps=2",
-                                            "--parallel.pp=2", "--parallel.pp_schedule=gpipe"], nproc=2)
+    single = _single(tmp_path / "single", data_dir, BF16)
+    job = jobs("bf16 gpipe")
     got, want, full = _losses(job.run), _losses(single), _losses(reference)  # the reference: fp32
     assert sorted(got) == [1, 2, 3, 4]
     for step in got:
@@ -186,7 +245,7 @@ def test_bf16_autocast_reaches_the_stages(reference, data_dir, tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_the_guards_agree_across_stages_and_compiled_stages_train(data_dir, tmp_path, monkeypatch):
+def test_the_guards_agree_across_stages_and_compiled_stages_train(jobs, data_dir, tmp_path, monkeypatch):
     """A NaN loss seen on one stage's rank only skips the step on every stage: injected on the
     first stage's rank in step 2 and on the last's in step 3, the pipeline logs one process that
     skipped both steps (a skip on one stage alone moves step 4's loss by ~1e-2).
@@ -194,14 +253,10 @@ def test_the_guards_agree_across_stages_and_compiled_stages_train(data_dir, tmp_
     The same launch compiles the blocks inside the stages (regional; fp32: the same losses) under
     interleaved zero bubble, whose split backward retains the graph, which a compiled backward must
     allow. Evaluation is off here: it would compile the blocks a second time."""
-    quick = ["--stability.policy=skip", "--train.eval_steps=0", *NO_CHECKPOINTS]
     monkeypatch.setenv("SLIPSTREAM_INJECT_FAULT", "nan@2,nan@3")
-    single = _single(tmp_path / "single", data_dir, quick)
+    single = _single(tmp_path / "single", data_dir, GUARDED)
     monkeypatch.delenv("SLIPSTREAM_INJECT_FAULT")
-    job = _job(tmp_path / "run", data_dir, [*quick, "--train.micro_batch_size=4", "--train.grad_accum_steps=2",
-                                            "--parallel.pp=2", "--parallel.pp_schedule=interleaved-zero-bubble",
-                                            "--compile.scope=blocks"], nproc=2, fault="nan@2@0,nan@3@1",
-               timeout=480)  # a cold compile cache: minutes on a busy machine
+    job = jobs("guards izb compile")  # its ranks' faults: nan@2 on rank 0, nan@3 on rank 1
     assert "skipped with torch.compile" in job.stdout  # the memory breakdown's note: the blocks were compiled
     for run in (single, job.run):
         events = [r for r in _records(run) if "guard_event" in r]
@@ -250,12 +305,11 @@ def test_a_pipeline_checkpoint_resumes_in_one_process(pp2_1f1b, reference, data_
 
 
 @pytest.mark.timeout(400)
-def test_a_dead_stage_restarts_the_pipeline_and_resumes_bitwise(pp2_1f1b, data_dir, tmp_path):
+def test_a_dead_stage_restarts_the_pipeline_and_resumes_bitwise(jobs, pp2_1f1b):
     """The last stage's rank dies in step 3: the whole job stops, `--max-restarts 1` starts both
     ranks again and they resume from the step-2 checkpoint at the same layout, logging the
     uninterrupted run's losses bit for bit."""
-    job = _job(tmp_path / "run", data_dir, ["--train.micro_batch_size=8", "--parallel.pp=2",
-                                            "--checkpoint.resume=auto"], nproc=2, fault="crash@3@1", restarts=1)
+    job = jobs("dead stage")
     assert "injected crash at step 3 on rank 1" in job.stdout
     _resumed_from(job, job.run)
     assert _losses(job.run) == _losses(pp2_1f1b.run)
@@ -287,23 +341,26 @@ def test_pipeline_with_data_parallel_resumes_and_trains_like_one_process(strateg
 
 
 @pytest.mark.timeout(600)
-@pytest.mark.parametrize("model, schedule, extra, resume", [
-    # GPT-2 (tied table, learned positions) on a V (DualPipeV) from scratch: the table and its copy
-    # on one rank, vocabulary-sharded; sequence and loss parallel on (the defaults). Evaluated at
-    # step 4 only.
-    ([], "dualpipev", ["--train.eval_interval=4", *NO_CHECKPOINTS], False),
+@pytest.mark.parametrize("model, schedule, resume", [
+    # GPT-2 (tied table, learned positions) on a V (DualPipeV) from scratch (the job "gpt2 dualpipev"):
+    # the table and its copy on one rank, vocabulary-sharded; sequence and loss parallel on (the
+    # defaults). Evaluated at step 4 only.
+    ([], "dualpipev", False),
     # Llama (RoPE on a stream cut along the sequence, GQA, SwiGLU, untied) interleaved, resumed from
     # its single process's checkpoint (the stages split over tp).
-    (LLAMA, "interleaved-1f1b", [], True),
+    (LLAMA, "interleaved-1f1b", True),
 ], ids=["gpt2-dualpipev", "llama-interleaved"])
-def test_pipeline_with_tensor_parallel_trains_like_one_process(model, schedule, extra, resume, reference, data_dir,
+def test_pipeline_with_tensor_parallel_trains_like_one_process(model, schedule, resume, jobs, reference, data_dir,
                                                                tmp_path):
     """The 3D mesh's pp x tp: [pp 2, tp 2] at world 4 against one process of the same model."""
-    single = _single(tmp_path / "single", data_dir, model) if model else reference
-    # 4 micro-batches of 2 sequences: under tp each micro-batch costs many small DTensor ops.
-    job = _job(tmp_path / "run", data_dir, [*model, "--train.micro_batch_size=8", "--parallel.pp_microbatches=4",
-                                            "--parallel.pp=2", "--parallel.tp=2", f"--parallel.pp_schedule={schedule}",
-                                            *extra, *([_step2(single)] if resume else [])], nproc=4)
+    if not resume:
+        single, job = reference, jobs("gpt2 dualpipev")
+    else:
+        single = _single(tmp_path / "single", data_dir, model)
+        # 4 micro-batches of 2 sequences: under tp each micro-batch costs many small DTensor ops.
+        job = _job(tmp_path / "run", data_dir, [*model, "--train.micro_batch_size=8", "--parallel.pp_microbatches=4",
+                                                "--parallel.pp=2", "--parallel.tp=2",
+                                                f"--parallel.pp_schedule={schedule}", _step2(single)], nproc=4)
     assert "[pp 2 x dp_replicate 1 x tp 2]" in job.stdout
     if resume:
         _resumed_from(job, single)
