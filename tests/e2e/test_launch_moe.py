@@ -32,6 +32,7 @@ import torch
 
 from slipstream.config.load import load_config
 from slipstream.train.lm import train_lm
+from tests.e2e.background import Jobs
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 COMMON = ["--model.preset=moe-tiny", "--train.seq_len=32", "--train.max_steps=6", "--data.sampling=sequential",
@@ -43,11 +44,15 @@ REL = 5e-6  # measured <= 9.3e-8 (losses) and <= 1.2e-8 (val losses) over every 
 STEP3 = "checkpoints/step_00000003"
 
 
-def _launch(args: list[str], nproc: int, timeout: float = 240) -> subprocess.CompletedProcess:
+def _command(args: list[str], nproc: int) -> tuple[list[str], dict[str, str]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": SRC}
     env.pop("SLIPSTREAM_INJECT_FAULT", None)
-    return subprocess.run([sys.executable, "-m", "slipstream", "launch", "local", "--nproc", str(nproc), "--",
-                           "train", *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return [sys.executable, "-m", "slipstream", "launch", "local", "--nproc", str(nproc), "--", "train", *args], env
+
+
+def _launch(args: list[str], nproc: int, timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd, env = _command(args, nproc)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def _ok(proc: subprocess.CompletedProcess) -> None:
@@ -82,6 +87,42 @@ def _chunks(ckpt: Path, key: str) -> tuple[list[int], list[tuple[list[int], list
     return list(entry.size), sorted((list(c.offsets), list(c.sizes)) for c in entry.chunks)
 
 
+BF16 = ["--precision.autocast=bf16", "--train.eval_tokens=0", "--checkpoint.interval=0"]
+# Every launch of this module that depends on no other: name -> (overrides, ranks).
+JOBS = {
+    "ep2": ([*COMMON, *EP2], 2),  # the done command at world 2: ep 2 (the checkpoints' source)
+    "bf16 ep2": ([*COMMON, *BF16, *EP2], 2),
+    "ep3": (["--model.preset=moe-tiny", "--parallel.ep=3", "--train.max_steps=2", "--train.seq_len=32"], 2),
+}
+# The jobs each test reads (by test name and parameters).
+READS = {
+    **dict.fromkeys(["test_done_command_trains_like_one_process", "test_hf_export_of_the_ep2_checkpoint",
+                     "test_comm_report_counts_the_all_to_all_as_ep"], ["ep2"]),
+    **{f"test_resume_across_ep_degrees_continues_the_straight_run[{layout}]": ["ep2"]
+       for layout in ("ep1", "ep2xfsdp2", "ep2")},
+    "test_bf16_autocast_at_ep2": ["ep2", "bf16 ep2"],
+    "test_ep_that_does_not_divide_the_experts_is_refused": ["ep3"],
+}
+
+
+@pytest.fixture(scope="module")
+def jobs(request, tmp_path_factory, data_dir):
+    """name -> (run dir, the launch's CompletedProcess). The selected tests' jobs start when the first
+    test asks, two at a time (tests/e2e/background.py: a launch keeps 2 cores only about half busy);
+    the in-process single-process runs fit next to them."""
+    selected = {name for item in request.session.items if item.path == Path(__file__)
+                for name in READS.get(item.name, [])}
+    runs, commands = {}, {}
+    for name, (overrides, nproc) in JOBS.items():
+        if name in selected:
+            runs[name] = tmp_path_factory.mktemp(name.replace(" ", "-")) / "run"
+            cmd, env = _command([*overrides, f"--data.dir={data_dir}", f"--run.dir={runs[name]}"], nproc)
+            commands[name] = (cmd, env, 240)
+    started = Jobs(commands)
+    yield lambda name: (runs[name], started.result(name))
+    started.close()
+
+
 @pytest.fixture(scope="module")
 def single(tmp_path_factory, data_dir) -> Path:
     """One process, 4 sequences per step, all 4 experts: the reference (and its checkpoints)."""
@@ -91,10 +132,8 @@ def single(tmp_path_factory, data_dir) -> Path:
 
 
 @pytest.fixture(scope="module")
-def ep2(tmp_path_factory, data_dir) -> tuple[Path, subprocess.CompletedProcess]:
-    """The done command at world 2: ep 2 (the checkpoints' source)."""
-    run = tmp_path_factory.mktemp("ep2") / "run"
-    proc = _launch(COMMON + EP2 + [f"--data.dir={data_dir}", f"--run.dir={run}"], nproc=2)
+def ep2(jobs) -> tuple[Path, subprocess.CompletedProcess]:
+    run, proc = jobs("ep2")
     _ok(proc)
     return run, proc
 
@@ -114,7 +153,7 @@ def resumed_ep2_fsdp2(tmp_path_factory, data_dir, ep2) -> tuple[Path, subprocess
 # --- 1. the done command -------------------------------------------------------------------------
 
 @pytest.mark.timeout(400)
-def test_done_command_trains_like_one_process(ep2, single):
+def test_done_command_trains_like_one_process(jobs, single, ep2):  # jobs first: they run while `single` trains
     run, proc = ep2
     _close(_losses(run), _losses(single))
     _close(_losses(run, "val_loss"), _losses(single, "val_loss"))
@@ -233,15 +272,14 @@ def test_hf_export_of_the_ep2_checkpoint(ep2, single, tmp_path):
 # --- 4. bf16 ----------------------------------------------------------------------------------------
 
 @pytest.mark.timeout(300)
-def test_bf16_autocast_at_ep2(ep2, data_dir, tmp_path):
+def test_bf16_autocast_at_ep2(jobs, ep2, data_dir, tmp_path):
     """bf16 autocast at ep2: finite losses, not the fp32 ones, and near one bf16 process's (closer to
     it than to fp32: measured 1.5e-5 against 1.0e-4)."""
-    bf16 = ["--precision.autocast=bf16", "--train.eval_tokens=0", "--checkpoint.interval=0"]
     single = tmp_path / "single"
-    train_lm(load_config(None, COMMON + bf16 + [f"--data.dir={data_dir}", f"--run.dir={single}",
+    train_lm(load_config(None, COMMON + BF16 + [f"--data.dir={data_dir}", f"--run.dir={single}",
                                                 "--train.micro_batch_size=4"]))
-    run = tmp_path / "run"
-    _ok(_launch(COMMON + bf16 + EP2 + [f"--data.dir={data_dir}", f"--run.dir={run}"], nproc=2))
+    run, proc = jobs("bf16 ep2")
+    _ok(proc)
     got, want, fp32 = _losses(run), _losses(single), _losses(ep2[0])
     assert sorted(got) == list(range(1, 7)) and all(math.isfinite(v) for v in got.values()), got
     off_fp32 = _max_rel(got, fp32)
@@ -253,11 +291,9 @@ def test_bf16_autocast_at_ep2(ep2, data_dir, tmp_path):
 
 # --- 5. bad input -----------------------------------------------------------------------------------
 
-@pytest.mark.timeout(120)
-def test_ep_that_does_not_divide_the_experts_is_refused(data_dir, tmp_path):
-    run = tmp_path / "run"
-    proc = _launch(["--model.preset=moe-tiny", "--parallel.ep=3", f"--data.dir={data_dir}", f"--run.dir={run}",
-                    "--train.max_steps=2", "--train.seq_len=32"], nproc=2)
+@pytest.mark.timeout(300)  # its job may wait behind the others
+def test_ep_that_does_not_divide_the_experts_is_refused(jobs):
+    run, proc = jobs("ep3")
     assert proc.returncode != 0
     assert "model.moe_experts = 4 is not divisible by parallel.ep = 3" in proc.stderr, proc.stderr[-3000:]
     # Refused by each rank while reading the config: before any run directory or step.
