@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from slipstream.data import prepare_dataset
+from tests.e2e.background import Jobs
 
 ROOT = Path(__file__).resolve().parents[2]
 MICRO, SEQ, STEPS = 4, 32, 6
@@ -30,12 +31,19 @@ COMMON = ["--model.preset=tiny", f"--train.seq_len={SEQ}", f"--train.max_steps={
           "--checkpoint.interval=3", "--checkpoint.async_save=false"]
 
 
-def _run(args: list[str], launch: list[str] | None = None) -> str:
+def _command(args: list[str], launch: list[str] | None = None) -> tuple[list[str], dict[str, str]]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
-    cmd = [sys.executable, "-m", "slipstream", *(launch + ["--"] if launch else []), "train", *COMMON, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env)
+    return [sys.executable, "-m", "slipstream", *(launch + ["--"] if launch else []), "train", *COMMON, *args], env
+
+
+def _ok(proc: subprocess.CompletedProcess) -> str:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc.stdout
+
+
+def _run(args: list[str], launch: list[str] | None = None) -> str:
+    cmd, env = _command(args, launch)
+    return _ok(subprocess.run(cmd, capture_output=True, text=True, timeout=200, env=env))
 
 
 def _records(run: Path) -> list[dict]:
@@ -57,11 +65,40 @@ def mixture_args(tmp_path_factory) -> list[str]:
     return args
 
 
+LAUNCH2 = ["launch", "local", "--nproc", "2"]
+# Every run of this module that depends on no other: name -> (overrides after the mixture's, launch).
+JOBS = {
+    "straight": ([], None),
+    # both tensor-parallel ranks read the same batch
+    "tp2": (["--parallel.tp=2", "--checkpoint.interval=0", "--checkpoint.save_final=false"], LAUNCH2),
+    # each data-parallel rank reads its own sequences
+    "dp2": (["--train.micro_batch_size=2", "--parallel.dp_strategy=ddp"], LAUNCH2),
+}
+READS = {"test_mixture_logs_tokens_per_source_and_resumes_exactly": ["straight"],
+         "test_tensor_parallel_ranks_read_the_same_mixed_batch": ["straight", "tp2"],
+         "test_two_data_parallel_ranks_resume_from_rank0s_state": ["dp2"]}
+
+
 @pytest.fixture(scope="module")
-def straight(tmp_path_factory, mixture_args) -> Path:
-    run = tmp_path_factory.mktemp("straight") / "run"
-    _run([*mixture_args, f"--run.dir={run}"])
-    return run
+def jobs(request, tmp_path_factory, mixture_args):
+    """name -> (run dir, its process's stdout). The selected tests' runs start when the first test
+    asks, two at a time (tests/e2e/background.py: a launch keeps 2 cores only about half busy)."""
+    selected = {name for item in request.session.items if item.path == Path(__file__)
+                for name in READS.get(item.name, [])}
+    runs, commands = {}, {}
+    for name, (overrides, launch) in JOBS.items():
+        if name in selected:
+            runs[name] = tmp_path_factory.mktemp(name) / "run"
+            cmd, env = _command([*mixture_args, f"--run.dir={runs[name]}", *overrides], launch)
+            commands[name] = (cmd, env, 200)
+    started = Jobs(commands)
+    yield lambda name: (runs[name], _ok(started.result(name)))
+    started.close()
+
+
+@pytest.fixture(scope="module")
+def straight(jobs) -> Path:
+    return jobs("straight")[0]
 
 
 def _losses(run: Path) -> list[float]:
@@ -103,10 +140,8 @@ def test_mixture_logs_tokens_per_source_and_resumes_exactly(straight, mixture_ar
 
 
 @pytest.mark.timeout(200)
-def test_tensor_parallel_ranks_read_the_same_mixed_batch(straight, mixture_args, tmp_path):
-    run = tmp_path / "tp"
-    out = _run([*mixture_args, f"--run.dir={run}", "--parallel.tp=2", "--checkpoint.interval=0",
-                "--checkpoint.save_final=false"], launch=["launch", "local", "--nproc", "2"])
+def test_tensor_parallel_ranks_read_the_same_mixed_batch(straight, jobs):
+    run, out = jobs("tp2")
     assert "tp 2]" in out
     records = _records(run)
     assert len(records) == STEPS
@@ -115,12 +150,10 @@ def test_tensor_parallel_ranks_read_the_same_mixed_batch(straight, mixture_args,
 
 
 @pytest.mark.timeout(200)
-def test_two_data_parallel_ranks_resume_from_rank0s_state(mixture_args, tmp_path):
+def test_two_data_parallel_ranks_resume_from_rank0s_state(jobs, mixture_args, tmp_path):
     """Each rank reads its own sequences; the checkpoint holds rank 0's loader state, which
     knows every rank's position in every source: the resumed job logs the straight job's losses."""
-    launch = ["launch", "local", "--nproc", "2"]
-    run = tmp_path / "dp2"
-    _run([*mixture_args, f"--run.dir={run}", "--train.micro_batch_size=2", "--parallel.dp_strategy=ddp"], launch)
+    run, _ = jobs("dp2")
     records = _records(run)
     assert [r["data/tokens/a"] + r["data/tokens/b"] for r in records] == [r["tokens"] for r in records]
     assert records[-1]["tokens"] == STEPS * 2 * 2 * SEQ  # both ranks' sequences
@@ -128,6 +161,6 @@ def test_two_data_parallel_ranks_resume_from_rank0s_state(mixture_args, tmp_path
     shutil.copytree(run, resumed)
     shutil.rmtree(resumed / "checkpoints" / "step_00000006")
     out = _run([*mixture_args, f"--run.dir={resumed}", "--train.micro_batch_size=2", "--parallel.dp_strategy=ddp",
-                "--checkpoint.resume=auto"], launch)
+                "--checkpoint.resume=auto"], LAUNCH2)
     assert "resumed from" in out
     assert _losses(resumed) == pytest.approx(_losses(run), rel=1e-6)
