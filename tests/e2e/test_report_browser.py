@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import io
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,18 @@ def assert_self_contained(page: str) -> None:
     assert external_references(page) == []
 
 
+def severe_log(driver, wait_for_one: bool = False) -> list[dict]:
+    """The SEVERE console entries so far. Chromium reports a failed resource load a moment after
+    the load event, so the log is read until one shows up (`wait_for_one`, up to 10 s) or, when
+    none is expected, once more after a short settle so a late error is not missed."""
+    severe, deadline = [], time.monotonic() + (10.0 if wait_for_one else 0.5)
+    while True:
+        severe += [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+        if (wait_for_one and severe) or time.monotonic() >= deadline:
+            return severe
+        time.sleep(0.1)
+
+
 def check_in_browser(driver, path: Path, shot: Path, figures: set[str] | None = None) -> list[str]:
     """Open the page, check what a reader sees, save a screenshot; returns the section keys.
     `figures`: data-figure names the page must draw (a plot silently replaced by a note fails)."""
@@ -47,7 +60,7 @@ def check_in_browser(driver, path: Path, shot: Path, figures: set[str] | None = 
     driver.get(path.as_uri())
     assert driver.execute_script("return document.readyState") == "complete"
 
-    severe = [entry for entry in driver.get_log("browser") if entry["level"] == "SEVERE"]
+    severe = severe_log(driver)
     assert not severe, severe
     # Nothing fetched: no network resource, and no request but the page's own and its inline
     # data: images (a colorbar is embedded as a PNG in its SVG).
@@ -154,15 +167,16 @@ def test_the_checks_catch_a_page_that_fetches_errs_or_is_empty(browser, tmp_path
                        '<script>console.error("broken")</script></body></html>')
     requested_urls(browser)
     browser.get(fetches.as_uri())
-    assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
+    assert severe_log(browser, wait_for_one=True)
     assert browser.execute_script("return performance.getEntriesByType('resource').length") == 1  # the http one
     assert requested_urls(browser) == [fetches.as_uri(), (tmp_path / "pixel.png").as_uri(), "http://127.0.0.1:9/x.png"]
 
     # Each alone is a SEVERE console entry: an uncaught script error, a file that fails to load.
     for name, body in (("throws", "<script>undefinedFunction()</script>"), ("missing", '<img src="missing.png">')):
         (tmp_path / f"{name}.html").write_text(f"<!DOCTYPE html><html><body>{body}</body></html>")
+        browser.get_log("browser")  # drop what the page before logged
         browser.get((tmp_path / f"{name}.html").as_uri())
-        assert [e for e in browser.get_log("browser") if e["level"] == "SEVERE"], name
+        assert severe_log(browser, wait_for_one=True), name
 
     def page(body: str) -> Path:
         path = tmp_path / "page.html"
