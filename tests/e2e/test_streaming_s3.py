@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.e2e.background import Background
+
 SRC = str(Path(__file__).resolve().parents[2] / "src")
 URL = "s3://e2e-stream/prepared"
 
@@ -84,11 +86,33 @@ def _val(run: Path) -> dict[int, float]:
 
 
 @pytest.fixture(scope="module")
-def straight(s3_env, tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("straight")
-    proc = _train(s3_env, _args(root / "run", root / "cache"))
+def jobs(request, s3_env, tmp_path_factory):
+    """The straight run and the two data-parallel ranks' run depend on no other: when the first test
+    asks, both start (side by side when both tests are selected; tests/e2e/background.py). name ->
+    (run dir, cache dir, its Background)."""
+    selected = {item.name for item in request.session.items if item.path == Path(__file__)}
+    wanted = {"straight": bool(selected - {"test_two_data_parallel_ranks_stream_disjoint_chunks"}),
+              "dp2": "test_two_data_parallel_ranks_stream_disjoint_chunks" in selected}
+    started = {}
+    for name in (n for n, want in wanted.items() if want):
+        root = tmp_path_factory.mktemp(name)
+        run, cache = root / "run", root / "cache"
+        if name == "straight":
+            cmd, timeout = [sys.executable, "-m", "slipstream", "train", *_args(run, cache)], 180
+        else:
+            args = _args(run, cache, steps=6) + ["--parallel.dp_strategy=ddp", "--data.cache_bytes=1048576"]
+            cmd, timeout = [sys.executable, "-m", "slipstream", "launch", "local", "--nproc", "2", "--", "train",
+                            *args], 220
+        started[name] = (run, cache, Background(cmd, env=s3_env, timeout=timeout))
+    return started
+
+
+@pytest.fixture(scope="module")
+def straight(jobs) -> Path:
+    run, _, job = jobs["straight"]
+    proc = job.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return root / "run"
+    return run
 
 
 @pytest.mark.timeout(120)
@@ -124,10 +148,9 @@ def test_a_killed_streaming_run_resumes_exactly(s3_env, straight, tmp_path):
 
 
 @pytest.mark.timeout(240)
-def test_two_data_parallel_ranks_stream_disjoint_chunks(s3_env, tmp_path):
-    run, cache = tmp_path / "run", tmp_path / "cache"
-    args = _args(run, cache, steps=6) + ["--parallel.dp_strategy=ddp", "--data.cache_bytes=1048576"]
-    proc = _train(s3_env, args, launch=["launch", "local", "--nproc", "2", "--"], timeout=220)
+def test_two_data_parallel_ranks_stream_disjoint_chunks(jobs):
+    run, cache, job = jobs["dp2"]
+    proc = job.result()
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert sorted(_losses(run)) == list(range(1, 7))
     (root,) = [p for p in cache.iterdir() if p.is_dir()]
