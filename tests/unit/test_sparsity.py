@@ -270,3 +270,167 @@ def test_export_writes_the_masked_weights_under_their_own_names(sparse_runs, tmp
         assert torch.equal(sd[key], getattr(m, name) * getattr(m, name + "_mask"))
         zeros, total = zeros + int((sd[key] == 0).sum()), total + sd[key].numel()
     assert zeros / total == pytest.approx(0.6, abs=1e-4)
+
+
+# --- Wanda and pruning a dense checkpoint --------------------------------------------------
+
+def test_wanda_ranks_by_weight_times_input_norm_within_each_output_row():
+    """A hand computation on one linear: the score abs(w_ij) x ||X_j||, the lowest half of each
+    row zeroed; and the input norms are those of the real inputs of every pruned linear."""
+    model = tiny_model()
+    cfg = SparsityConfig(method="magnitude", target=0.5, criterion="wanda")
+    sp.apply_sparsity(model, cfg)
+    inputs = [tokens(2, 32, seed=s) for s in (3, 4)]
+    norms = sp.input_norms(model, inputs)
+    up = model.blocks[0].mlp.up_proj
+    seen = []
+    handle = up.register_forward_pre_hook(lambda m, a: seen.append(a[0].detach().reshape(-1, a[0].shape[-1])))
+    with torch.no_grad():
+        for x in inputs:
+            model(x)
+    handle.remove()
+    assert torch.allclose(norms[up], torch.cat(seen).norm(dim=0), rtol=1e-5)
+    assert len(norms) == 2 * 6 and model.training  # every pruned linear; the mode restored
+
+    before = up.weight.detach().clone()
+    sp.compute_masks(model, cfg, 0.5, norms)
+    score = before.abs() * norms[up][None, :]
+    k = up.in_features // 2
+    hand = torch.ones_like(before, dtype=torch.bool).scatter_(1, score.argsort(dim=1)[:, :k], False)
+    assert torch.equal(up.weight_mask, hand) and torch.equal(up.weight == 0, ~hand)
+    assert all(s == 0.5 for s in sp.measured_sparsity(model)[0].values())
+    # the activations change the choice: not the magnitude masks
+    assert not torch.equal(up.weight_mask, pruned(tiny_model(), "magnitude", 0.5).blocks[0].mlp.up_proj.weight_mask)
+
+
+def test_wanda_2_4_keeps_the_two_best_scores_of_every_four():
+    model = tiny_model()
+    cfg = SparsityConfig(method="2:4", target=0.5, criterion="wanda")
+    sp.apply_sparsity(model, cfg)
+    norms = sp.input_norms(model, [tokens()])
+    v = model.blocks[1].attn.v_proj
+    score = (v.weight.detach().abs() * norms[v][None, :]).reshape(-1, 4)
+    sp.compute_masks(model, cfg, 0.5, norms)
+    kept = v.weight_mask.reshape(-1, 4)
+    assert (kept.sum(1) == 2).all()
+    assert (score[kept].reshape(-1, 2).min(1).values >= score[~kept].reshape(-1, 2).max(1).values).all()
+
+
+def test_wanda_refusals():
+    def refused(match, *overrides):
+        with pytest.raises(UserError, match=match):
+            load_config(None, ["--sparsity.criterion=wanda", *overrides])
+
+    refused("scope=layer", "--sparsity.method=magnitude", "--sparsity.scope=global")
+    refused("method=magnitude or 2:4", "--sparsity.method=heads")
+    with pytest.raises(UserError, match="calibration inputs"):
+        sp.SparsitySchedule.attach(tiny_model(), SparsityConfig(method="magnitude", criterion="wanda"))
+
+
+@pytest.fixture(scope="module")
+def dense_then_pruned(tmp_path_factory, data_dir):
+    """The default job (tiny) trained dense for 3 steps; then resumed from its step-3 checkpoint
+    with [sparsity] Wanda 50 % (one shot at the resumed step) to step 5, twice: straight, and
+    again from the pruned run's step-4 checkpoint (which holds masks)."""
+    from slipstream.train.lm import train_lm
+
+    tmp = tmp_path_factory.mktemp("dense")
+    base = ["--model.preset=tiny", f"--data.dir={data_dir}", "--train.micro_batch_size=2", "--train.seq_len=32",
+            "--train.eval_steps=0", "--optim.warmup_steps=1", "--logging.log_interval=1", "--logging.progress=false",
+            "--train.deterministic=true", "--logging.tensorboard=false", "--checkpoint.interval=1"]
+    sparse = ["--sparsity.method=magnitude", "--sparsity.criterion=wanda", "--sparsity.target=0.5",
+              "--sparsity.calibration_tokens=256"]
+    dense, pruned_run, again = tmp / "dense", tmp / "pruned", tmp / "again"
+    train_lm(load_config(None, base + ["--train.max_steps=3", f"--run.dir={dense}"]))
+    start = dense / "checkpoints" / "step_00000003"
+    train_lm(load_config(None, base + sparse + ["--train.max_steps=5", f"--run.dir={pruned_run}",
+                                                f"--checkpoint.resume={start}"]))
+    shutil.copytree(pruned_run, again, symlinks=True)
+    shutil.rmtree(again / "checkpoints" / "step_00000005")
+    (again / "metrics.jsonl").unlink()
+    train_lm(load_config(None, base + sparse + ["--train.max_steps=5", f"--run.dir={again}",
+                                                "--checkpoint.resume=auto"]))
+    return dense, pruned_run, again
+
+
+def test_resuming_a_dense_checkpoint_prunes_it_in_one_shot_with_wanda(dense_then_pruned, data_dir):
+    dense, pruned_run, again = dense_then_pruned
+    model = checkpoint_model(pruned_run, 4)
+    per_layer, overall = sp.measured_sparsity(model)
+    assert len(per_layer) == 12 and all(s == 0.5 for s in per_layer.values()), per_layer
+    # The masks are Wanda's for the dense step-3 weights and the calibration windows: recompute them.
+    from slipstream.data.eval_windows import EvalWindows
+
+    reference = checkpoint_model(dense, 3)
+    cfg = SparsityConfig(method="magnitude", target=0.5, criterion="wanda")
+    sp.apply_sparsity(reference, cfg)
+    windows = EvalWindows(str(data_dir), "train", 2, 32, 256)
+    sp.compute_masks(reference, cfg, 0.5, sp.input_norms(reference, [x for (x, _), _ in windows]))
+    assert all(torch.equal(getattr(a, n + "_mask"), getattr(b, n + "_mask"))
+               for (a, n), (b, _) in zip(sp.masked_tensors(model), sp.masked_tensors(reference)))
+    # ...and the masked run resumed from its own (masked) checkpoint continues bit for bit.
+    assert losses(again) == {s: loss for s, loss in losses(pruned_run).items() if s > 4}
+    assert sorted(losses(pruned_run)) == [4, 5]
+
+
+def test_checkpoint_prune_one_shot_wanda_writes_a_checkpoint_the_tools_read(dense_then_pruned, tmp_path, capsys):
+    from slipstream.cli import main
+
+    dense, pruned_run, _ = dense_then_pruned
+    out = tmp_path / "wanda"
+    assert main(["checkpoint", "prune", str(dense), "--out", str(out), "--method", "magnitude", "--criterion",
+                 "wanda", "--target", "0.5", "--calibration-tokens", "256", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["measured_sparsity"] == 0.5 and result["step"] == 3
+    assert result["val_loss_after"] != result["val_loss_before"]
+    assert json.loads((out / "prune.json").read_text()) == result
+    # The same masks as the training run that resumed the dense checkpoint with Wanda (it prunes
+    # at step 3 and never recomputes them).
+    one_shot, trained = checkpoint_model(out, 3), checkpoint_model(pruned_run, 4)
+    assert all(torch.equal(getattr(a, n + "_mask"), getattr(b, n + "_mask"))
+               for (a, n), (b, _) in zip(sp.masked_tensors(one_shot), sp.masked_tensors(trained)))
+    # eval reads it (masked weights, no mask buffers needed) and agrees with what prune measured.
+    assert main(["eval", "--checkpoint", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["loss"] == pytest.approx(result["val_loss_after"], rel=1e-6)
+    # training cannot resume a weights-only checkpoint: a clear error
+    folder = out / "checkpoints" / "step_00000003"
+    assert main(["train", "--config", str(folder / "config.toml"), f"--checkpoint.resume={folder}",
+                 f"--run.dir={tmp_path / 'ft'}", "--train.max_steps=5"]) != 0
+    assert "holds no optimizer state" in capsys.readouterr().err
+
+
+def test_checkpoint_prune_refusals(dense_then_pruned, tmp_path, capsys):
+    from slipstream.cli import main
+
+    dense, pruned_run, _ = dense_then_pruned
+
+    def refused(match, source, out, *args):
+        assert main(["checkpoint", "prune", str(source), "--out", str(tmp_path / out), *args]) != 0
+        assert match in capsys.readouterr().err
+
+    (tmp_path / "taken").mkdir()
+    (tmp_path / "taken" / "notes.txt").write_text("mine")
+    refused("not an empty folder", dense, "taken", "--method", "magnitude")
+    assert (tmp_path / "taken" / "notes.txt").read_text() == "mine"
+    refused("already holds masks", pruned_run, "a", "--method", "magnitude")
+    refused("target=0.5", dense, "b", "--method", "2:4", "--target", "0.6")
+    refused("scope=layer", dense, "c", "--method", "magnitude", "--criterion", "wanda", "--scope", "global")
+    refused("not a fraction", dense, "d", "--method", "magnitude", "--target", "1.5")
+    assert not any((tmp_path / name).exists() for name in "abcd")
+
+
+def test_export_quantize_int8_is_the_weight_only_model_generate_runs(dense_then_pruned, tmp_path):
+    from slipstream.cli import main
+    from slipstream.optimize.weight_quant import quantize_weights
+
+    dense, _, _ = dense_then_pruned
+    assert main(["checkpoint", "export", str(dense), "--format", "torch", "--out", str(tmp_path / "q"),
+                 "--quantize", "int8"]) == 0
+    assert main(["checkpoint", "export", str(dense), "--format", "torch", "--out", str(tmp_path / "f")]) == 0
+    saved = torch.load(tmp_path / "q" / "model.pt", weights_only=True)
+    expected = quantize_weights(checkpoint_model(dense, 3), "int8").state_dict()
+    assert saved.keys() == expected.keys()
+    key = "blocks.0.mlp.up_proj.weight"
+    assert type(saved[key]).__name__ == type(expected[key]).__name__ != "Tensor"
+    assert torch.equal(saved[key].dequantize(), expected[key].dequantize())
+    assert (tmp_path / "q" / "model.pt").stat().st_size < (tmp_path / "f" / "model.pt").stat().st_size

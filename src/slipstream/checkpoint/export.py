@@ -3,7 +3,7 @@
     slipstream checkpoint inspect DIR [--json]
     slipstream checkpoint export DIR --format torch|safetensors|hf --out FOLDER
                                      [--dtype fp32|bf16|fp16] [--force]
-                                     [--quantize int8-dynact-int4-weight|int8-weight]
+                                     [--quantize int8-dynact-int4-weight|int8-weight|int8|int4]
 
 DIR is a checkpoint folder, a run's checkpoints/ folder or a run folder (its latest complete
 checkpoint), as everywhere in the CLI.
@@ -54,7 +54,9 @@ export
     subclasses (int8 storage; int4 values one per byte, so int4 saves as much file size as
     int8): `import torchao` first, then `torch.load(path, weights_only=True)`. The embedding
     and head stay as saved. The command prints the file size. Without --quantize, a QAT
-    checkpoint exports its float weights like any other.
+    checkpoint exports its float weights like any other. --quantize int8 | int4 is weight-only
+    quantization (optimize/weight_quant.py: activations stay in floating point), exactly what
+    `slipstream generate --quantize` runs.
 
     Every format also gets config.toml (the run's resolved config), export.json (source,
     step, format, dtype, tied keys) and, for bpe tokenizers, tokenizer.json (the copy inside
@@ -347,9 +349,10 @@ def export_checkpoint(path: str | Path, fmt: str, out: str | Path, dtype: str | 
         raise UserError(f"unknown --dtype '{dtype}'; choose one of: {', '.join(DTYPES)}")
     if quantize is not None:
         from slipstream.optimize.qat import SCHEMES, import_torchao_qat
+        from slipstream.optimize.weight_quant import KINDS
 
-        if quantize not in SCHEMES:
-            raise UserError(f"unknown --quantize '{quantize}'; choose one of: {', '.join(SCHEMES)}")
+        if quantize not in SCHEMES + KINDS:
+            raise UserError(f"unknown --quantize '{quantize}'; choose one of: {', '.join(SCHEMES + KINDS)}")
         if fmt != "torch":
             raise UserError(f"--quantize writes torchao's quantized tensors, which only --format torch stores; "
                             f"use --format torch (not {fmt}) or drop --quantize")
@@ -371,7 +374,12 @@ def export_checkpoint(path: str | Path, fmt: str, out: str | Path, dtype: str | 
 
         if torch_dtype is not None:  # cast first: the quantized model computes in this dtype
             model = model.to(torch_dtype)
-        convert_qat(model, quantize, cfg.quant.qat_group_size)
+        if quantize in SCHEMES:
+            convert_qat(model, quantize, cfg.quant.qat_group_size)
+        else:  # int8 / int4 weight-only, as `slipstream generate --quantize` runs it
+            from slipstream.optimize.weight_quant import quantize_weights
+
+            quantize_weights(model, quantize)
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))

@@ -4,10 +4,12 @@ choose the checkpoint interval.
     slipstream checkpoint inspect DIR [--json]
     slipstream checkpoint export DIR --format torch|safetensors|hf --out FOLDER
                                      [--dtype fp32|bf16|fp16] [--force]
-                                     [--quantize int8-dynact-int4-weight|int8-weight]
+                                     [--quantize int8-dynact-int4-weight|int8-weight|int8|int4]
+    slipstream checkpoint prune DIR --out FOLDER --method magnitude|2:4 [--criterion magnitude|wanda]
+                                [--target 0.5 --scope layer|global --calibration-tokens N --data.dir D]
     slipstream checkpoint advise --save-cost 30s --mtbf 24h [--nodes N --restart 5m --step-time 1.2s]
 
-What inspect and export do: slipstream/checkpoint/export.py. The interval: slipstream/plan/checkpoint_interval.py.
+What inspect and export do: slipstream/checkpoint/export.py; prune: slipstream/train/prune_checkpoint.py. The interval: slipstream/plan/checkpoint_interval.py.
 
 Adding another `slipstream checkpoint ...` subcommand from a module outside this package: add
 one entry to CHECKPOINT_COMMANDS below, naming a function that is called with
@@ -61,8 +63,27 @@ def add_commands(sub) -> None:
     p.add_argument("--force", action="store_true", help="replace an existing output folder from an earlier export")
     p.add_argument("--quantize", default=None,
                    help="int8-dynact-int4-weight | int8-weight: convert the blocks' linears to torchao's quantized "
-                        "weights (the real model of a quant.qat run; needs --format torch and torchao)")
+                        "weights (the real model of a quant.qat run); int8 | int4: weight-only quantization, as "
+                        "`generate --quantize` runs it (needs --format torch and torchao)")
     p.set_defaults(func=cmd_export)
+
+    p = add_checkpoint_subcommand("prune", "one-shot pruning of a trained dense checkpoint (magnitude or Wanda), "
+                                           "scored before and after, into a new checkpoint")
+    p.add_argument("dir", help="checkpoint folder, run directory or its checkpoints/ folder (dense)")
+    p.add_argument("--out", required=True, help="new folder for the pruned checkpoint (must not exist, or be empty)")
+    p.add_argument("--method", required=True, choices=["magnitude", "2:4"],
+                   help="magnitude: any fraction of each layer (or globally); 2:4: two zeros in every four inputs")
+    p.add_argument("--criterion", default="magnitude", choices=["magnitude", "wanda"],
+                   help="rank weights by abs(w), or by abs(w) x their input's norm on the train split (Wanda)")
+    p.add_argument("--target", type=float, default=0.5, help="fraction of the blocks' linear weights zeroed")
+    p.add_argument("--scope", default="layer", choices=["layer", "global"],
+                   help="magnitude: each layer reaches the target, or one threshold over all")
+    p.add_argument("--calibration-tokens", type=int, default=65_536, help="wanda: train-split tokens for the norms")
+    p.add_argument("--data.dir", dest="data_dir", default=None, help="prepared data folder (default: the run's own)")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--no-eval", action="store_true", help="skip scoring the val split before and after")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_prune)
 
     p = add_checkpoint_subcommand("advise", "the checkpoint interval that loses the least time, from save cost and MTBF")
     add_advise_arguments(p)
@@ -111,6 +132,21 @@ def cmd_export(args: argparse.Namespace, extra: list[str]) -> int:
 
         size = (out / "model.pt").stat().st_size
         print(f"quantized {args.quantize}: model.pt is {_human(size)} ({size:,} bytes)")
+    return 0
+
+
+def cmd_prune(args: argparse.Namespace, extra: list[str]) -> int:
+    from slipstream.train.prune_checkpoint import format_prune, prune_checkpoint
+
+    no_extra(extra)
+    if not 0.0 < args.target < 1.0:
+        raise UserError(f"--target {args.target} is not a fraction in (0, 1); e.g. --target 0.5")
+    if args.calibration_tokens < 1:
+        raise UserError(f"--calibration-tokens must be >= 1 (got {args.calibration_tokens})")
+    result = prune_checkpoint(args.dir, args.out, args.method, args.target, args.criterion, args.scope,
+                              args.calibration_tokens, data_dir=args.data_dir, device=args.device,
+                              evaluate=not args.no_eval)
+    print(json.dumps(result, indent=2) if args.json else format_prune(result))
     return 0
 
 

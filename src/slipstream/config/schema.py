@@ -203,6 +203,9 @@ class SparsityConfig:
     start_step: int = option(0, "Step of the first pruning; dense before it.", min=0)
     end_step: int = option(0, "Step at which the target is reached, on the cubic schedule of Zhu & Gupta 2017 (s_t = s_f (1 - (1 - (t - t0) / (t1 - t0))^3)); 0 or <= start_step = all at once at start_step. The cubic is 0 at start_step, so the first weights go at start_step + every.", min=0)
     every: int = option(100, "Recompute the masks every this many steps between start_step and end_step (and at end_step).", min=1)
+    criterion: str = option("magnitude", "How methods magnitude and 2:4 rank the weights: magnitude (abs(w)) or wanda (abs(w) x the L2 norm of its input feature over calibration_tokens of the train split, compared within each output row: Sun et al. 2023, one-shot pruning without retraining). wanda: scope layer only; language-model jobs on a local prepared folder.",
+                           choices=("magnitude", "wanda"))
+    calibration_tokens: int = option(65_536, "criterion = wanda: tokens of the train split whose input norms rank the weights (fixed windows: the same at every pruning step, on every rank and after resume).", min=1)
 
 
 @dataclass

@@ -24,6 +24,15 @@ def check_sparsity_rules(cfg: Config) -> None:
     if s.scope == "global" and s.method != "magnitude":
         raise UserError(f"sparsity.scope = global ranks single weights (method magnitude); {what} ranks "
                         "whole heads or channels per layer (or blocks of four): set --sparsity.scope=layer")
+    if s.criterion == "wanda" and s.method not in ("magnitude", "2:4"):
+        raise UserError(f"sparsity.criterion = wanda ranks single weights; {what} ranks whole heads or channels by "
+                        "their norm: use --sparsity.method=magnitude or 2:4, or --sparsity.criterion=magnitude")
+    if s.criterion == "wanda" and s.scope == "global":
+        raise UserError("sparsity.criterion = wanda compares weights within each output row (its activation norms "
+                        "are per layer, so one global threshold has no meaning); set --sparsity.scope=layer")
+    if s.criterion == "wanda" and (cfg.data.streaming or cfg.data.mixture):
+        raise UserError("sparsity.criterion = wanda calibrates on the train split of a local prepared folder; "
+                        "streamed data and mixtures are not supported yet: use --sparsity.criterion=magnitude")
     if s.start_step >= cfg.train.max_steps:
         raise UserError(f"sparsity.start_step = {s.start_step} is not before train.max_steps = "
                         f"{cfg.train.max_steps}: nothing would be pruned; lower sparsity.start_step")

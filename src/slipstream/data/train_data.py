@@ -103,3 +103,19 @@ def make_val_windows(cfg: Config, data: TrainData, rank: int, world_size: int, d
 
     return EvalWindows(data.local_dir, "val", t.micro_batch_size, t.seq_len, t.eval_tokens,
                        rank=rank, world_size=world_size, device=device)
+
+
+class CalibrationInputs:
+    """The input ids of fixed windows of the train split, batch by batch, for data-aware pruning
+    (sparsity.criterion = wanda): the same windows at every pass, on every rank (each rank reads
+    all of them: the masks they decide must be equal everywhere) and after resume."""
+
+    def __init__(self, data_dir: str, batch_size: int, seq_len: int, tokens: int, device: torch.device | str = "cpu"):
+        from slipstream.data.eval_windows import EvalWindows
+
+        self.windows = EvalWindows(data_dir, "train", batch_size, seq_len, tokens, device=device)
+
+    def __iter__(self):
+        for (x, _), _weight in self.windows:
+            yield x
+

@@ -40,12 +40,31 @@ Speed: the masked weights are dense tensors with zeros; no sparse kernel runs, o
 inference-time conversion). The loss of the masked model is the loss of a dense model with the
 same weights, bit for bit.
 
+How weights are ranked (sparsity.criterion, methods magnitude and 2:4): by abs(w), or by Wanda's
+score abs(w_ij) x ||X_j||_2 (Sun et al. 2023, "A Simple and Effective Pruning Approach for Large
+Language Models", https://arxiv.org/abs/2306.11695, eq. 1), where ||X_j||_2 is the L2 norm of
+input feature j over the calibration tokens (forward pre-hooks on the pruned linears, the model
+in eval mode without gradients). As in the paper, weights compete within each output row (its
+"per output" comparison group), and 2:4 keeps the two highest scores of every four. torchao's
+WandaSparsifier computes the same score but ranks over the whole layer and keeps its masks in
+parametrizations and observers (module swaps); here the score feeds the same mask buffers as
+magnitude. Calibration data come from the caller (the language-model job: fixed windows of the
+train split, identical on every rank and after resume, so every rank computes the same masks).
+
+Pruning a dense checkpoint. A run that resumes a checkpoint saved without masks (a dense
+training) starts its masks at all ones and prunes at once, at the schedule's sparsity for the
+resumed step (`SparsitySchedule.from_dense`): one-shot pruning of a trained model, then
+fine-tuning. `slipstream checkpoint prune` does the one shot without training.
+
 The schedule (Zhu & Gupta 2017, "To prune, or not to prune", https://arxiv.org/abs/1710.01878,
 eq. 1): s_t = s_f (1 - (1 - (t - t0) / (t1 - t0))^3) for t0 <= t <= t1, recomputed every
 `sparsity.every` steps (and at t1); 0 before t0, s_f after t1.
 """
 
 from __future__ import annotations
+
+import contextlib
+from typing import Iterable
 
 import torch
 import torch.nn as nn
@@ -146,7 +165,9 @@ def apply_sparsity(model: nn.Module, cfg: SparsityConfig) -> nn.Module:
 
 def register_masks(model: nn.Module, cfg: SparsityConfig) -> list[tuple[nn.Module, str]]:
     """The `<name>_mask` buffers (all ones) of the tensors `cfg.method` prunes; returns them.
-    Also for loading a checkpoint's masks (export)."""
+    Also for loading a checkpoint's masks (export); none for method none."""
+    if cfg.method == "none":
+        return []
     tensors = _pruned_tensors(model, cfg.method)
     if cfg.method == "heads" and round(cfg.target * _blocks(model)[0].attn.n_head) < 1:
         raise UserError(f"sparsity.target = {cfg.target} of {_blocks(model)[0].attn.n_head} heads prunes no head "
@@ -184,10 +205,16 @@ def _ones(t: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def compute_masks(model: nn.Module, cfg: SparsityConfig, sparsity: float) -> None:
+def compute_masks(model: nn.Module, cfg: SparsityConfig, sparsity: float,
+                  norms: dict[nn.Module, torch.Tensor] | None = None) -> None:
     """New masks at `sparsity` (a fraction of the weights, heads or channels), from the current
-    weights (pruned entries are zero, hence the smallest: masks only grow), then apply them."""
-    if cfg.method == "2:4":
+    weights (pruned entries are zero, hence the smallest: masks only grow), then apply them.
+    criterion = wanda: `norms` are input_norms() of the same model."""
+    if cfg.criterion == "wanda":
+        if norms is None:
+            raise ValueError("sparsity.criterion = wanda needs the input norms of the pruned linears (input_norms)")
+        _wanda_masks(model, cfg, sparsity, norms)
+    elif cfg.method == "2:4":
         from torchao.sparsity.utils import mask_creator  # 2 kept of every 4 along the last (input) dim
 
         for module, name in masked_tensors(model):
@@ -210,6 +237,69 @@ def compute_masks(model: nn.Module, cfg: SparsityConfig, sparsity: float) -> Non
         for mlp in _mlps(model):
             _prune_rows(_channel_tensors(mlp), mlp.down_proj.in_features, 1, sparsity)
     apply_masks(model)
+
+
+def _wanda_masks(model: nn.Module, cfg: SparsityConfig, sparsity: float,
+                 norms: dict[nn.Module, torch.Tensor]) -> None:
+    """Wanda's masks: score abs(w_ij) x ||X_j||, the lowest round(sparsity x in_features) scores of
+    every output row zeroed (2:4: the two lowest of every four, by torchao's mask_creator)."""
+    from torchao.sparsity.utils import mask_creator
+
+    for module, name in masked_tensors(model):
+        w = getattr(module, name)
+        score = w.detach().abs().float() * norms[module].to(w.device)[None, :]
+        if cfg.method == "2:4":
+            mask = mask_creator(score, N=2, M=4).bool()
+        else:
+            mask = torch.ones_like(score, dtype=torch.bool)
+            k = round(sparsity * score.shape[1])  # torch.nn.utils.prune's rounding of an amount
+            if k:
+                mask.scatter_(1, score.topk(k, dim=1, largest=False).indices, False)
+        getattr(module, name + MASK).copy_(mask)
+
+
+@torch.no_grad()
+def input_norms(model: nn.Module, inputs: Iterable[torch.Tensor]) -> dict[nn.Module, torch.Tensor]:
+    """{masked linear: the L2 norm of each of its input features over every token of `inputs`}
+    (Wanda's ||X_j||_2). The model runs on each input in eval mode without gradients: call it on
+    the plain module (not a DDP wrapper, whose forward would broadcast buffers)."""
+    linears = [m for m, name in masked_tensors(model) if name == "weight"]
+    squares = {m: torch.zeros(m.in_features, device=m.weight.device) for m in linears}
+
+    def accumulate(module: nn.Module, args: tuple) -> None:
+        x = args[0].detach().float()
+        squares[module] += x.reshape(-1, x.shape[-1]).square().sum(0)
+
+    handles = [m.register_forward_pre_hook(accumulate) for m in linears]
+    was_training, seen = model.training, 0
+    model.eval()  # no dropout: the norms of the weights' real inputs
+    try:
+        for x in inputs:
+            model(x)
+            seen += 1
+    finally:
+        for handle in handles:
+            handle.remove()
+        model.train(was_training)
+    if not seen:
+        raise UserError("sparsity.criterion = wanda got no calibration data (the train split is empty); "
+                        "use --sparsity.criterion=magnitude")
+    return {m: s.sqrt() for m, s in squares.items()}
+
+
+@contextlib.contextmanager
+def without_masks(model: nn.Module):
+    """The mask buffers out of the model's state dict for the duration (loading a dense checkpoint,
+    which has none), reset to all ones: nothing pruned until the next compute_masks. The same
+    tensors stay registered (re-registered non-persistent), so a DDP wrapper's buffer list holds."""
+    tensors = masked_tensors(model)
+    for module, name in tensors:
+        module.register_buffer(name + MASK, getattr(module, name + MASK).fill_(True), persistent=False)
+    try:
+        yield
+    finally:
+        for module, name in tensors:
+            module.register_buffer(name + MASK, getattr(module, name + MASK), persistent=True)
 
 
 def _prune_rows(tensors: list[tuple[nn.Module, str, int]], units: int, width: int, sparsity: float) -> None:
@@ -260,18 +350,38 @@ def measured_sparsity(model: nn.Module) -> tuple[dict[str, float], float]:
 class SparsitySchedule:
     """The trainer's per-step hook: `update(step)` before a step computes new masks on the
     schedule's steps (from the step count alone: a resumed run needs no state beyond the masks
-    its checkpoint holds); `apply()` after it zeroes what the optimizer moved."""
+    its checkpoint holds); `apply()` after it zeroes what the optimizer moved.
 
-    def __init__(self, model: nn.Module, cfg: SparsityConfig):
-        self.model, self.cfg = model, cfg
+    calibration: criterion = wanda: the inputs whose activation norms rank the weights (the same
+    on every rank), and the plain module to run them through (not a data-parallel wrapper).
+    from_dense: set by a resume from a checkpoint without masks; the next update() prunes at the
+    schedule's sparsity for that step even off the schedule's steps (one shot), then clears it."""
+
+    def __init__(self, model: nn.Module, cfg: SparsityConfig, calibration: Iterable[torch.Tensor] | None = None,
+                 calibration_model: nn.Module | None = None):
+        if cfg.criterion == "wanda" and calibration is None:
+            raise UserError("sparsity.criterion = wanda needs calibration inputs: the language-model job takes them "
+                            "from its train split; with your own model and Trainer pass JobInfo(calibration=...), "
+                            "or use --sparsity.criterion=magnitude")
+        self.model, self.cfg, self.calibration = model, cfg, calibration
+        self.calibration_model = calibration_model or model
+        self.from_dense = False
 
     @classmethod
-    def attach(cls, model: nn.Module, cfg: SparsityConfig) -> SparsitySchedule | None:
-        return None if cfg.method == "none" else cls(model, cfg)
+    def attach(cls, model: nn.Module, cfg: SparsityConfig, calibration: Iterable[torch.Tensor] | None = None,
+               calibration_model: nn.Module | None = None) -> SparsitySchedule | None:
+        return None if cfg.method == "none" else cls(model, cfg, calibration, calibration_model)
 
     def update(self, step: int) -> None:
-        if pruning_step(step, self.cfg):
-            compute_masks(self.model, self.cfg, sparsity_at(step, self.cfg))
+        catch_up = self.from_dense and sparsity_at(step, self.cfg) > 0
+        if pruning_step(step, self.cfg) or catch_up:
+            self.prune(sparsity_at(step, self.cfg))
+            self.from_dense = False
+
+    def prune(self, sparsity: float) -> None:
+        """New masks at `sparsity` now (Wanda: the calibration inputs run through the model first)."""
+        norms = input_norms(self.calibration_model, self.calibration) if self.cfg.criterion == "wanda" else None
+        compute_masks(self.model, self.cfg, sparsity, norms)
 
     def apply(self) -> None:
         apply_masks(self.model)

@@ -114,10 +114,19 @@ def evaluate_checkpoint(checkpoint: str, data_dir: str | None = None, split: str
                         device: str = "auto") -> dict[str, Any]:
     """Score a language-model checkpoint on a prepared split (default: the run's own data,
     every window of its val split), one process. The result is what `slipstream eval` prints."""
-    from slipstream.errors import UserError
     from slipstream.train.lm import load_lm_from_checkpoint
 
     model, _, cfg = load_lm_from_checkpoint(checkpoint, device=device)
+    return {"checkpoint": str(checkpoint), **evaluate_lm(model, cfg, data_dir, split, max_tokens, batch_size, seq_len)}
+
+
+def evaluate_lm(model: torch.nn.Module, cfg: Any, data_dir: str | None = None, split: str = "val",
+                max_tokens: int | None = None, batch_size: int | None = None,
+                seq_len: int | None = None) -> dict[str, Any]:
+    """Score a language model built from `cfg` (a checkpoint's config) on a prepared split, one
+    process, on the device its weights are on."""
+    from slipstream.errors import UserError
+
     data_dir = data_dir or cfg.data.dir
     if not data_dir:
         raise UserError("the checkpoint does not name its data folder; pass --data.dir DIR (a `slipstream data prepare` folder)")
@@ -138,6 +147,6 @@ def evaluate_checkpoint(checkpoint: str, data_dir: str | None = None, split: str
                                          eot_id=eot_id)
     evaluator = Evaluator(windows, None, None, autocast_context(target, cfg.precision.autocast), 0, sequence_loss_fn)
     result = evaluator(model, target)
-    return {"checkpoint": str(checkpoint), "data_dir": str(data_dir), "split": split, "seq_len": seq_len,
+    return {"data_dir": str(data_dir), "split": split, "seq_len": seq_len,
             "loss": result.loss, "stderr": result.stderr, "windows": result.samples, "tokens": result.tokens,
             "sampled": windows.sampled, "perplexity": math.exp(result.loss)}

@@ -121,8 +121,14 @@ def build_lm_trainer(cfg: Config):
                else lm_loss_fn if eot_id is None else functools.partial(lm_loss_fn, eot_id=eot_id))
     sequence_loss_fn = functools.partial(lm_sequence_losses, fused_chunk=t.fused_loss_chunk if t.fused_loss else None,
                                          eot_id=eot_id)
+    calibration = None
+    if cfg.sparsity.method != "none" and cfg.sparsity.criterion == "wanda":
+        from slipstream.data.train_data import CalibrationInputs
+
+        calibration = CalibrationInputs(data.local_dir, t.micro_batch_size, t.seq_len, cfg.sparsity.calibration_tokens,
+                                        device)
     job = JobInfo(checkpoint_meta=meta, checkpoint_files=files, model_summary=describe_model(cfg),
-                  planned_peak_bytes=planned)
+                  planned_peak_bytes=planned, calibration=calibration)
     return Trainer(model, train_loader, loss_fn, config=cfg, val_data=val_windows, sequence_loss_fn=sequence_loss_fn,
                    tokens_per_batch=t.micro_batch_size * t.seq_len,
                    flops_per_token=flops_per_token(cfg.model, t.seq_len), device=device, parallel=par,

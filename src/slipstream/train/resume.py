@@ -144,3 +144,14 @@ def config_changes(path: Path, cfg: Config) -> list[str]:
     return [f"{section}.{key}: {saved[section][key]!r} -> {value!r}"
             for section, values in dataclasses.asdict(cfg).items() for key, value in values.items()
             if (section, key) not in ignore and saved.get(section, {}).get(key) != value]
+
+
+def saved_sparsity_method(path: Path) -> str:
+    """The sparsity.method a checkpoint was saved with ("none": it holds no masks)."""
+    from slipstream.config.load import config_from_toml_text
+
+    try:
+        return config_from_toml_text(ckpt.read_text_inside(path, "config.toml")).sparsity.method
+    except OSError as e:
+        raise UserError(f"checkpoint '{path}' has no readable config.toml ({e.strerror}); it is damaged") from None
+

@@ -49,14 +49,14 @@ from slipstream.observe.memory import peak_memory_bytes, reset_peak_memory
 from slipstream.optimize.optimizers import torch_optimizers
 from slipstream.optimize.precision import autocast_context, make_grad_scaler
 from slipstream.optimize.qat import FakeQuantSwitch
-from slipstream.optimize.sparsity import SparsitySchedule
+from slipstream.optimize.sparsity import SparsitySchedule, sparsity_at, without_masks
 from slipstream.runtime import configure_runtime
 from slipstream.train.early_stop import EarlyStopping
 from slipstream.train.evaluate import format_eval
 from slipstream.train.lm_loss import lm_loss_fn
 from slipstream.train.memory_probe import MemoryProbe
 from slipstream.train.meter import IntervalMeter
-from slipstream.train.resume import config_changes, load_checkpoint_state, resume_target
+from slipstream.train.resume import config_changes, load_checkpoint_state, resume_target, saved_sparsity_method
 from slipstream.train.rundir import make_run_dir, on_rank0, prepare_run_dir, release_run_dir
 from slipstream.train.schedule import build_scheduler, load_scheduler_state, scheduler_state
 from slipstream.train.moe_monitor import MoEMonitor
@@ -75,6 +75,7 @@ class JobInfo:
     checkpoint_files: dict[str, str] = field(default_factory=dict)  # copied into every checkpoint: name -> path
     model_summary: str = ""                                          # printed when fit() starts
     planned_peak_bytes: int | None = None                            # slipstream plan's step peak, if any
+    calibration: Any = None  # sparsity.criterion = wanda: an iterable of input batches (the LM job's train windows)
 
 
 def _rng_layout(dims) -> list[int]:
@@ -141,7 +142,8 @@ class Trainer:
         # quant.qat: fake quantization turns on at quant.qat_start_step (None: no QAT).
         self.qat = FakeQuantSwitch.attach(self.model, self.cfg.quant)
         # sparsity: new masks on the schedule's steps, pruned weights re-zeroed after each step (None: dense).
-        self.sparsity = SparsitySchedule.attach(self.model, self.cfg.sparsity)
+        self.sparsity = SparsitySchedule.attach(self.model, self.cfg.sparsity, self.job.calibration,
+                                                calibration_model=unwrap(self.model))
         if self.pipeline is not None:  # evaluation runs through the stages too
             sequence_loss_fn, eval_loss_fn = self.pipeline.sequence_losses, self.pipeline.batch_loss
         self.loss_fn = loss_fn
@@ -259,8 +261,18 @@ class Trainer:
         """Load a checkpoint into this trainer (model, optimizer and state_dict)."""
         from slipstream.distributed.comm_hooks import restore_step
 
-        state = load_checkpoint_state(path, self.model, self.optimizer, self.cfg, self.optimizer_layout(),
-                                      self.job.checkpoint_meta, self.job.checkpoint_files)
+        # A dense checkpoint (saved without masks) under a run with [sparsity]: loaded without the
+        # masks, then pruned in one shot before the next step (optimize/sparsity.py).
+        from_dense = self.sparsity is not None and saved_sparsity_method(path) == "none"
+        with without_masks(self.model) if from_dense else contextlib.nullcontext():
+            state = load_checkpoint_state(path, self.model, self.optimizer, self.cfg, self.optimizer_layout(),
+                                          self.job.checkpoint_meta, self.job.checkpoint_files)
+        if from_dense:
+            self.sparsity.from_dense = True
+            if self.parallel.is_main and not keep_data_position:
+                print(f"sparsity: checkpoint '{path.name}' is dense; pruning it to "
+                      f"{sparsity_at(state['step'], self.cfg.sparsity):g} ({self.cfg.sparsity.method}, "
+                      f"{self.cfg.sparsity.criterion}) before step {state['step'] + 1}")
         self.load_state_dict(state, keep_data_position)
         restore_step(self.model, self.optimizer, self.step)
         if self.qat is not None:  # the phase follows the step count: evaluate() agrees before any step
