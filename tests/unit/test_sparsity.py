@@ -434,3 +434,20 @@ def test_export_quantize_int8_is_the_weight_only_model_generate_runs(dense_then_
     assert type(saved[key]).__name__ == type(expected[key]).__name__ != "Tensor"
     assert torch.equal(saved[key].dequantize(), expected[key].dequantize())
     assert (tmp_path / "q" / "model.pt").stat().st_size < (tmp_path / "f" / "model.pt").stat().st_size
+
+
+def test_sparse_kernel_refuses_weights_that_are_not_2_4_and_a_device_without_it(dense_then_pruned, tmp_path,
+                                                                                  capsys):
+    from slipstream.cli import main
+
+    dense, _, _ = dense_then_pruned
+    args = ["generate", "--prompt", "a", "--max-new-tokens", "2", "--device", "cpu", "--sparse-kernel"]
+    assert main([*args, "--checkpoint", str(dense)]) != 0
+    assert "needs 2:4 weights" in capsys.readouterr().err
+    assert main(["checkpoint", "prune", str(dense), "--out", str(tmp_path / "24"), "--method", "2:4",
+                 "--no-eval"]) == 0
+    assert main([*args, "--checkpoint", str(tmp_path / "24")]) != 0
+    err = capsys.readouterr().err
+    assert "compute capability 8.0" in err and "this is cpu" in err
+    assert main([*args, "--checkpoint", str(tmp_path / "24"), "--quantize", "int8"]) != 0
+    assert "cannot be combined" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 
     slipstream train [--config FILE] [--section.key=value ...]
     slipstream generate --checkpoint PATH --prompt TEXT [--max-new-tokens N --temperature T --top-k K]
-                        [--quantize int8|int4]
+                        [--quantize int8|int4 | --sparse-kernel]
     slipstream eval --checkpoint PATH [--data.dir DIR --split val --tokens N --json]
 
 generate prints the text on stdout and, on stderr once it is done, the model's weight size (bytes of
@@ -55,7 +55,7 @@ def cmd_generate(args: argparse.Namespace, extra: list[str]) -> int:
     try:
         generate_text(args.checkpoint, args.prompt, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_k=args.top_k or None, seed=args.seed, device=args.device, on_text=show,
-                      quantize=args.quantize, on_stats=done.append)
+                      quantize=args.quantize, on_stats=done.append, sparse_kernel=args.sparse_kernel)
         print(flush=True)  # ends the text's line before the report goes to the same terminal
         report(done[0])
     except BrokenPipeError:  # `slipstream generate ... | head`: the reader has all it wants
@@ -97,6 +97,8 @@ def add_commands(sub) -> None:
     p.add_argument("--device", default="auto")
     p.add_argument("--quantize", choices=("int8", "int4"), default=None,
                    help="weight-only quantization of the blocks' linears (torchao); prints the bytes before/after")
+    p.add_argument("--sparse-kernel", action="store_true",
+                   help="a 2:4-pruned model's blocks run the semi-structured sparse matmul (torchao; CUDA sm80+, bf16)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("eval", help="validation loss of a checkpoint on every window of a split (or a fixed sample)")

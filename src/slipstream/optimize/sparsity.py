@@ -385,3 +385,34 @@ class SparsitySchedule:
 
     def apply(self) -> None:
         apply_masks(self.model)
+
+
+# --- the accelerated 2:4 kernel (inference) ----------------------------------------------
+
+def use_sparse_kernel(model: nn.Module) -> nn.Module:
+    """The blocks' 2:4-sparse linears converted to torchao's semi-structured sparse weights
+    (torch.sparse SparseSemiStructuredTensor: the sparse tensor-core matmul, which skips the
+    zeros), for inference (`slipstream generate --sparse-kernel`). Needs CUDA compute capability
+    8.0+ and fp16/bf16 weights (the model is cast to bf16), and weights that are 2:4 already
+    (a run with sparsity.method = 2:4, or `checkpoint prune --method 2:4`): the conversion keeps
+    two values of every four, so it would silently drop live weights of any other pattern."""
+    linears = [m for b in _blocks(model) for m in b.modules() if type(m) is nn.Linear]
+    for m in linears:
+        w = m.weight.detach()
+        if w.shape[-1] % 4 or ((w.reshape(-1, 4) != 0).sum(1) > 2).any():
+            raise UserError("--sparse-kernel needs 2:4 weights (at most two nonzeros in every four inputs), and this "
+                            "checkpoint's are not: train with --sparsity.method=2:4 or prune it with `slipstream "
+                            "checkpoint prune DIR --out NEW --method 2:4`, or drop --sparse-kernel")
+    device = next(model.parameters()).device
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) < (8, 0):
+        where = f"{device}" if device.type != "cuda" else f"a GPU of capability {torch.cuda.get_device_capability(device)}"
+        raise UserError(f"--sparse-kernel runs the 2:4 semi-structured sparse matmul, which needs a CUDA GPU of compute "
+                        f"capability 8.0 or newer (A100, H100, ...); this is {where}. Drop --sparse-kernel: the "
+                        "masked weights then run as dense matmuls with the same result")
+    from torchao.sparsity import semi_sparse_weight, sparsify_
+
+    model.to(torch.bfloat16)  # the sparse tensor cores take fp16 / bf16 (and int8) only
+    for block in _blocks(model):
+        sparsify_(block, semi_sparse_weight(), filter_fn=lambda m, _fqn="": type(m) is nn.Linear)
+    return model
+

@@ -57,9 +57,11 @@ _QUIET_RUN = ("--run.dir={work}/run", "--train.device=cuda", "--train.grad_accum
 # MemTracker, whose cost grows with depth squared (slipstream/memtrack.py): their budgets count
 # on the fix and are the ones to check on the next run.
 ITEMS: tuple[Item, ...] = (
-    Item("cuda-tests", 35, "pytest", ("{repo}/tests/gpu/test_gpu_cuda_paths.py",),
+    Item("cuda-tests", 40, "pytest", ("{repo}/tests/gpu/test_gpu_cuda_paths.py",
+                                      "{repo}/tests/gpu/test_gpu_sparse_kernel.py"),
          "CUDA equivalence tests: TF32 and fp8 training vs fp32/bf16, pinned-memory prefetch batches and resume, "
-         "allocator-stat memory phases, the allocator snapshot file", collect="pytest"),
+         "allocator-stat memory phases, the allocator snapshot file, the 2:4 sparse matmul vs dense",
+         collect="pytest"),
     Item("fused-ce-tests", 45, "pytest", ("{repo}/tests/gpu/test_gpu_fused_ce.py",),
          "the Triton fused linear + cross-entropy kernels on CUDA tensors vs the fp32 reference (fp32, bf16, "
          "fp16; ragged shapes, ignored rows, torch.compile); the CPU unit tests of the op run in CI",

@@ -312,7 +312,7 @@ class TextStream:
 
 def generate_text(checkpoint: str, prompt: str, max_new_tokens: int = 200, temperature: float = 0.8,
                   top_k: int | None = 50, seed: int = 0, device: str = "auto", on_text=None,
-                  quantize: str | None = None, on_stats=None) -> str:
+                  quantize: str | None = None, on_stats=None, sparse_kernel: bool = False) -> str:
     """Prompt + continuation as text. on_text(piece) receives it piece by piece as the tokens
     are sampled (the CLI prints them as they come).
 
@@ -321,7 +321,8 @@ def generate_text(checkpoint: str, prompt: str, max_new_tokens: int = 200, tempe
     weight_bytes_before / weight_bytes_after (size of the model's saved state dict, before and
     after quantization; equal without it), tokens and seconds of the timed part, device and
     tokens_per_s. The first token is a warm-up and is not timed (with max_new_tokens = 1 it is
-    the only one and is timed)."""
+    the only one and is timed). sparse_kernel: a 2:4 model's blocks run torchao's semi-structured
+    sparse matmul (CUDA sm80+, bf16; optimize/sparsity.py use_sparse_kernel)."""
     import time
 
     from slipstream.models.transformer import generate
@@ -339,11 +340,18 @@ def generate_text(checkpoint: str, prompt: str, max_new_tokens: int = 200, tempe
         raise UserError(f"--top-k must be >= 1, got {top_k}")
     if quantize is not None and quantize not in KINDS:
         raise UserError(f"--quantize must be one of {', '.join(KINDS)}, got '{quantize}'")
+    if quantize is not None and sparse_kernel:
+        raise UserError("--quantize and --sparse-kernel cannot be combined yet (each converts the blocks' linears); "
+                        "choose one")
     check_prompt(prompt)
     model, tokenizer, cfg = load_lm_from_checkpoint(checkpoint, device)
     bytes_before = weight_bytes(model) if on_stats is not None else None
     if quantize is not None:
         quantize_weights(model, quantize)
+    if sparse_kernel:
+        from slipstream.optimize.sparsity import use_sparse_kernel
+
+        use_sparse_kernel(model)
     ids = tokenizer.encode(prompt)
     start = 0
     if not ids:  # an empty prompt starts a new document: after the end-of-text token, which we don't print
