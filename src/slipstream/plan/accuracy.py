@@ -35,7 +35,7 @@ import torch
 
 from slipstream.config.presets import PRESETS
 from slipstream.config.schema import ModelConfig
-from slipstream.plan.memory import estimate_memory, rank_memory
+from slipstream.plan.memory import Compression, estimate_memory, rank_memory
 from slipstream.plan.space import PlanModel, Strategy
 
 TARGET_ERROR = 0.10
@@ -49,6 +49,12 @@ class Case:
     seq_len: int = 128
     overrides: tuple[tuple[str, Any], ...] = ()
     pp_rank: int | None = None   # pipelines: the pp rank measured (None: the one the planner finds busiest)
+    state_dtype: str = "fp32"    # optim.state_dtype: int8 / int4 run torchao's low-bit AdamW
+    qat: str = "none"            # quant.qat: the blocks' linears fake-quantized (torchao QAT, optimize/qat.py)
+    sparsity: str = "none"       # sparsity.method: masks on the blocks' linears (optimize/sparsity.py)
+
+    def compression(self) -> Compression:
+        return Compression(qat=self.qat, sparsity=self.sparsity)
 
     def model_config(self) -> ModelConfig:
         values = {**PRESETS[self.preset], "preset": self.preset, "vocab_size": 512, **dict(self.overrides)}
@@ -68,8 +74,11 @@ class Case:
         extra = ",".join(f"{k}={v}" for k, v in self.overrides)
         attention = f" {self.strategy.attention}" if self.strategy.attention != "flash" else ""
         rank = f" rank {self.rank()}" if self.strategy.pp > 1 else ""
+        compress = "".join(f" {name} {value}" for name, value, plain in (
+            ("state", self.state_dtype, "fp32"), ("qat", self.qat, "none"), ("sparsity", self.sparsity, "none"))
+            if value != plain)
         return (f"{self.preset}{'[' + extra + ']' if extra else ''} seq{self.seq_len} {self.strategy.precision} "
-                f"{self.strategy.label()}{attention}{rank}")
+                f"{self.strategy.label()}{attention}{rank}{compress}")
 
 
 # The grid's model families: a preset and its overrides (the GPT-2 style one widened).
@@ -111,7 +120,7 @@ def default_cases() -> list[Case]:
                                            ac="full", precision="bf16"), overrides=overrides))
     # A larger world: the shards get smaller, the gathered blocks and activations do not.
     cases.append(Case("gpt-mini", Strategy(dp_strategy="fsdp", dp=16, micro_batch=8, precision="bf16")))
-    return cases + architecture_cases() + pipeline_cases()
+    return cases + architecture_cases() + pipeline_cases() + compression_cases()
 
 
 def architecture_cases() -> list[Case]:
@@ -154,6 +163,18 @@ def pipeline_cases() -> list[Case]:
             Case("tiny", piped(pp_schedule="gpipe"), overrides=FAMILIES["tiny"], pp_rank=1)]
 
 
+def compression_cases() -> list[Case]:
+    """One process on the tiny family: torchao's low-bit AdamW states (int8, int4), QAT's two
+    schemes (fp32 and bf16 autocast) and magnitude pruning's masks."""
+    def tiny(precision: str = "fp32", **compression) -> Case:
+        return Case("tiny", Strategy(micro_batch=8, precision=precision), overrides=FAMILIES["tiny"], **compression)
+
+    return [tiny(state_dtype="int8"), tiny(state_dtype="int4"),
+            *(tiny(precision, qat=scheme) for scheme in ("int8-dynact-int4-weight", "int8-weight")
+              for precision in ("fp32", "bf16")),
+            tiny(sparsity="magnitude")]
+
+
 # (preset, Strategy fields[, model options beyond the family's]) of each case of stratified_cases();
 # each names one case of the grid (a field left out: a single process, flash attention, no options).
 _STRATIFIED = (
@@ -172,21 +193,28 @@ _STRATIFIED = (
     ("llama-tiny", dict(precision="bf16"), dict(parallel_block=True, rotary_fraction=0.25, mlp="gelu", norm="layernorm")),
     ("tiny", dict(attention="materialized", ac="none")),
     ("tiny", dict(pp=2, pp_schedule="1f1b", pp_layers=())),
+    ("tiny", dict(precision="bf16", qat="int8-dynact-int4-weight")),
+    ("tiny", dict(state_dtype="int4")),
 )
+# Fields of a Case (not of its Strategy) an entry of _STRATIFIED may name, with their plain values.
+_COMPRESSION_FIELDS = {"state_dtype": "fp32", "qat": "none", "sparsity": "none"}
 
 
 def stratified_cases() -> list[Case]:
-    """15 of the grid's cases, measured in seconds instead of minutes: every model family,
+    """17 of the grid's cases, measured in seconds instead of minutes: every model family,
     data-parallel strategy, AC mode and precision, accumulation with and without sharding, the
     fused loss and the 16-rank world, among them the grid's largest errors (sharded bf16, the
-    16-rank world); an architecture combination, materialized attention and a pipeline's busiest
-    rank. `bench planner --cases stratified` and the tests run these."""
+    16-rank world); an architecture combination, materialized attention, a pipeline's busiest
+    rank, QAT and low-bit optimizer states. `bench planner --cases stratified` and the tests run
+    these."""
     grid = default_cases()
     picked = []
     for preset, fields, *options in _STRATIFIED:
-        wanted = {"pp": 1, "attention": "flash", **fields}
+        compression = {k: fields.get(k, plain) for k, plain in _COMPRESSION_FIELDS.items()}
+        wanted = {"pp": 1, "attention": "flash", **{k: v for k, v in fields.items() if k not in compression}}
         found = [c for c in grid if c.preset == preset and c.pp_rank is None
                  and all(getattr(c.strategy, k) == v for k, v in wanted.items())
+                 and all(getattr(c, k) == v for k, v in compression.items())
                  and _options(c) == (options[0] if options else {})]
         if len(found) != 1:
             raise ValueError(f"stratified case {preset} {fields} matches {len(found)} grid cases, not 1")
@@ -266,6 +294,8 @@ def _measure_one(case: Case) -> int:
 
     if s.dp_strategy == "none":
         return int(measure_on_device(case, "cpu", steps=0)["peak_bytes"])
+    if (case.state_dtype, case.qat, case.sparsity) != tuple(_COMPRESSION_FIELDS.values()):
+        raise ValueError("the accuracy grid runs low-bit states, QAT and sparsity on one process only")
     if s.dp_strategy not in ("ddp", "zero1"):
         return _measure_sharded(case, cfg, batch, targets, fused)
     with _fake_process_group(s.dp):
@@ -354,9 +384,10 @@ def _peak_total(tracker) -> int:
 
 def plan_case(case: Case) -> int:
     model = PlanModel(case.preset, case.model_config())
+    options = dict(state_dtype=case.state_dtype, compression=case.compression())
     if case.strategy.pp > 1:
-        return rank_memory(model, case.strategy, case.seq_len, case.rank(), device="cpu").peak_bytes
-    return estimate_memory(model, case.strategy, case.seq_len, device="cpu").peak_bytes
+        return rank_memory(model, case.strategy, case.seq_len, case.rank(), device="cpu", **options).peak_bytes
+    return estimate_memory(model, case.strategy, case.seq_len, device="cpu", **options).peak_bytes
 
 
 # ---------------------------------------------------------------- one pipeline rank
@@ -488,8 +519,15 @@ def measure_on_device(case: Case, device: str, steps: int = 8) -> dict[str, floa
     batch = torch.randint(0, cfg.vocab_size, (s.grad_accum, s.micro_batch, case.seq_len), device=device)
     targets = torch.randint(0, cfg.vocab_size, (s.grad_accum, s.micro_batch, case.seq_len), device=device)
     fused = _fused_loss(s.loss_chunk) if s.fused_loss else None
-    model = apply_activation_checkpointing(build_model(cfg, device=device), s.ac)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    model = apply_activation_checkpointing(_compressed(build_model(cfg, device=device), case), s.ac)
+    if case.state_dtype in ("int8", "int4"):
+        from slipstream.optimize.optimizers import low_bit_adamw
+
+        # eager (for-loop): the compiled update would compile per parameter shape for minutes on a CPU
+        optimizer = low_bit_adamw(model.parameters(), case.state_dtype, lr=1e-4, betas=(0.9, 0.95), eps=1e-8,
+                                  weight_decay=0.0, implementation="for-loop")
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 
     def step() -> None:
         _train_step(model, optimizer, batch, targets, s, fused)
@@ -511,6 +549,25 @@ def measure_on_device(case: Case, device: str, steps: int = 8) -> dict[str, floa
     times.sort()
     return {"peak_bytes": report.peak_bytes, "reserved_bytes": report.reserved_peak_bytes,
             "step_s": times[len(times) // 2] if times else None}
+
+
+def _compressed(model, case: Case):
+    """`model` with the case's QAT (torchao's fake-quantized linears) and sparsity masks, in the
+    trainer's order (distributed/parallelize.py: QAT, then the masks, then AC); the masks at 50 %
+    (their bytes do not depend on the fraction)."""
+    if case.qat != "none":
+        from slipstream.config.schema import QuantConfig
+        from slipstream.optimize.qat import apply_qat
+
+        apply_qat(model, QuantConfig(qat=case.qat))
+    if case.sparsity != "none":
+        from slipstream.config.schema import SparsityConfig
+        from slipstream.optimize.sparsity import apply_sparsity, compute_masks
+
+        config = SparsityConfig(method=case.sparsity, target=0.5)
+        apply_sparsity(model, config)
+        compute_masks(model, config, config.target)
+    return model
 
 
 def run_device_accuracy(device: str, gpus: str, cases: list[Case] | None = None) -> list[dict[str, Any]]:

@@ -76,6 +76,14 @@ chunk of fp32 logits in its backward (the cap's derivative).
 
 fp16 runs as bf16 does (autocast, or FSDP mixed precision with a sharded grad scaler): the same
 bytes; a grad scaler keeps a scale and an inf flag per device, nothing per parameter.
+
+Compression (Compression): quant.qat's fake-quantized linears keep, per rounded tensor, clamp's
+input and the rounded copy the matmul saves, and per quantization group the scales and zero
+points (_fake_quant_bytes; the weights every micro-batch, the inputs per token under
+int8-dynact-int4-weight, in place of the plain linears' inputs); sparsity keeps one bool per
+pruned value with the parameters and, in backward, the masked gradient of the tensor being
+differentiated. Both checked against autograd and the real masks in
+tests/unit/test_plan_compression_memory.py; low-bit optimizer states: low_bit_optimizer_bytes.
 """
 
 from __future__ import annotations
@@ -139,11 +147,13 @@ def _dtypes(s: Strategy) -> _Dtypes:
 
 
 def block_activation_bytes(model: PlanModel, tokens: int, s: Strategy, mode: str | None = None,
-                           moe: bool = False, seq_len: int | None = None) -> int:
+                           moe: bool = False, seq_len: int | None = None,
+                           compression: Compression | None = None) -> int:
     """Bytes one transformer block saves for backward for `tokens` tokens on this GPU
     (moe: a block with experts, of a model that has them). seq_len: the keys each query attends
     to (materialized attention keeps tokens x seq_len scores per head); default the sequence
-    the tokens come from, tokens x cp / micro_batch."""
+    the tokens come from, tokens x cp / micro_batch. compression: quant.qat's fake-quantized
+    linears change what the block keeps (qat_activation_bytes)."""
     cfg, dt = model.cfg, _dtypes(s)
     ex = experts_of(model) if moe else None
     mode = s.ac if mode is None else mode
@@ -152,8 +162,13 @@ def block_activation_bytes(model: PlanModel, tokens: int, s: Strategy, mode: str
     seq_split = tp if (tp > 1 and s.sequence_parallel) else 1
     r, a = dt.residual, dt.compute
     block_input = n * d * r // seq_split
+    qat = compression is not None and compression.qat != "none" and ex is None
+    # A checkpointed block keeps only its fake quantizers' scales and zero points (the last ones
+    # stay on the modules); it recomputes the rounded tensors in its backward.
+    qparams = (qat_activation_bytes(model, n, s, compression, checkpointed=True)
+               + qat_weight_bytes(model, s, compression, kept=False)) if qat else 0
     if mode == "full":
-        return block_input
+        return block_input + qparams
     materialized = s.attention == "materialized"
     head_dim = d // cfg.n_head
     kv = (cfg.n_kv_head or cfg.n_head) * head_dim
@@ -169,7 +184,7 @@ def block_activation_bytes(model: PlanModel, tokens: int, s: Strategy, mode: str
         attention = attn_output + (0 if materialized else _logsumexp_bytes(cfg, n, s))
         if ex is not None:
             return block_input + qkv + attention + projections + _moe_saved(ex, cfg, n, s, "selective")
-        return block_input + qkv + attention + projections * 2 + mlp_inner * n_up
+        return block_input + qkv + attention + projections * 2 + mlp_inner * n_up + qparams
     attention = attn_output + (_scores_bytes(model, n, s, seq_len, kept=True) if materialized
                                else _logsumexp_bytes(cfg, n, s))
     stats = n * 4 * (1 if cfg.norm == "rmsnorm" else 2) // seq_split
@@ -181,6 +196,13 @@ def block_activation_bytes(model: PlanModel, tokens: int, s: Strategy, mode: str
     # The parallel block's norms both read the block input: no mid-block residual to keep.
     residual_mid = 0 if cfg.parallel_block else n * d * r // seq_split
     mlp = mlp_inner * _MLP_SAVED[cfg.mlp] if ex is None else _moe_saved(ex, cfg, n, s, "none")
+    if qat:
+        # The linears keep their fake-quantized inputs and weights instead of their inputs: the norm
+        # outputs (or autocast's copies of them), the MLP's last inner tensor and a materialized
+        # attention's output were kept for the linears alone and go. Every micro-batch's forward
+        # rounds the weights again: they are per micro-batch, as activations are.
+        kept_inputs = norm_outs + mlp_inner * _DOWN_INPUT_ONLY[cfg.mlp] + (attn_output if materialized else 0)
+        mlp += qat_activation_bytes(model, n, s, compression, kept_inputs) + qat_weight_bytes(model, s, compression)
     return block_input + residual_mid + norm_outs + 2 * (stats + rms_extra) + qkv + attention + mlp
 
 
@@ -188,6 +210,9 @@ def block_activation_bytes(model: PlanModel, tokens: int, s: Strategy, mode: str
 # (down_proj's input); relu2 the relu output and its square; relu only its output (relu's backward
 # reads its result, the same tensor down_proj keeps); swiglu gate, silu, up and their product.
 _MLP_SAVED = {"gelu": 2, "relu2": 2, "relu": 1, "swiglu": 4}
+# Of those, the n x F tensors only down_proj keeps (its input): gelu's output, relu2's square,
+# swiglu's product; relu's output is also relu's own saved result.
+_DOWN_INPUT_ONLY = {"gelu": 1, "relu2": 1, "relu": 0, "swiglu": 1}
 
 
 def _logsumexp_bytes(cfg, tokens: int, s: Strategy) -> int:
@@ -246,10 +271,129 @@ def _moe_saved(ex: Experts, cfg, n: int, s: Strategy, mode: str) -> int:
     return router + routing + rows + inner + combine + shared_inner * _MLP_SAVED[cfg.mlp]
 
 
+def _qat_note(scheme: str) -> str:
+    return ("int8 per-token fake-quantized inputs and int4 grouped fake-quantized weights of every block linear"
+            if scheme == "int8-dynact-int4-weight" else "int8 per-channel fake-quantized weights of every block linear")
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
 def _mlp_hidden(model: PlanModel) -> int:
     from slipstream.models.transformer import mlp_hidden
 
     return mlp_hidden(model.cfg)
+
+
+# ---------------------------------------------------------------- compression: QAT and sparsity masks
+
+@dataclass(frozen=True)
+class Compression:
+    """The switches that change a step's memory by compressing the model: quant.qat
+    (optimize/qat.py: torchao's fake-quantized linears in the blocks) and sparsity.method
+    (optimize/sparsity.py: a bool mask per pruned tensor and a masked gradient)."""
+
+    qat: str = "none"
+    qat_group_size: int = 32
+    sparsity: str = "none"
+
+    @classmethod
+    def of(cls, cfg) -> Compression:
+        """A run's (a Config's) compression switches."""
+        return cls(cfg.quant.qat, cfg.quant.qat_group_size, cfg.sparsity.method)
+
+
+NO_COMPRESSION = Compression()
+
+
+def _block_linears(model: PlanModel) -> list[tuple[str, int, int, str]]:
+    """(name, in_features, out_features, what feeds it) of a dense block's nn.Linear modules
+    (models/transformer.py: Attention, MLP): a norm's output, the attention's, or the MLP's."""
+    cfg = model.cfg
+    d, hidden = cfg.d_model, _mlp_hidden(model)
+    kv = (cfg.n_kv_head or cfg.n_head) * (d // cfg.n_head)
+    linears = [("q_proj", d, d, "norm"), ("k_proj", d, kv, "norm"), ("v_proj", d, kv, "norm"),
+               ("o_proj", d, d, "attention"), ("up_proj", d, hidden, "norm")]
+    if cfg.mlp == "swiglu":
+        linears.append(("gate_proj", d, hidden, "norm"))
+    return linears + [("down_proj", hidden, d, "mlp")]
+
+
+def _fake_quant_bytes(values: int, groups: int, b: int, a: int, kept: bool = True) -> int:
+    """What one fake-quantized tensor of `values` values in `groups` quantization groups keeps,
+    computed in its input's dtype (b bytes) for a matmul in the compute dtype (a bytes). torchao
+    0.18's _fake_quantize_affine (quantization/quant_primitives.py) rounds, adds the zero point,
+    clamps and dequantizes: clamp keeps its input (values x b) for the gradient's mask, the
+    matmul keeps the fake-quantized tensor (values x a: autocast's copy, or the tensor itself),
+    the dequantizing multiply keeps the broadcast scale (groups x b); and the fake quantizer
+    (IntxFakeQuantizer) holds its last scale (b) and int32 zero point on the module, per group,
+    until the next forward. kept=False: only those two (a checkpointed block recomputes the rest).
+    Measured with saved tensors in tests/unit/test_plan_compression_memory.py."""
+    qparams = groups * (b + 4)
+    return values * (b + a) + groups * b + qparams if kept else qparams
+
+
+def _weight_groups(scheme: str, group_size: int, out_features: int, in_features: int) -> int:
+    """Quantization groups of a linear's weight: int4 in groups of group_size inputs (PerGroup), or
+    one per output channel (int8-weight: PerAxis(0))."""
+    return out_features * in_features // group_size if scheme == "int8-dynact-int4-weight" else out_features
+
+
+def qat_activation_bytes(model: PlanModel, tokens: int, s: Strategy, compression: Compression,
+                         kept_inputs: int = 0, checkpointed: bool = False) -> int:
+    """What quant.qat changes in one block's saved activations for `tokens` tokens: int8
+    per-token dynamic activations (int8-dynact-int4-weight) fake-quantize every linear's input
+    (one group per token, in that input's dtype: the residual stream's for the norm outputs,
+    the compute dtype for the attention's and the MLP's), minus `kept_inputs`, the bytes the
+    plain linears alone kept. A checkpointed block keeps the quantizers' scales and zero points
+    only. int8-weight quantizes no activation."""
+    if compression.qat != "int8-dynact-int4-weight":
+        return 0
+    dt = _dtypes(s)
+    dtype_of = {"norm": dt.residual, "attention": dt.compute, "mlp": dt.compute}
+    total = sum(_fake_quant_bytes(tokens * fan_in, tokens, dtype_of[source], dt.compute, kept=not checkpointed)
+                for _, fan_in, _, source in _block_linears(model))
+    return total - kept_inputs
+
+
+def qat_weight_bytes(model: PlanModel, s: Strategy, compression: Compression, kept: bool = True) -> int:
+    """One block's fake-quantized weights, as kept for backward (kept) or during its recompute:
+    every linear's weight rounded in the parameters' dtype (the gathered one under FSDP) per
+    group (_weight_groups), beyond autocast's low-precision copy of the weight a plain linear
+    keeps anyway (weight_copies)."""
+    if compression.qat == "none":
+        return 0
+    dt = _dtypes(s)
+    total = 0
+    for _, fan_in, fan_out, _ in _block_linears(model):
+        values = fan_in * fan_out
+        groups = _weight_groups(compression.qat, compression.qat_group_size, fan_out, fan_in)
+        total += _fake_quant_bytes(values, groups, dt.gathered, dt.compute, kept)
+        total -= values * dt.compute if dt.autocast and kept else 0
+    return total
+
+
+def sparsity_masked_values(model: PlanModel, method: str) -> tuple[int, int]:
+    """(values per block, the largest tensor's values) that sparsity.method gives a `<name>_mask`
+    (optimize/sparsity.py, _pruned_tensors): magnitude and 2:4 every linear's weight; heads
+    q_proj's rows and o_proj's columns (k_proj's and v_proj's without GQA), with their biases;
+    channels the MLP's up (gate) rows and down_proj's columns, with their biases."""
+    if method == "none":
+        return 0, 0
+    cfg = model.cfg
+    linears = {name: (fan_in, fan_out) for name, fan_in, fan_out, _ in _block_linears(model)}
+    if method in ("magnitude", "2:4"):
+        sizes = [i * o for i, o in linears.values()]
+    elif method == "heads":
+        heads = ["q_proj", "o_proj"] + (["k_proj", "v_proj"] if (cfg.n_kv_head or cfg.n_head) == cfg.n_head else [])
+        sizes = [linears[n][0] * linears[n][1] for n in heads]
+        sizes += [linears[n][1] for n in heads if n != "o_proj" and cfg.bias]
+    else:  # channels
+        names = ["up_proj", "down_proj"] + (["gate_proj"] if "gate_proj" in linears else [])
+        sizes = [linears[n][0] * linears[n][1] for n in names]
+        sizes += [linears[n][1] for n in names if n != "down_proj" and cfg.bias]
+    return sum(sizes), max(sizes)
 
 
 # ---------------------------------------------------------------- pipeline ranks
@@ -325,7 +469,7 @@ def _head_in_flight(s: Strategy) -> int:
 
 def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "cuda",
                     optimizer_state_bytes: int = 4, optimizer: str = "adamw",
-                    state_dtype: str = "") -> MemoryEstimate:
+                    state_dtype: str = "", compression: Compression = NO_COMPRESSION) -> MemoryEstimate:
     """Predicted peak memory per GPU of one training step of `model` laid out as `s`.
 
     seq_len: tokens per sequence; s.micro_batch sequences go through each forward.
@@ -335,6 +479,9 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
     optimizer: adamw, or muon (optim.optimizer): one fp32 momentum buffer per hidden-matrix
     parameter instead of two moments (a traced user module is planned with AdamW's state).
     device: "cuda" adds the allocator's fragmentation margin; "cpu" does not.
+    compression: quant.qat and sparsity.method (Compression.of(config)): fake-quantized linears
+    planned on, as after quant.qat_start_step (before it the linears run plain and keep less);
+    sparsity's masks and masked gradients.
     A pipeline is planned rank by rank (pipeline_parts, rank_memory); the estimate is the
     busiest rank's, with its index in peak_rank.
     """
@@ -343,7 +490,7 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
     parts = pipeline_parts(model, s, seq_len)
     if s.pp == 1:
         return _rank_memory(model, s, seq_len, parts[0], _moe_blocks(model, parts, parts[0]), device,
-                            optimizer_state_bytes, optimizer, state_dtype)
+                            optimizer_state_bytes, optimizer, state_dtype, compression)
     # A rank that holds the same kind of pieces as another, no more blocks and no more
     # micro-batches in flight cannot be the peak: only the others are planned (a model with
     # experts plans every rank: its blocks differ in kind).
@@ -359,7 +506,7 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
                 candidates.append((part, _moe_blocks(model, parts, part), in_flight))
                 most_blocks = blocks
     planned = [(part, _rank_memory(model, s, seq_len, part, n_moe, device, optimizer_state_bytes, optimizer,
-                                   state_dtype))
+                                   state_dtype, compression))
                for part, n_moe, _ in sorted(candidates, key=lambda c: c[0].rank)]
     part, chosen = max(planned, key=lambda pe: (pe[1].total_bytes, -pe[0].rank))   # the first of equal peaks
     pieces = " + ".join(["embedding"] * part.embedding + [f"{part.blocks} blocks"] + ["head and loss"] * part.head)
@@ -370,18 +517,20 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
 
 
 def rank_memory(model: PlanModel, s: Strategy, seq_len: int, rank: int, device: str = "cuda",
-                optimizer_state_bytes: int = 4, optimizer: str = "adamw", state_dtype: str = "") -> MemoryEstimate:
+                optimizer_state_bytes: int = 4, optimizer: str = "adamw", state_dtype: str = "",
+                compression: Compression = NO_COMPRESSION) -> MemoryEstimate:
     """The step's peak on pipeline rank `rank` alone (estimate_memory plans the busiest)."""
     parts = pipeline_parts(model, s, seq_len)
     part = parts[rank]
     estimate = _rank_memory(model, s, seq_len, part, _moe_blocks(model, parts, part), device,
-                            optimizer_state_bytes, optimizer, state_dtype)
+                            optimizer_state_bytes, optimizer, state_dtype, compression)
     estimate.peak_rank = rank if s.pp > 1 else None
     return estimate
 
 
 def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_moe: int, device: str,
-                 optimizer_state_bytes: int, optimizer: str, state_dtype: str = "") -> MemoryEstimate:
+                 optimizer_state_bytes: int, optimizer: str, state_dtype: str = "",
+                 compression: Compression = NO_COMPRESSION) -> MemoryEstimate:
     """The step's peak on one pipeline rank (without a pipeline: the one GPU's whole model)."""
     cfg, dt = model.cfg, _dtypes(s)
     pc = param_count(cfg)
@@ -438,10 +587,19 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
         host = int(param_bytes + grad_bytes + optim_bytes)
         param_bytes = grad_bytes = optim_bytes = 0
         notes.append("offload: sharded parameters, gradients and optimizer state live in host memory")
+    # Sparsity's masks: one bool per pruned value, a buffer of each block (config refuses sharding and tp).
+    masked, largest_masked = sparsity_masked_values(model, compression.sparsity)
+    if masked:
+        param_bytes += layers * masked
+        notes.append(f"sparsity {compression.sparsity}: a bool mask per pruned tensor ({_mib(layers * masked)} with "
+                     "the parameters); the masked gradient (grad x mask) of the tensor being differentiated")
+    if compression.qat != "none":
+        notes.append(f"QAT {compression.qat}: {_qat_note(compression.qat)} kept for backward per micro-batch "
+                     "(planned after quant.qat_start_step; before it the linears run plain and keep less)")
 
     # ---- activations of one micro-batch on this GPU
     tokens = s.micro_batch * seq_len // s.cp
-    per_block = block_activation_bytes(model, tokens, s, seq_len=seq_len)
+    per_block = block_activation_bytes(model, tokens, s, seq_len=seq_len, compression=compression)
     stage_acts = layers * per_block
     if n_moe:
         moe_acts = block_activation_bytes(model, tokens, s, moe=True, seq_len=seq_len)
@@ -540,8 +698,10 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
     block_grad = sharded(block_params, shard_grad) * 4
     transient = _block_backward_transient(model, tokens, s, seq_len=seq_len)
     # A checkpointed block's backward first recomputes what it did not keep.
-    recompute = block_activation_bytes(model, tokens, s, mode="none", seq_len=seq_len) - per_block \
-        if s.ac != "none" else 0
+    recompute = block_activation_bytes(model, tokens, s, mode="none", seq_len=seq_len,
+                                       compression=compression) - per_block if s.ac != "none" else 0
+    # The hook of a masked gradient makes grad x mask while the gradient autograd computed is alive.
+    transient += largest_masked * 4
     mean_block = per_block
     if n_moe:
         # The walk goes down the rank's blocks at their mean; the largest MoE block's backward
@@ -582,7 +742,10 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
         later = walk(acts - one_micro - held_loss, all_grads)
         if sum(later.values()) > sum(phases["backward"].values()):
             phases["backward"] = later
-    phases["optimizer"] = phase(grad_bytes, 0.0, pipe_buffers)
+    # The fake quantizers keep their last scales and zero points on the modules until the next forward.
+    qparams = layers * (qat_activation_bytes(model, tokens, s, compression, checkpointed=True)
+                        + qat_weight_bytes(model, s, compression, kept=False))
+    phases["optimizer"] = phase(grad_bytes, qparams, pipe_buffers)
 
     peak_phase = max(phases, key=lambda name: sum(phases[name].values()))
     breakdown = {k: int(v) for k, v in phases[peak_phase].items()}

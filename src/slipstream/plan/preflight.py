@@ -75,14 +75,16 @@ def device_memory_limit(device: torch.device) -> tuple[int, str] | None:
 
 
 def plan_training_memory(cfg, world: int, dp_strategy: str, dp_shard: int, device_type: str):
-    """The planner's MemoryEstimate of one training step of `cfg` (its vocabulary resolved)."""
-    from slipstream.plan.memory import estimate_memory
+    """The planner's MemoryEstimate of one training step of `cfg` (its vocabulary resolved), with
+    its compression switches (quant.qat's fake-quantized linears, sparsity's masks)."""
+    from slipstream.plan.memory import Compression, estimate_memory
     from slipstream.plan.space import PlanModel, strategy_from_config
 
     strategy = strategy_from_config(cfg, world, dp_strategy, dp_shard)
     return estimate_memory(PlanModel(cfg.model.preset, cfg.model), strategy, cfg.train.seq_len, device=device_type,
                            optimizer_state_bytes=2 if cfg.optim.state_dtype == "bf16" else 4,
-                           optimizer=cfg.optim.optimizer, state_dtype=cfg.optim.state_dtype)
+                           optimizer=cfg.optim.optimizer, state_dtype=cfg.optim.state_dtype,
+                           compression=Compression.of(cfg))
 
 
 # What shrinks each half of the step's memory, named in the refusal (the bigger half first).
