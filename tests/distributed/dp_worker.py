@@ -52,6 +52,10 @@ POWERSGD = ("--parallel.comm_hook=powersgd", "--parallel.powersgd_start_step=2",
 LOCAL_SGD_START, LOCAL_SGD_PERIOD = 2, 2
 LOCAL_SGD = (f"--parallel.local_sgd_period={LOCAL_SGD_PERIOD}", f"--parallel.local_sgd_start_step={LOCAL_SGD_START}")
 BYTES = ("--train.max_steps=1", "--checkpoint.interval=0", "--checkpoint.save_final=false")
+# Wanda pruning at step 2 (issue 21): each rank runs half of the calibration batches and one
+# all-reduce sums the input norms; the masks must equal one process's over all of them.
+WANDA = ("--sparsity.method=magnitude", "--sparsity.criterion=wanda", "--sparsity.target=0.5",
+         "--sparsity.start_step=2")
 
 SCENARIOS: dict[int, list[dict[str, Any]]] = {
     2: [
@@ -73,6 +77,7 @@ SCENARIOS: dict[int, list[dict[str, Any]]] = {
         # Local SGD averages during steps 3 and 5: the step-3 checkpoint holds every rank's parameters.
         scenario("resume_local_sgd", "ddp", extra=LOCAL_SGD, kind="resume"),
         scenario("dataset_ddp", "ddp", kind="dataset"),
+        scenario("wanda_ddp", "ddp", extra=WANDA),
         # Sharding really shards (issue 12): each rank's bytes of parameters, gradients and Adam
         # moments against one process's, checked in this worker (check_sharded_bytes).
         scenario("bytes_zero1", "zero1", kind="bytes", extra=BYTES),
@@ -106,6 +111,19 @@ def make_dataset() -> torch.utils.data.Dataset:
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, VOCAB, (N_SAMPLES, SEQ_LEN + 1), generator=g)
     return torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+
+
+def make_calibration() -> list[torch.Tensor]:
+    """The inputs Wanda's input norms are measured on (the same on every rank and in the reference)."""
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, VOCAB, (MICRO, SEQ_LEN), generator=g) for _ in range(4)]
+
+
+def make_job(cfg):
+    """The JobInfo a Trainer of this config needs (calibration inputs under sparsity.criterion = wanda)."""
+    from slipstream.train.trainer import JobInfo
+
+    return JobInfo(calibration=make_calibration() if cfg.sparsity.criterion == "wanda" else None)
 
 
 def make_model(cfg) -> torch.nn.Module:
@@ -229,7 +247,7 @@ def _run_scenario(sc: dict[str, Any], out: Path, rank: int, world: int) -> dict[
     def build(extra=(), recorder: Recorder | None = None):
         cfg = make_config(run_dir, sc["strategy"], MICRO, sc["accum"], [*sc["extra"], *extra])
         data = make_dataset() if sc["kind"] == "dataset" else make_loader(cfg, rank, world)
-        trainer = Trainer(make_model(cfg), data, recorder or lm_batch_loss, config=cfg)
+        trainer = Trainer(make_model(cfg), data, recorder or lm_batch_loss, config=cfg, job=make_job(cfg))
         return trainer
 
     if sc["kind"] == "resume":

@@ -151,13 +151,13 @@ def test_launches_exit_cleanly(launch2, launch4):
 # --- single-process references (in this process: strategy none, no process group) ------------
 
 class Reference:
-    def __init__(self, micro: int, run_dir: Path):
+    def __init__(self, micro: int, run_dir: Path, extra: tuple[str, ...] = ()):
         self.run_dir = run_dir
         from slipstream import Trainer
 
-        cfg = w.make_config(run_dir, "none", micro)
+        cfg = w.make_config(run_dir, "none", micro, extra=extra)
         self.recorder = w.Recorder(snapshots=True)
-        trainer = Trainer(w.make_model(cfg), w.make_loader(cfg, 0, 1), self.recorder, config=cfg)
+        trainer = Trainer(w.make_model(cfg), w.make_loader(cfg, 0, 1), self.recorder, config=cfg, job=w.make_job(cfg))
         assert trainer.parallel.dims.strategy == "none" and not trainer.parallel.distributed
         trainer.fit()
         self.recorder.params.append(w.flat_params(trainer.model))
@@ -251,6 +251,26 @@ def test_loss_and_params_match_single_process(world, strategy, request, referenc
         assert res["mesh"] == (mesh2 if world == 2 else mesh4)
         assert res["loader"] == {"type": "DatasetLoader", "rank": r, "world_size": world}
     assert_matches_reference(launch.run_dir(name), references[world * w.MICRO], f"world {world} {strategy}")
+
+
+def test_wanda_pruning_under_ddp_equals_one_process(launch2, tmp_path):
+    """Each rank calibrates on half of the batches and one all-reduce sums the norms: the masks,
+    losses and weights equal one process's that calibrated on all of them (issue 21)."""
+    from slipstream.optimize import sparsity as sp
+
+    ref = Reference(2 * w.MICRO, tmp_path / "ref", extra=w.WANDA)
+    assert_matches_reference(launch2.run_dir("wanda_ddp"), ref, "world 2 ddp wanda")
+
+    def masks(run_dir):
+        cfg = w.make_config(run_dir, "none", w.MICRO, extra=w.WANDA)
+        model = w.make_model(cfg)
+        sp.register_masks(model, cfg.sparsity)
+        ckpt.load_checkpoint(run_dir / "checkpoints" / ckpt.checkpoint_name(w.STEPS), model)
+        return [getattr(m, n + "_mask") for m, n in sp.masked_tensors(model)]
+
+    got, want = masks(launch2.run_dir("wanda_ddp")), masks(ref.run_dir)
+    assert len(got) == 12 and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert all(m.float().mean() == 0.5 for m in got)
 
 
 # --- 2. gradient accumulation (DDP no_sync; FSDP reduce-scatters every micro-batch) -----------

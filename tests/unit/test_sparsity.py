@@ -303,6 +303,22 @@ def test_wanda_ranks_by_weight_times_input_norm_within_each_output_row():
     assert not torch.equal(up.weight_mask, pruned(tiny_model(), "magnitude", 0.5).blocks[0].mlp.up_proj.weight_mask)
 
 
+def test_wanda_norms_of_a_compiled_model_that_already_ran_are_the_eager_ones():
+    """Hooks added after compilation never run inside an existing graph: input_norms runs the
+    calibration eagerly (without it every norm here was 0 and the masks fell in tie order)."""
+    model = tiny_model()
+    sp.apply_sparsity(model, SparsityConfig(method="magnitude", criterion="wanda"))
+    eager = sp.input_norms(model, [tokens()])
+    for block in model.blocks:
+        block.compile(backend="eager")
+    model.eval()
+    with torch.no_grad():
+        model(tokens(), return_hidden=True)  # an eval-mode graph exists before the hooks
+    model.train()
+    compiled = sp.input_norms(model, [tokens()])
+    assert all(torch.allclose(compiled[m], eager[m], rtol=1e-5) and eager[m].sum() > 0 for m in eager)
+
+
 def test_wanda_2_4_keeps_the_two_best_scores_of_every_four():
     model = tiny_model()
     cfg = SparsityConfig(method="2:4", target=0.5, criterion="wanda")
@@ -413,8 +429,8 @@ def test_checkpoint_prune_refusals(dense_then_pruned, tmp_path, capsys):
     refused("not an empty folder", dense, "taken", "--method", "magnitude")
     assert (tmp_path / "taken" / "notes.txt").read_text() == "mine"
     refused("already holds masks", pruned_run, "a", "--method", "magnitude")
-    refused("target=0.5", dense, "b", "--method", "2:4", "--target", "0.6")
-    refused("scope=layer", dense, "c", "--method", "magnitude", "--criterion", "wanda", "--scope", "global")
+    refused("use --target 0.5", dense, "b", "--method", "2:4", "--target", "0.6")
+    refused("use --scope layer", dense, "c", "--method", "magnitude", "--criterion", "wanda", "--scope", "global")
     refused("not a fraction", dense, "d", "--method", "magnitude", "--target", "1.5")
     assert not any((tmp_path / name).exists() for name in "abcd")
 

@@ -30,6 +30,9 @@ def check_sparsity_rules(cfg: Config) -> None:
     if s.criterion == "wanda" and s.scope == "global":
         raise UserError("sparsity.criterion = wanda compares weights within each output row (its activation norms "
                         "are per layer, so one global threshold has no meaning); set --sparsity.scope=layer")
+    if s.criterion == "wanda" and cfg.parallel.cp > 1:
+        raise UserError("sparsity.criterion = wanda calibrates on whole sequences, which context parallelism "
+                        "splits over ranks; set --parallel.cp=1 or use --sparsity.criterion=magnitude")
     if s.criterion == "wanda" and (cfg.data.streaming or cfg.data.mixture):
         raise UserError("sparsity.criterion = wanda calibrates on the train split of a local prepared folder; "
                         "streamed data and mixtures are not supported yet: use --sparsity.criterion=magnitude")

@@ -118,4 +118,3 @@ class CalibrationInputs:
     def __iter__(self):
         for (x, _), _weight in self.windows:
             yield x
-

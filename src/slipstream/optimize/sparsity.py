@@ -45,7 +45,10 @@ score abs(w_ij) x ||X_j||_2 (Sun et al. 2023, "A Simple and Effective Pruning Ap
 Language Models", https://arxiv.org/abs/2306.11695, eq. 1), where ||X_j||_2 is the L2 norm of
 input feature j over the calibration tokens (forward pre-hooks on the pruned linears, the model
 in eval mode without gradients). As in the paper, weights compete within each output row (its
-"per output" comparison group), and 2:4 keeps the two highest scores of every four. torchao's
+"per output" comparison group), and 2:4 keeps the two highest scores of every four. Unlike the
+paper's reference code, all norms come from one pass over the model before pruning (not block
+by block through the already-pruned blocks), and the count per row is rounded (not floored),
+as torch.nn.utils.prune rounds an amount. torchao's
 WandaSparsifier computes the same score but ranks over the whole layer and keeps its masks in
 parametrizations and observers (module swaps); here the score feeds the same mask buffers as
 magnitude. Calibration data come from the caller (the language-model job: fixed windows of the
@@ -64,7 +67,7 @@ eq. 1): s_t = s_f (1 - (1 - (t - t0) / (t1 - t0))^3) for t0 <= t <= t1, recomput
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.nn as nn
@@ -259,10 +262,21 @@ def _wanda_masks(model: nn.Module, cfg: SparsityConfig, sparsity: float,
 
 
 @torch.no_grad()
-def input_norms(model: nn.Module, inputs: Iterable[torch.Tensor]) -> dict[nn.Module, torch.Tensor]:
+def input_norms(model: nn.Module, inputs: Iterable[torch.Tensor], eot_id: int | None = None,
+                parallel: Any = None) -> dict[nn.Module, torch.Tensor]:
     """{masked linear: the L2 norm of each of its input features over every token of `inputs`}
-    (Wanda's ||X_j||_2). The model runs on each input in eval mode without gradients: call it on
-    the plain module (not a DDP wrapper, whose forward would broadcast buffers)."""
+    (Wanda's ||X_j||_2), measured on the model as it is (one pass, all blocks at once; the
+    reference code prunes block by block, feeding each block the pruned blocks' outputs).
+
+    The model runs in eval mode without gradients, as training runs it: with document masks
+    under data.packing = document (`eot_id`), and up to the final hidden states only (the head
+    is never pruned, and vocabulary-wide logits are what a fused loss avoids). Compiled code
+    runs eagerly here: hooks added after compilation never run inside an existing graph.
+    Call it on the plain module, not a DDP wrapper (whose forward would broadcast buffers).
+    `parallel` (several data-parallel ranks): each rank runs its 1/world of the inputs and one
+    all-reduce sums the squares, so every rank gets the same norms by construction."""
+    from slipstream.models.doc_mask import DocumentMask, doc_ids_after
+
     linears = [m for m, name in masked_tensors(model) if name == "weight"]
     squares = {m: torch.zeros(m.in_features, device=m.weight.device) for m in linears}
 
@@ -270,13 +284,18 @@ def input_norms(model: nn.Module, inputs: Iterable[torch.Tensor]) -> dict[nn.Mod
         x = args[0].detach().float()
         squares[module] += x.reshape(-1, x.shape[-1]).square().sum(0)
 
+    rank, world = (parallel.dp_rank, parallel.dims.dp) if parallel is not None else (0, 1)
     handles = [m.register_forward_pre_hook(accumulate) for m in linears]
     was_training, seen = model.training, 0
     model.eval()  # no dropout: the norms of the weights' real inputs
     try:
-        for x in inputs:
-            model(x)
-            seen += 1
+        with torch.compiler.set_stance("force_eager"):
+            for i, x in enumerate(inputs):
+                seen += 1
+                if i % world != rank:
+                    continue
+                doc_ids = DocumentMask(doc_ids_after(x, eot_id)) if eot_id is not None else None
+                model(x, return_hidden=True, doc_ids=doc_ids)
     finally:
         for handle in handles:
             handle.remove()
@@ -284,6 +303,10 @@ def input_norms(model: nn.Module, inputs: Iterable[torch.Tensor]) -> dict[nn.Mod
     if not seen:
         raise UserError("sparsity.criterion = wanda got no calibration data (the train split is empty); "
                         "use --sparsity.criterion=magnitude")
+    if world > 1:
+        flat = torch.cat([squares[m] for m in linears])
+        flat = parallel.sum(flat)  # a collective: every rank's sums of squares -> the job's
+        squares = dict(zip(linears, flat.split([m.in_features for m in linears])))
     return {m: s.sqrt() for m, s in squares.items()}
 
 
@@ -358,29 +381,40 @@ class SparsitySchedule:
     schedule's sparsity for that step even off the schedule's steps (one shot), then clears it."""
 
     def __init__(self, model: nn.Module, cfg: SparsityConfig, calibration: Iterable[torch.Tensor] | None = None,
-                 calibration_model: nn.Module | None = None):
+                 calibration_model: nn.Module | None = None, eot_id: int | None = None, parallel: Any = None):
         if cfg.criterion == "wanda" and calibration is None:
             raise UserError("sparsity.criterion = wanda needs calibration inputs: the language-model job takes them "
                             "from its train split; with your own model and Trainer pass JobInfo(calibration=...), "
                             "or use --sparsity.criterion=magnitude")
         self.model, self.cfg, self.calibration = model, cfg, calibration
         self.calibration_model = calibration_model or model
+        self.eot_id, self.parallel = eot_id, parallel
         self.from_dense = False
+        self.pruned_at: int | None = None  # the step whose masks are in force (idempotent update)
 
     @classmethod
     def attach(cls, model: nn.Module, cfg: SparsityConfig, calibration: Iterable[torch.Tensor] | None = None,
-               calibration_model: nn.Module | None = None) -> SparsitySchedule | None:
-        return None if cfg.method == "none" else cls(model, cfg, calibration, calibration_model)
+               calibration_model: nn.Module | None = None, eot_id: int | None = None,
+               parallel: Any = None) -> SparsitySchedule | None:
+        return None if cfg.method == "none" else cls(model, cfg, calibration, calibration_model, eot_id, parallel)
 
     def update(self, step: int) -> None:
-        catch_up = self.from_dense and sparsity_at(step, self.cfg) > 0
-        if pruning_step(step, self.cfg) or catch_up:
-            self.prune(sparsity_at(step, self.cfg))
-            self.from_dense = False
+        """Called before step `step + 1` (and again before an evaluation at `step`: the second call
+        finds the masks of this step in force and does nothing). A pruning step at sparsity 0
+        (the cubic's start) changes no mask and is skipped; so is a repeat. Whether a step prunes
+        depends on the step count alone (and, once, on from_dense), never on what ran before in
+        this process, so a resumed run prunes exactly where the uninterrupted one did."""
+        sparsity = sparsity_at(step, self.cfg)
+        due = pruning_step(step, self.cfg) or (self.from_dense and sparsity > 0)
+        if due and sparsity > 0 and self.pruned_at != step:
+            self.prune(sparsity)
+            self.pruned_at = step
+        self.from_dense = False
 
     def prune(self, sparsity: float) -> None:
         """New masks at `sparsity` now (Wanda: the calibration inputs run through the model first)."""
-        norms = input_norms(self.calibration_model, self.calibration) if self.cfg.criterion == "wanda" else None
+        norms = (input_norms(self.calibration_model, self.calibration, self.eot_id, self.parallel)
+                 if self.cfg.criterion == "wanda" else None)
         compute_masks(self.model, self.cfg, sparsity, norms)
 
     def apply(self) -> None:

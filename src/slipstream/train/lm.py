@@ -128,7 +128,7 @@ def build_lm_trainer(cfg: Config):
         calibration = CalibrationInputs(data.local_dir, t.micro_batch_size, t.seq_len, cfg.sparsity.calibration_tokens,
                                         device)
     job = JobInfo(checkpoint_meta=meta, checkpoint_files=files, model_summary=describe_model(cfg),
-                  planned_peak_bytes=planned, calibration=calibration)
+                  planned_peak_bytes=planned, calibration=calibration, calibration_eot_id=eot_id)
     return Trainer(model, train_loader, loss_fn, config=cfg, val_data=val_windows, sequence_loss_fn=sequence_loss_fn,
                    tokens_per_batch=t.micro_batch_size * t.seq_len,
                    flops_per_token=flops_per_token(cfg.model, t.seq_len), device=device, parallel=par,

@@ -33,7 +33,6 @@ def prune_checkpoint(source: str | Path, out: str | Path, method: str, target: f
     done and measured (also written to out/prune.json)."""
     from slipstream.checkpoint import manager as ckpt
     from slipstream.config.load import config_to_toml
-    from slipstream.config.sparsity_rules import check_sparsity_rules
     from slipstream.data.train_data import CalibrationInputs
     from slipstream.observe.env import write_json_atomic
     from slipstream.optimize import sparsity as sp
@@ -47,16 +46,29 @@ def prune_checkpoint(source: str | Path, out: str | Path, method: str, target: f
     if method not in ("magnitude", "2:4"):
         raise UserError(f"--method {method!r}: one-shot pruning ranks single weights; use magnitude or 2:4 "
                         "(heads and channels prune during training: [sparsity] in the config)")
+    # The rules of the pruning itself, in this command's flags. A training run's rules (its
+    # parallel layout, its data) do not apply: this runs in one process on the whole model.
+    if method == "2:4" and target != 0.5:
+        raise UserError(f"--method 2:4 zeroes exactly half of the weights (two of every four); --target {target:g} "
+                        "cannot apply: use --target 0.5, or --method magnitude for another fraction")
+    if scope == "global" and (method != "magnitude" or criterion != "magnitude"):
+        raise UserError("--scope global ranks all weights by abs(w) under one threshold (--method magnitude "
+                        "--criterion magnitude); Wanda and 2:4 compare within each row or block: use --scope layer")
     src = ckpt.resolve_checkpoint(source)
     model, _, cfg = load_lm_from_checkpoint(src, device=device)
     if cfg.sparsity.method != "none":
         raise UserError(f"checkpoint '{src}' already holds masks (sparsity.method = {cfg.sparsity.method}); "
                         "prune a dense checkpoint, or train on with a higher --sparsity.target")
+    if cfg.model.moe_experts > 0:
+        raise UserError("pruning mixture-of-experts models is not implemented yet (the experts' weights are not "
+                        "linear layers)")
     step = ckpt.read_meta(src)["step"]
     rule = SparsityConfig(method=method, target=target, scope=scope, criterion=criterion,
                           calibration_tokens=calibration_tokens)
     pruned_cfg = dataclasses.replace(cfg, sparsity=rule)
-    check_sparsity_rules(pruned_cfg)  # the same refusals as a training run's (2:4 needs 0.5, wanda per layer, ...)
+    if data_dir is None and (cfg.data.streaming or cfg.data.mixture):
+        raise UserError("the checkpoint was trained on streamed or mixed data; pass --data.dir DIR, a local "
+                        "`slipstream data prepare` folder made with its tokenizer, to score and calibrate on")
     data_dir = data_dir or cfg.data.dir
     before = evaluate_lm(model, cfg, data_dir)["loss"] if evaluate else None
 
@@ -68,7 +80,12 @@ def prune_checkpoint(source: str | Path, out: str | Path, method: str, target: f
                             "folder; pass --data.dir DIR (a `slipstream data prepare` folder)")
         inputs = CalibrationInputs(data_dir, cfg.train.micro_batch_size, cfg.train.seq_len, calibration_tokens,
                                    next(model.parameters()).device)
-        norms = sp.input_norms(model, inputs)
+        if inputs.windows.vocab_size > cfg.model.vocab_size:
+            raise UserError(f"{data_dir} has vocabulary {inputs.windows.vocab_size}, more than the model's "
+                            f"{cfg.model.vocab_size}: it was tokenized with another tokenizer; calibrate on data "
+                            "prepared with the checkpoint's (--data.dir)")
+        eot_id = inputs.windows.eot_id if cfg.data.packing == "document" else None
+        norms = sp.input_norms(model, inputs, eot_id)
     sp.compute_masks(model, rule, target, norms)
     per_layer, overall = sp.measured_sparsity(model)
     after = evaluate_lm(model, cfg, data_dir)["loss"] if evaluate else None

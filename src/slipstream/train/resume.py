@@ -154,4 +154,3 @@ def saved_sparsity_method(path: Path) -> str:
         return config_from_toml_text(ckpt.read_text_inside(path, "config.toml")).sparsity.method
     except OSError as e:
         raise UserError(f"checkpoint '{path}' has no readable config.toml ({e.strerror}); it is damaged") from None
-

@@ -76,6 +76,7 @@ class JobInfo:
     model_summary: str = ""                                          # printed when fit() starts
     planned_peak_bytes: int | None = None                            # slipstream plan's step peak, if any
     calibration: Any = None  # sparsity.criterion = wanda: an iterable of input batches (the LM job's train windows)
+    calibration_eot_id: int | None = None  # data.packing = document: calibration attends within documents
 
 
 def _rng_layout(dims) -> list[int]:
@@ -143,7 +144,8 @@ class Trainer:
         self.qat = FakeQuantSwitch.attach(self.model, self.cfg.quant)
         # sparsity: new masks on the schedule's steps, pruned weights re-zeroed after each step (None: dense).
         self.sparsity = SparsitySchedule.attach(self.model, self.cfg.sparsity, self.job.calibration,
-                                                calibration_model=unwrap(self.model))
+                                                calibration_model=unwrap(self.model),
+                                                eot_id=self.job.calibration_eot_id, parallel=self.parallel)
         if self.pipeline is not None:  # evaluation runs through the stages too
             sequence_loss_fn, eval_loss_fn = self.pipeline.sequence_losses, self.pipeline.batch_loss
         self.loss_fn = loss_fn
@@ -209,6 +211,8 @@ class Trainer:
             "skipped_steps": int(self.skipped_steps.item()),  # host sync (only at a save)
             "resilience": self.resilience.state_dict() if self.resilience is not None else None,
             "early_stop": self.early_stop.state_dict(),
+            # The step whose masks the checkpoint holds: a resumed run does not prune that step again.
+            "sparsity_pruned_at": self.sparsity.pruned_at if self.sparsity is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any], keep_data_position: bool = False) -> None:
@@ -231,6 +235,8 @@ class Trainer:
         if self.scaler is not None and state.get("grad_scaler"):
             self.scaler.load_state_dict(state["grad_scaler"])
         self.skipped_steps.fill_(state.get("skipped_steps", 0))
+        if self.sparsity is not None:
+            self.sparsity.pruned_at = state.get("sparsity_pruned_at")
 
     def optimizer_layout(self) -> dict[str, Any]:
         """How the optimizer state is laid out in a checkpoint: resuming needs the same layout."""
@@ -269,10 +275,12 @@ class Trainer:
                                           self.job.checkpoint_meta, self.job.checkpoint_files)
         if from_dense:
             self.sparsity.from_dense = True
+            now = sparsity_at(state["step"], self.cfg.sparsity)
             if self.parallel.is_main and not keep_data_position:
-                print(f"sparsity: checkpoint '{path.name}' is dense; pruning it to "
-                      f"{sparsity_at(state['step'], self.cfg.sparsity):g} ({self.cfg.sparsity.method}, "
-                      f"{self.cfg.sparsity.criterion}) before step {state['step'] + 1}")
+                what = f"{self.cfg.sparsity.method}, {self.cfg.sparsity.criterion}"
+                print(f"sparsity: checkpoint '{path.name}' is dense; " +
+                      (f"pruning it to {now:g} ({what}) before step {state['step'] + 1}" if now > 0 else
+                       f"its masks start at sparsity.start_step = {self.cfg.sparsity.start_step} ({what})"))
         self.load_state_dict(state, keep_data_position)
         restore_step(self.model, self.optimizer, self.step)
         if self.qat is not None:  # the phase follows the step count: evaluate() agrees before any step
