@@ -15,6 +15,9 @@ keeps the softmax) and pipeline ranks: one pp rank's stage modules (the trainer'
 initialization) run the forwards and backwards of its micro-batches in the order torch's 1F1B /
 GPipe runs them on that rank, with torch's per-micro-batch receive and gradient buffers, on one
 process, against the planner's estimate for that rank (the busiest, unless the case names one).
+Mixed-precision model states as other stacks keep them (stack_cases): FSDP2 reducing in bf16 and
+gathering fp32 under autocast, and one rank of Megatron's distributed optimizer and of DeepSpeed
+ZeRO-2, emulated on one process with the buffers each keeps (_measure_stack_emulation).
 
     slipstream bench planner --device cuda
 
@@ -35,7 +38,7 @@ import torch
 
 from slipstream.config.presets import PRESETS
 from slipstream.config.schema import ModelConfig
-from slipstream.plan.memory import Compression, estimate_memory, rank_memory
+from slipstream.plan.memory import Compression, StackStates, estimate_memory, rank_memory
 from slipstream.plan.space import PlanModel, Strategy
 
 TARGET_ERROR = 0.10
@@ -52,9 +55,19 @@ class Case:
     state_dtype: str = "fp32"    # optim.state_dtype: int8 / int4 run torchao's low-bit AdamW
     qat: str = "none"            # quant.qat: the blocks' linears fake-quantized (torchao QAT, optimize/qat.py)
     sparsity: str = "none"       # sparsity.method: masks on the blocks' linears (optimize/sparsity.py)
+    # The stack keeping the model states (plan.memory.StackStates): torch (slipstream's trainer;
+    # reduce_dtype: FSDP2's MixedPrecisionPolicy.reduce_dtype under bf16), or megatron / deepspeed,
+    # measured on an emulation of their mixed-precision states (_measure_stack_emulation), with
+    # DeepSpeed's reduce bucket of bucket_mb MiB.
+    stack: str = "torch"
+    reduce_dtype: str = "fp32"
+    bucket_mb: float | None = None
 
     def compression(self) -> Compression:
         return Compression(qat=self.qat, sparsity=self.sparsity)
+
+    def states(self) -> StackStates:
+        return StackStates(self.stack, reduce_dtype=self.reduce_dtype, bucket_mb=self.bucket_mb)
 
     def model_config(self) -> ModelConfig:
         values = {**PRESETS[self.preset], "preset": self.preset, "vocab_size": 512, **dict(self.overrides)}
@@ -77,8 +90,15 @@ class Case:
         compress = "".join(f" {name} {value}" for name, value, plain in (
             ("state", self.state_dtype, "fp32"), ("qat", self.qat, "none"), ("sparsity", self.sparsity, "none"))
             if value != plain)
+        gathers = " fp32-gathers" if self.strategy.dp_strategy in _FSDP and not self.strategy.fsdp_mixed else ""
+        stack = "".join(f" {name} {value}" for name, value, plain in (
+            ("stack", self.stack, "torch"), ("reduce", self.reduce_dtype, "fp32"), ("bucket-mb", self.bucket_mb, None))
+            if value != plain)
         return (f"{self.preset}{'[' + extra + ']' if extra else ''} seq{self.seq_len} {self.strategy.precision} "
-                f"{self.strategy.label()}{attention}{rank}{compress}")
+                f"{self.strategy.label()}{attention}{rank}{compress}{gathers}{stack}")
+
+
+_FSDP = ("zero2", "fsdp", "hsdp")   # slipstream runs these as FSDP2
 
 
 # The grid's model families: a preset and its overrides (the GPT-2 style one widened).
@@ -120,7 +140,7 @@ def default_cases() -> list[Case]:
                                            ac="full", precision="bf16"), overrides=overrides))
     # A larger world: the shards get smaller, the gathered blocks and activations do not.
     cases.append(Case("gpt-mini", Strategy(dp_strategy="fsdp", dp=16, micro_batch=8, precision="bf16")))
-    return cases + architecture_cases() + pipeline_cases() + compression_cases()
+    return cases + architecture_cases() + pipeline_cases() + compression_cases() + stack_cases()
 
 
 def architecture_cases() -> list[Case]:
@@ -175,6 +195,26 @@ def compression_cases() -> list[Case]:
             tiny(sparsity="magnitude")]
 
 
+def stack_cases() -> list[Case]:
+    """Mixed-precision model states as each stack keeps them, on the fake 8-rank world: FSDP2's
+    MixedPrecisionPolicy with reduce_dtype bf16 and fp32 gathers under autocast (fsdp_mixed off),
+    and emulations of Megatron's distributed optimizer (bf16 weights, an fp32 gradient buffer, the
+    fp32 master copy and moments sharded) and of DeepSpeed ZeRO-2 (bf16 weights, a sharded bf16
+    gradient partition, its reduce bucket, the fp32 master copy and moments sharded)."""
+    def sharded(preset: str, dp_strategy: str, **fields) -> Case:
+        case_fields = {k: fields.pop(k) for k in ("stack", "reduce_dtype", "bucket_mb") if k in fields}
+        return Case(preset, Strategy(dp_strategy=dp_strategy, dp=FAKE_WORLD, micro_batch=8, precision="bf16", **fields),
+                    overrides=FAMILIES[preset], **case_fields)
+
+    return [sharded("tiny", "fsdp", reduce_dtype="bf16"),
+            sharded("llama-tiny", "zero2", reduce_dtype="bf16"),
+            sharded("tiny", "fsdp", fsdp_mixed=False),
+            sharded("tiny", "zero1", stack="megatron"),
+            sharded("llama-tiny", "zero1", stack="megatron", ac="full"),
+            sharded("tiny", "zero2", stack="deepspeed", bucket_mb=2.0),
+            sharded("llama-tiny", "zero2", stack="deepspeed", bucket_mb=2.0, grad_accum=2)]
+
+
 # (preset, Strategy fields[, model options beyond the family's]) of each case of stratified_cases();
 # each names one case of the grid (a field left out: a single process, flash attention, no options).
 _STRATIFIED = (
@@ -195,23 +235,29 @@ _STRATIFIED = (
     ("tiny", dict(pp=2, pp_schedule="1f1b", pp_layers=())),
     ("tiny", dict(precision="bf16", qat="int8-dynact-int4-weight")),
     ("tiny", dict(state_dtype="int4")),
+    ("tiny", dict(dp_strategy="zero1", precision="bf16", stack="megatron")),
+    ("tiny", dict(dp_strategy="zero2", precision="bf16", stack="deepspeed")),
+    ("tiny", dict(dp_strategy="fsdp", precision="bf16", reduce_dtype="bf16")),
 )
 # Fields of a Case (not of its Strategy) an entry of _STRATIFIED may name, with their plain values.
 _COMPRESSION_FIELDS = {"state_dtype": "fp32", "qat": "none", "sparsity": "none"}
+_CASE_FIELDS = {**_COMPRESSION_FIELDS, "stack": "torch", "reduce_dtype": "fp32"}
 
 
 def stratified_cases() -> list[Case]:
-    """17 of the grid's cases, measured in seconds instead of minutes: every model family,
+    """20 of the grid's cases, measured in seconds instead of minutes: every model family,
     data-parallel strategy, AC mode and precision, accumulation with and without sharding, the
     fused loss and the 16-rank world, among them the grid's largest errors (sharded bf16, the
     16-rank world); an architecture combination, materialized attention, a pipeline's busiest
-    rank, QAT and low-bit optimizer states. `bench planner --cases stratified` and the tests run
-    these."""
+    rank, QAT, low-bit optimizer states, and the stacks' mixed-precision states (Megatron's
+    distributed optimizer, DeepSpeed ZeRO-2, FSDP2 reducing in bf16). `bench planner --cases
+    stratified` and the tests run these."""
     grid = default_cases()
     picked = []
     for preset, fields, *options in _STRATIFIED:
-        compression = {k: fields.get(k, plain) for k, plain in _COMPRESSION_FIELDS.items()}
-        wanted = {"pp": 1, "attention": "flash", **{k: v for k, v in fields.items() if k not in compression}}
+        compression = {k: fields.get(k, plain) for k, plain in _CASE_FIELDS.items()}
+        wanted = {"pp": 1, "attention": "flash", "fsdp_mixed": True,
+                  **{k: v for k, v in fields.items() if k not in compression}}
         found = [c for c in grid if c.preset == preset and c.pp_rank is None
                  and all(getattr(c.strategy, k) == v for k, v in wanted.items())
                  and all(getattr(c, k) == v for k, v in compression.items())
@@ -225,9 +271,12 @@ def stratified_cases() -> list[Case]:
 def _train_step(model, optimizer, batch, targets, s: Strategy, fused_loss) -> None:
     from slipstream.models.transformer import lm_loss
 
-    # Low precision is autocast, except on the FSDP family, where it is FSDP mixed precision.
+    # Low precision is autocast, except on the FSDP family, where it is FSDP mixed precision (unless
+    # fsdp_mixed is off: fp32 gathers under autocast); a 16-bit model (the stack emulation) needs none.
+    sixteen_bit = next(model.parameters()).dtype == torch.bfloat16
     autocast = torch.autocast(batch.device.type, dtype=torch.bfloat16,
-                              enabled=s.precision == "bf16" and s.dp_strategy in ("none", "ddp", "zero1"))
+                              enabled=s.precision == "bf16" and not sixteen_bit
+                              and (s.dp_strategy in ("none", "ddp", "zero1") or not s.fsdp_mixed))
     for micro in range(s.grad_accum):
         x, y = batch[micro], targets[micro]
         with autocast:
@@ -296,6 +345,8 @@ def _measure_one(case: Case) -> int:
         return int(measure_on_device(case, "cpu", steps=0)["peak_bytes"])
     if (case.state_dtype, case.qat, case.sparsity) != tuple(_COMPRESSION_FIELDS.values()):
         raise ValueError("the accuracy grid runs low-bit states, QAT and sparsity on one process only")
+    if case.states().keeps_16bit_model(s):
+        return _measure_stack_emulation(case, cfg, batch, targets, fused)
     if s.dp_strategy not in ("ddp", "zero1"):
         return _measure_sharded(case, cfg, batch, targets, fused)
     with _fake_process_group(s.dp):
@@ -340,9 +391,11 @@ def _measure_sharded(case: Case, cfg: ModelConfig, batch, targets, fused) -> int
             model = Transformer(cfg)
         apply_activation_checkpointing(model, s.ac)
         reshard = s.dp_strategy != "zero2"
-        # Low precision on sharded strategies is FSDP mixed precision, as the trainer runs it.
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
-            if s.precision == "bf16" else MixedPrecisionPolicy()
+        # Low precision on sharded strategies is FSDP mixed precision, as the trainer runs it
+        # (fsdp_mixed off: fp32 gathers, autocast in _train_step), reducing in the case's reduce dtype.
+        reduce_dtype = torch.bfloat16 if case.reduce_dtype == "bf16" else torch.float32
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype) \
+            if s.precision == "bf16" and s.fsdp_mixed else MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
         for block in model.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp)
@@ -361,6 +414,97 @@ def _measure_sharded(case: Case, cfg: ModelConfig, batch, targets, fused) -> int
             _train_step(model, optimizer, batch, targets, s, fused)
             _optimizer_step(model, optimizer)
         return _peak_total(tracker)
+
+
+def _measure_stack_emulation(case: Case, cfg: ModelConfig, batch, targets, fused) -> int:
+    """Measured peak bytes of the second step of one data-parallel rank of Megatron's distributed
+    optimizer (stack megatron, zero1 / zero2) or DeepSpeed ZeRO-2 (stack deepspeed, zero2) in bf16,
+    emulated on one process: the ranks' collectives move no memory of their own (the gradient
+    reduce-scatter is a copy into this rank's slice, the parameter all-gather a copy out of its
+    master shard). What each keeps, as plan.memory.state_buffers describes it:
+      the model itself in bf16 (Float16Module / the engine's bfloat16()), no autocast;
+      megatron   an fp32 gradient buffer of every parameter (main_grad; each bf16 .grad is added
+                 into it and freed, as Megatron's grad-accumulation hooks do); the optimizer's fp32
+                 master shard (1 / dp of the flattened parameters) takes its gradient as a view of
+                 the buffer's slice (bf16 params: "the distributed optimizer's fp32 main grads are
+                 the same as the model's fp32 grads");
+      deepspeed  a bf16 reduce bucket of bucket_mb MiB allocated for each backward (backward():
+                 ipg_buffer), each .grad copied into it and its shard's slice into a kept bf16
+                 gradient partition (1 / dp), then freed; step converts the partition to fp32.
+    The fp32 master shard steps with fused AdamW, clipped by the norm of its gradient."""
+    import torch.nn as nn
+
+    from slipstream.models.transformer import build_model
+    from slipstream.observe.memprofile import measure_step_memory
+    from slipstream.optimize.activations import apply_activation_checkpointing
+
+    s, stack = case.strategy, case.stack
+    model = apply_activation_checkpointing(build_model(cfg).to(torch.bfloat16), s.ac)
+    params = list(model.parameters())
+    total = sum(p.numel() for p in params)
+    shard = total // s.state_shard_group           # this rank's slice: the first 1 / dp of the flattened parameters
+    holder = nn.Module()   # the model and the stack's buffers: MemTracker counts them from the start
+    holder.model = model
+    flat = torch.cat([p.detach().reshape(-1)[: max(0, shard - o)] for p, o in zip(params, _offsets(params))])
+    holder.master = nn.Parameter(flat.float())
+    del flat
+    if stack == "megatron":
+        holder.register_buffer("grad_buffer", torch.zeros(total, dtype=torch.float32))
+    else:
+        holder.register_buffer("partition", torch.zeros(shard, dtype=torch.bfloat16))
+    bucket_elements = int((case.bucket_mb or 0) * 2**20 // 2)
+    state = {"bucket": None, "filled": 0}
+
+    def reduce_hook(p: torch.Tensor, offset: int) -> None:
+        grad = p.grad.reshape(-1)
+        if stack == "megatron":
+            holder.grad_buffer[offset: offset + grad.numel()].add_(grad)
+        else:
+            bucket = state["bucket"]
+            n = min(grad.numel(), bucket.numel())
+            bucket[:n].copy_(grad[:n])                      # the reduce-scatter's input
+            mine = max(0, min(grad.numel(), shard - offset))
+            if mine:
+                holder.partition[offset: offset + mine].add_(bucket[:mine])
+        p.grad = None
+
+    for p, offset in zip(params, _offsets(params)):
+        p.register_post_accumulate_grad_hook(lambda p, offset=offset: reduce_hook(p, offset))
+    optimizer = torch.optim.AdamW([holder.master], lr=1e-4, fused=True)
+
+    def forward_backward() -> None:
+        if stack == "deepspeed":
+            state["bucket"] = torch.empty(bucket_elements, dtype=torch.bfloat16)
+        _train_step(model, optimizer, batch, targets, s, fused)
+        state["bucket"] = None
+
+    def optimizer_step() -> None:
+        if stack == "megatron":
+            holder.master.grad = holder.grad_buffer[:shard]
+        else:
+            holder.master.grad = holder.partition.float()
+        torch.nn.utils.clip_grad_norm_([holder.master], 1.0)
+        optimizer.step()
+        holder.master.grad = None
+        with torch.no_grad():   # the all-gather: this rank's slice of the bf16 weights from its master shard
+            for p, offset in zip(params, _offsets(params)):
+                mine = max(0, min(p.numel(), shard - offset))
+                if mine:
+                    p.view(-1)[:mine].copy_(holder.master[offset: offset + mine])
+        (holder.grad_buffer if stack == "megatron" else holder.partition).zero_()
+
+    forward_backward()
+    optimizer_step()
+    return int(measure_step_memory(holder, optimizer, forward_backward, optimizer_step, "cpu").peak_bytes)
+
+
+def _offsets(params: list[torch.Tensor]) -> list[int]:
+    """Each parameter's offset in the flattened parameters."""
+    offsets, at = [], 0
+    for p in params:
+        offsets.append(at)
+        at += p.numel()
+    return offsets
 
 
 def _fused_loss(chunk: int):
@@ -384,7 +528,7 @@ def _peak_total(tracker) -> int:
 
 def plan_case(case: Case) -> int:
     model = PlanModel(case.preset, case.model_config())
-    options = dict(state_dtype=case.state_dtype, compression=case.compression())
+    options = dict(state_dtype=case.state_dtype, compression=case.compression(), stack=case.states())
     if case.strategy.pp > 1:
         return rank_memory(model, case.strategy, case.seq_len, case.rank(), device="cpu", **options).peak_bytes
     return estimate_memory(model, case.strategy, case.seq_len, device="cpu", **options).peak_bytes

@@ -77,6 +77,15 @@ chunk of fp32 logits in its backward (the cap's derivative).
 fp16 runs as bf16 does (autocast, or FSDP mixed precision with a sharded grad scaler): the same
 bytes; a grad scaler keeps a scale and an inf flag per device, nothing per parameter.
 
+Model states as the training stack keeps them (StackStates, state_buffers; MemoryEstimate.buffers
+names each): slipstream's trainer (torch) keeps fp32 parameters and gradients under autocast, and
+FSDP2's MixedPrecisionPolicy gathers bf16 units from sharded fp32 ones and reduce-scatters in its
+reduce dtype. Megatron-LM and DeepSpeed put the model itself in 16 bits: 16-bit weights and
+gradients (fp32 with fp32 gradient accumulation, Megatron's default under bf16), the fp32 master
+copy and moments sharded over dp under zero1 / zero2 (Megatron's distributed optimizer, DeepSpeed
+ZeRO-1), the gradients sharded too under DeepSpeed ZeRO-2, with its reduce buckets in backward.
+Checked against emulations of both on the fake process group (plan/accuracy.py, stack_cases).
+
 Compression (Compression): quant.qat's fake-quantized linears keep, per rounded tensor, clamp's
 input and the rounded copy the matmul saves, and per quantization group the scales and zero
 points (_fake_quant_bytes; the weights every micro-batch, the inputs per token under
@@ -92,6 +101,7 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
+from slipstream.errors import UserError
 from slipstream.models.flops import param_count
 from slipstream.plan.experts import Experts, experts_of
 from slipstream.plan.space import PlanModel, Strategy
@@ -116,6 +126,10 @@ class MemoryEstimate:
     host_bytes: int = 0          # offloaded state in host memory, per GPU
     notes: list[str] = field(default_factory=list)
     peak_rank: int | None = None   # a pipeline's busiest pp rank (the one planned here); None without one
+    # The model-state buffers by name (state_buffers: "weights (bf16)", "master weights (fp32)", ...,
+    # and DeepSpeed's "reduce buckets (16-bit)"), bytes per GPU; they make up parameters, gradients,
+    # optimizer_state (and the buckets part of backward's temporaries).
+    buffers: dict[str, int] = field(default_factory=dict)
 
     @property
     def total_bytes(self) -> int:
@@ -124,7 +138,8 @@ class MemoryEstimate:
     def to_record(self) -> dict:
         return {"peak_bytes": self.peak_bytes, "total_bytes": self.total_bytes, "peak_phase": self.peak_phase,
                 "fragmentation_bytes": self.fragmentation_bytes, "host_bytes": self.host_bytes,
-                "breakdown": dict(self.breakdown), "notes": list(self.notes), "peak_rank": self.peak_rank}
+                "breakdown": dict(self.breakdown), "notes": list(self.notes), "peak_rank": self.peak_rank,
+                "buffers": dict(self.buffers)}
 
 
 @dataclass(frozen=True)
@@ -396,6 +411,109 @@ def sparsity_masked_values(model: PlanModel, method: str) -> tuple[int, int]:
     return sum(sizes), max(sizes)
 
 
+# ---------------------------------------------------------------- model states as each stack keeps them
+
+STATE_STACKS = ("torch", "megatron", "deepspeed")   # the training stacks of plan --stack (plan/hardware.py)
+# DeepSpeed ZeRO-1/2's reduce bucket ("ipg buffer"): reduce_bucket_size elements in the 16-bit dtype,
+# allocated by backward() (a second one with overlap_comm: "Use double buffers to avoid data access
+# conflict when overlap_comm is enabled"); default reduce_bucket_size 5e8 elements
+# (deepspeed/runtime/zero/stage_1_and_2.py, DeepSpeedZeroOptimizer.backward; constants.py:
+# ZERO_OPTIMIZATION_REDUCE_BUCKET_SIZE_DEFAULT = 500000000).
+DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000
+
+
+@dataclass(frozen=True)
+class StackStates:
+    """How the training stack keeps a mixed-precision step's model states (`plan --stack`).
+
+    torch      slipstream's trainer: fp32 parameters and gradients (autocast; DDP / ZeroRedundancyOptimizer),
+               FSDP2 with MixedPrecisionPolicy (param_dtype bf16, reduce_dtype: `reduce_dtype`) for
+               zero2 / fsdp / hsdp: sharded fp32 parameters and gradients, gathered bf16 units.
+    megatron   Megatron-LM: the model in bf16 / fp16 (Float16Module), a contiguous gradient buffer
+               (fp32 main grads with fp32_grad_accum), and for zero1 / zero2 its distributed
+               optimizer: fp32 master weights and moments sharded over dp, gradients whole.
+    deepspeed  DeepSpeed ZeRO-1 / 2: 16-bit weights, 16-bit gradients (ZeRO-2: sharded), fp32
+               master weights and moments sharded, the reduce buckets in backward.
+
+    fp32_grad_accum: gradients accumulated in fp32 (Megatron accumulate_allreduce_grads_in_fp32,
+    DeepSpeed data_types.grad_accum_dtype fp32); None: the stack's default (Megatron: on for bf16,
+    where its arguments.py turns it on; off for fp16. DeepSpeed: off).
+    bucket_mb: DeepSpeed's reduce_bucket_size in MiB (None: 5e8 elements); overlap_comm: a second one.
+    """
+
+    stack: str = "torch"
+    fp32_grad_accum: bool | None = None
+    reduce_dtype: str = "fp32"
+    bucket_mb: float | None = None
+    overlap_comm: bool = False
+
+    def __post_init__(self) -> None:
+        if self.stack not in STATE_STACKS:
+            raise UserError(f"unknown training stack {self.stack!r}; use one of {', '.join(STATE_STACKS)} (--stack).")
+        if self.reduce_dtype not in ("fp32", "bf16"):
+            raise UserError(f"FSDP reduce dtype {self.reduce_dtype!r}: use fp32 or bf16 (parallel.reduce_dtype).")
+
+    def keeps_16bit_model(self, s: Strategy) -> bool:
+        """Whether this stack runs `s` with the model itself in 16 bits (not FSDP2, not autocast)."""
+        return self.stack != "torch" and s.precision != "fp32" and s.dp_strategy in ("none", "ddp", "zero1", "zero2")
+
+    def grads_in_fp32(self, s: Strategy) -> bool:
+        if self.fp32_grad_accum is not None:
+            return self.fp32_grad_accum
+        return self.stack == "megatron" and s.precision == "bf16"
+
+
+TORCH_STATES = StackStates()
+
+
+def state_buffers(params: float, s: Strategy, states: StackStates = TORCH_STATES, optimizer_state_bytes: int = 4,
+                  shard_group: int | None = None) -> dict[str, tuple[str, float]]:
+    """The model-state buffers per GPU of `params` parameters, by name: (category, bytes).
+
+    torch (and fp32, and FSDP strategies, on any stack): fp32 weights and gradients and the two
+    moments, each divided by the shard group where the strategy shards it. A stack that keeps the
+    model in 16 bits (StackStates.keeps_16bit_model) keeps, per parameter (d: the shard group):
+        16-bit weights 2; gradients 2 (4 with fp32 accumulation), / d under DeepSpeed ZeRO-2;
+        fp32 master weights 4 and moments 2 x optimizer_state_bytes, / d under zero1 / zero2;
+        Megatron fp16 with 16-bit gradients: the optimizer's own fp32 main gradients 4 (/ d).
+    The ZeRO paper's 2 + 2 + 12 / d (ZeRO-1) and 2 + (2 + 12) / d (ZeRO-2) bytes (Rajbhandari et al.
+    2020, Figure 1: "P_os: 2 Psi + 2 Psi + K Psi / N_d", "P_os+g: 2 Psi + (2 + K) Psi / N_d", caption:
+    "K=12 based on mixed-precision training with Adam optimizer"), and Megatron-LM's (README, "Distributed
+    Optimizer": "fp16 param, fp16 grads | 20 | 4 + 16/d; bf16 param, fp32 grads | 18 | 6 + 12/d";
+    "when using bf16 model params, however, the distributed optimizer's fp32 main grads are the same
+    as the model's fp32 grads, and so the grads in this case are not distributed")."""
+    shard_opt, shard_grad, shard_param = s.shards()
+    group = s.state_shard_group if shard_group is None else shard_group
+    moments = params * 2 * optimizer_state_bytes / (group if shard_opt else 1)
+    if not states.keeps_16bit_model(s):
+        return {"weights (fp32)": ("parameters", params * 4 / (group if shard_param else 1)),
+                "gradients (fp32)": ("gradients", params * 4 / (group if shard_grad else 1)),
+                "Adam moments": ("optimizer_state", moments)}
+    low = s.precision
+    fp32_grads = states.grads_in_fp32(s)
+    # DeepSpeed's ZeRO-2 partitions the gradients; Megatron has no ZeRO-2 (its distributed
+    # optimizer keeps the whole gradient buffer), so its zero2 is its zero1.
+    grad_group = group if (states.stack == "deepspeed" and s.dp_strategy == "zero2") else 1
+    master_group = group if shard_opt else 1
+    buffers = {f"weights ({low})": ("parameters", params * 2),
+               ("gradients (fp32)" if fp32_grads else f"gradients ({low})"):
+                   ("gradients", params * (4 if fp32_grads else 2) / grad_group),
+               "master weights (fp32)": ("optimizer_state", params * 4 / master_group)}
+    if states.stack == "megatron" and not fp32_grads:
+        buffers["master gradients (fp32)"] = ("optimizer_state", params * 4 / master_group)
+    buffers["Adam moments"] = ("optimizer_state", moments)
+    return buffers
+
+
+def stack_reduce_bucket_bytes(s: Strategy, states: StackStates) -> float:
+    """DeepSpeed's reduce buckets alive in backward (16-bit; DEEPSPEED_REDUCE_BUCKET_ELEMENTS);
+    Megatron's buckets are views into its gradient buffer, torch's are planned with the gradients."""
+    if not (states.keeps_16bit_model(s) and states.stack == "deepspeed" and s.dp_strategy in ("zero1", "zero2")):
+        return 0.0
+    one = states.bucket_mb * 2**20 if states.bucket_mb is not None else DEEPSPEED_REDUCE_BUCKET_ELEMENTS * 2
+    return one * (2 if states.overlap_comm else 1)
+
+
 # ---------------------------------------------------------------- pipeline ranks
 
 _PARTS: dict[tuple, list[RankPart]] = {}
@@ -469,7 +587,8 @@ def _head_in_flight(s: Strategy) -> int:
 
 def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "cuda",
                     optimizer_state_bytes: int = 4, optimizer: str = "adamw",
-                    state_dtype: str = "", compression: Compression = NO_COMPRESSION) -> MemoryEstimate:
+                    state_dtype: str = "", compression: Compression = NO_COMPRESSION,
+                    stack: StackStates | str = TORCH_STATES) -> MemoryEstimate:
     """Predicted peak memory per GPU of one training step of `model` laid out as `s`.
 
     seq_len: tokens per sequence; s.micro_batch sequences go through each forward.
@@ -482,15 +601,19 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
     compression: quant.qat and sparsity.method (Compression.of(config)): fake-quantized linears
     planned on, as after quant.qat_start_step (before it the linears run plain and keep less);
     sparsity's masks and masked gradients.
+    stack: the training stack that keeps the model states (StackStates, or its name: torch,
+    megatron, deepspeed; Cluster.stack): Megatron's and DeepSpeed's mixed precision keep 16-bit
+    weights and gradients and a sharded fp32 master copy (state_buffers).
     A pipeline is planned rank by rank (pipeline_parts, rank_memory); the estimate is the
     busiest rank's, with its index in peak_rank.
     """
+    states = StackStates(stack) if isinstance(stack, str) else stack
     if model.traced is not None:
-        return _traced_memory(model, s, seq_len, device, optimizer_state_bytes, state_dtype)
+        return _traced_memory(model, s, seq_len, device, optimizer_state_bytes, state_dtype, states)
     parts = pipeline_parts(model, s, seq_len)
     if s.pp == 1:
         return _rank_memory(model, s, seq_len, parts[0], _moe_blocks(model, parts, parts[0]), device,
-                            optimizer_state_bytes, optimizer, state_dtype, compression)
+                            optimizer_state_bytes, optimizer, state_dtype, compression, states)
     # A rank that holds the same kind of pieces as another, no more blocks and no more
     # micro-batches in flight cannot be the peak: only the others are planned (a model with
     # experts plans every rank: its blocks differ in kind).
@@ -506,7 +629,7 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
                 candidates.append((part, _moe_blocks(model, parts, part), in_flight))
                 most_blocks = blocks
     planned = [(part, _rank_memory(model, s, seq_len, part, n_moe, device, optimizer_state_bytes, optimizer,
-                                   state_dtype, compression))
+                                   state_dtype, compression, states))
                for part, n_moe, _ in sorted(candidates, key=lambda c: c[0].rank)]
     part, chosen = max(planned, key=lambda pe: (pe[1].total_bytes, -pe[0].rank))   # the first of equal peaks
     pieces = " + ".join(["embedding"] * part.embedding + [f"{part.blocks} blocks"] + ["head and loss"] * part.head)
@@ -518,21 +641,27 @@ def estimate_memory(model: PlanModel, s: Strategy, seq_len: int, device: str = "
 
 def rank_memory(model: PlanModel, s: Strategy, seq_len: int, rank: int, device: str = "cuda",
                 optimizer_state_bytes: int = 4, optimizer: str = "adamw", state_dtype: str = "",
-                compression: Compression = NO_COMPRESSION) -> MemoryEstimate:
+                compression: Compression = NO_COMPRESSION, stack: StackStates | str = TORCH_STATES) -> MemoryEstimate:
     """The step's peak on pipeline rank `rank` alone (estimate_memory plans the busiest)."""
     parts = pipeline_parts(model, s, seq_len)
     part = parts[rank]
     estimate = _rank_memory(model, s, seq_len, part, _moe_blocks(model, parts, part), device,
-                            optimizer_state_bytes, optimizer, state_dtype, compression)
+                            optimizer_state_bytes, optimizer, state_dtype, compression,
+                            StackStates(stack) if isinstance(stack, str) else stack)
     estimate.peak_rank = rank if s.pp > 1 else None
     return estimate
 
 
 def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_moe: int, device: str,
                  optimizer_state_bytes: int, optimizer: str, state_dtype: str = "",
-                 compression: Compression = NO_COMPRESSION) -> MemoryEstimate:
+                 compression: Compression = NO_COMPRESSION, states: StackStates = TORCH_STATES) -> MemoryEstimate:
     """The step's peak on one pipeline rank (without a pipeline: the one GPU's whole model)."""
-    cfg, dt = model.cfg, _dtypes(s)
+    # Megatron and DeepSpeed cast the model itself to 16 bits (Float16Module; the engine's half() /
+    # bfloat16()): no autocast copies, a 16-bit residual stream, the activations of FSDP mixed
+    # precision's compute. `sa` plans the activations with those dtypes; `s` the states and buffers.
+    sixteen = states.keeps_16bit_model(s)
+    sa = dataclasses.replace(s, dp_strategy="fsdp", fsdp_mixed=True) if sixteen else s
+    cfg, dt = model.cfg, _dtypes(sa)
     pc = param_count(cfg)
     ex = experts_of(model)
     shard_grad = s.shards()[1]
@@ -568,20 +697,29 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
     def sharded(count: float, is_sharded: bool) -> float:
         return count / group if is_sharded else count
 
-    param_bytes, grad_bytes, optim_bytes = model_state_bytes(local_params, s, optimizer_state_bytes)
+    buffers = state_buffers(local_params, s, states, optimizer_state_bytes)
     if experts and s.ep > 1:
         # The routed experts shard over the dp / ep ranks that hold the same ones (FSDP), or not
         # at all (DDP, ep = dp): per GPU, E / ep experts / (dp / ep) = E / dp under FSDP.
-        dense = model_state_bytes(local_params - experts, s, optimizer_state_bytes)
-        expert = model_state_bytes(experts, s, optimizer_state_bytes, shard_group=s.expert_shard_group)
-        param_bytes, grad_bytes, optim_bytes = (a + b for a, b in zip(dense, expert))
+        buffers = state_buffers(local_params - experts, s, states, optimizer_state_bytes)
+        expert = state_buffers(experts, s, states, optimizer_state_bytes, shard_group=s.expert_shard_group)
+        buffers = {name: (category, nbytes + expert[name][1]) for name, (category, nbytes) in buffers.items()}
+    moments = "Adam moments"
     if optimizer == "muon":  # one moment instead of two for the matrices Muon steps
-        optim_bytes -= model_state_bytes(muon_matrix_params(model, layers, n_moe, s), s, optimizer_state_bytes)[2] / 2
+        muon = state_buffers(muon_matrix_params(model, layers, n_moe, s), s, states, optimizer_state_bytes)
+        buffers[moments] = ("optimizer_state", buffers[moments][1] - muon[moments][1] / 2)
     if state_dtype in LOW_BIT_FORMATS:
         # config.dims refuses low-bit state with sharding and tp: this rank's whole tensors, one by one.
-        optim_bytes = low_bit_optimizer_bytes(model, part, state_dtype, piped)
+        buffers[moments] = ("optimizer_state", low_bit_optimizer_bytes(model, part, state_dtype, piped))
         notes.append(f"optimizer state {state_dtype}: torchao's block-quantized moments; tensors under "
                      f"{LOW_BIT_MIN_NUMEL} values (norms, biases) keep fp32 moments")
+    param_bytes, grad_bytes, optim_bytes = (sum(nbytes for category, nbytes in buffers.values() if category == wanted)
+                                            for wanted in ("parameters", "gradients", "optimizer_state"))
+    if sixteen:
+        notes.append(f"{states.stack} mixed precision: " + ", ".join(buffers)
+                     + (" (master copy and moments sharded over dp)" if s.dp_strategy in ("zero1", "zero2") else ""))
+        if states.stack == "megatron" and s.dp_strategy == "zero2":
+            notes.append("Megatron's distributed optimizer shards no gradients: zero2 planned as its zero1")
     host = 0
     if s.offload:
         host = int(param_bytes + grad_bytes + optim_bytes)
@@ -599,17 +737,17 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
 
     # ---- activations of one micro-batch on this GPU
     tokens = s.micro_batch * seq_len // s.cp
-    per_block = block_activation_bytes(model, tokens, s, seq_len=seq_len, compression=compression)
+    per_block = block_activation_bytes(model, tokens, sa, seq_len=seq_len, compression=compression)
     stage_acts = layers * per_block
     if n_moe:
-        moe_acts = block_activation_bytes(model, tokens, s, moe=True, seq_len=seq_len)
+        moe_acts = block_activation_bytes(model, tokens, sa, moe=True, seq_len=seq_len)
         stage_acts = (layers - n_moe) * per_block + n_moe * moe_acts
     seq_split = s.tp if (s.tp > 1 and s.sequence_parallel) else 1
     final_norm = tokens * cfg.d_model * (dt.residual + (dt.compute if dt.autocast else dt.residual)) // seq_split
     if cfg.norm == "rmsnorm":
         final_norm += tokens * cfg.d_model * 4 // seq_split
     final_norm *= last
-    forward_saved = _forward_saved_bytes(model, tokens, s, seq_len, first)
+    forward_saved = _forward_saved_bytes(model, tokens, sa, seq_len, first)
     in_flight = in_flight_microbatches(s, part.rank)
     head_in_flight = _head_in_flight(s)
     one_micro = stage_acts + forward_saved + final_norm
@@ -660,23 +798,37 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
             acts += held_loss * (head_in_flight - 1)
 
     # Materialized attention: the top block's scores exist next to their softmax in the forward.
-    scores_fwd = _scores_bytes(model, tokens, s, seq_len) if s.attention == "materialized" and layers else 0
+    scores_fwd = _scores_bytes(model, tokens, sa, seq_len) if s.attention == "materialized" and layers else 0
 
     # ---- gathered parameters and communication buffers
     gather_unit = block_params * dt.gathered
     mean_gather_unit = stage_blocks / max(layers, 1) * dt.gathered if n_moe else gather_unit   # per block of the rank
     # zero2 keeps the gathered parameters from forward to backward; so does FSDP under a
     # pipeline (as torchtitan runs it), or every micro-batch would gather them again.
-    keeps_gathered = s.dp_strategy == "zero2" or (piped and s.dp_strategy in ("fsdp", "hsdp"))
+    # (slipstream's zero2 runs as FSDP2; Megatron's and DeepSpeed's keep the 16-bit weights whole.)
+    fsdp_run = s.dp_strategy in ("fsdp", "hsdp") or (s.dp_strategy == "zero2" and not sixteen)
+    keeps_gathered = (s.dp_strategy == "zero2" and not sixteen) or (piped and s.dp_strategy in ("fsdp", "hsdp"))
     comm = pipe_buffers
     if s.dp_strategy in ("fsdp", "hsdp") and not keeps_gathered:
         comm += 2 * gather_unit                        # the block being computed and the prefetched next one
     elif keeps_gathered:
         comm += layers * mean_gather_unit + edge * dt.gathered   # parameters stay gathered between forward and backward
-    reduce_buffer = block_params * dt.reduce if s.dp_strategy in ("zero2", "fsdp", "hsdp") else 0.0
-    # DDP/zero1 gradients are views into the all-reduce buckets and never freed; with
-    # accumulation every gradient exists from the second micro-batch on.
-    persistent_grads = s.dp_strategy in ("ddp", "zero1") or s.grad_accum > 1
+    # FSDP2 reduce-scatters a unit's gradients from a buffer in its reduce dtype (MixedPrecisionPolicy.
+    # reduce_dtype; the sharded gradient it keeps is fp32 either way); DeepSpeed reduces through its buckets.
+    reduce_bytes = 2 if states.reduce_dtype == "bf16" else dt.reduce
+    bucket_bytes = stack_reduce_bucket_bytes(s, states)
+    reduce_buffer = block_params * reduce_bytes if fsdp_run else bucket_bytes
+    if bucket_bytes:
+        buffers["reduce buckets (16-bit)"] = ("temporaries", bucket_bytes)
+    # DDP/zero1 gradients are views into the all-reduce buckets and never freed, as are Megatron's
+    # in its gradient buffer and DeepSpeed ZeRO-2's in its gradient partition; DeepSpeed ZeRO-1's
+    # 16-bit gradients appear in backward. With accumulation every gradient exists from the
+    # second micro-batch on.
+    if sixteen:
+        grad_buffers = states.stack == "megatron" or s.dp_strategy == "zero2"
+    else:
+        grad_buffers = s.dp_strategy in ("ddp", "zero1")
+    persistent_grads = grad_buffers or s.grad_accum > 1
     # Under a pipeline, FSDP reduces gradients only after the last micro-batch (torch's
     # pipelining stages turn gradient sync off before it): the unsharded gradients accumulate.
     if keeps_gathered and piped:
@@ -689,16 +841,19 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
     all_grads = grad_bytes if persistent_grads else 0.0
     # GPipe-like schedules run every forward before the first backward: the gradients of the
     # step's first micro-batch appear during its backward, with every micro-batch in flight.
-    forwards_first = piped and s.pp_schedule in ("gpipe", "looped-bfs") and s.dp_strategy not in ("ddp", "zero1")
+    forwards_first = piped and s.pp_schedule in ("gpipe", "looped-bfs") and not grad_buffers
     phases = {"forward": phase(0.0 if forwards_first else all_grads, acts + weight_copies,
                                max(loss_fwd, scores_fwd) + comm)}
     # Backward: the loss's gradient first, then down the blocks: block i's activations go as
     # its gradients arrive, while its backward temporaries (and recomputation) are alive.
     head_grad = sharded(head_matmul, shard_grad) * 4 * last
     block_grad = sharded(block_params, shard_grad) * 4
-    transient = _block_backward_transient(model, tokens, s, seq_len=seq_len)
+    if sixteen:   # the stack's gradient bytes per parameter (16-bit, or fp32 accumulation)
+        head_grad = head_matmul * last * grad_bytes / max(local_params, 1)
+        block_grad = block_params * grad_bytes / max(local_params, 1)
+    transient = _block_backward_transient(model, tokens, sa, seq_len=seq_len)
     # A checkpointed block's backward first recomputes what it did not keep.
-    recompute = block_activation_bytes(model, tokens, s, mode="none", seq_len=seq_len,
+    recompute = block_activation_bytes(model, tokens, sa, mode="none", seq_len=seq_len,
                                        compression=compression) - per_block if s.ac != "none" else 0
     # The hook of a masked gradient makes grad x mask while the gradient autograd computed is alive.
     transient += largest_masked * 4
@@ -708,9 +863,9 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
         # (and recompute) is the one alive at each point.
         expert_grads = experts / s.expert_shard_group if shard_grad else experts
         block_grad = (sharded(stage_blocks - experts, shard_grad) + expert_grads) / layers * 4
-        transient = max(transient, _block_backward_transient(model, tokens, s, moe=True, seq_len=seq_len))
+        transient = max(transient, _block_backward_transient(model, tokens, sa, moe=True, seq_len=seq_len))
         if s.ac != "none":
-            recompute = max(recompute, block_activation_bytes(model, tokens, s, mode="none", moe=True, seq_len=seq_len)
+            recompute = max(recompute, block_activation_bytes(model, tokens, sa, mode="none", moe=True, seq_len=seq_len)
                             - moe_acts)
         mean_block = stage_acts / layers
     copies_per_block = weight_copies / max(layers, 1)
@@ -743,20 +898,27 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
         if sum(later.values()) > sum(phases["backward"].values()):
             phases["backward"] = later
     # The fake quantizers keep their last scales and zero points on the modules until the next forward.
-    qparams = layers * (qat_activation_bytes(model, tokens, s, compression, checkpointed=True)
-                        + qat_weight_bytes(model, s, compression, kept=False))
-    phases["optimizer"] = phase(grad_bytes, qparams, pipe_buffers)
+    qparams = layers * (qat_activation_bytes(model, tokens, sa, compression, checkpointed=True)
+                        + qat_weight_bytes(model, sa, compression, kept=False))
+    # DeepSpeed's step converts the shard's 16-bit gradients to fp32 for the optimizer
+    # (stage_1_and_2.py, step: single_grad_partition ... .to(single_partition_of_fp32_groups[i].dtype)).
+    fp32_grad_shard = 0.0
+    if sixteen and states.stack == "deepspeed" and not states.grads_in_fp32(s):
+        fp32_grad_shard = local_params * 4 / (group if s.dp_strategy in ("zero1", "zero2") else 1)
+    phases["optimizer"] = phase(grad_bytes, qparams, pipe_buffers + fp32_grad_shard)
 
     peak_phase = max(phases, key=lambda name: sum(phases[name].values()))
     breakdown = {k: int(v) for k, v in phases[peak_phase].items()}
     peak = sum(breakdown.values())
     frag = int(peak * CUDA_FRAGMENTATION) if device != "cpu" else 0
     return MemoryEstimate(peak_bytes=peak, peak_phase=peak_phase, breakdown=breakdown,
-                          fragmentation_bytes=frag, host_bytes=host, notes=notes)
+                          fragmentation_bytes=frag, host_bytes=host, notes=notes,
+                          buffers={name: int(nbytes) for name, (_, nbytes) in buffers.items()})
 
 
 def _traced_memory(model: PlanModel, s: Strategy, seq_len: int, device: str,
-                   optimizer_state_bytes: int, state_dtype: str = "") -> MemoryEstimate:
+                   optimizer_state_bytes: int, state_dtype: str = "",
+                   states: StackStates = TORCH_STATES) -> MemoryEstimate:
     """A user module measured on fake tensors (plan/trace.py). Its measured step peak at
     micro-batch 1 splits into the model states alive at that peak and the rest (activations
     and temporaries); the states are re-computed for the layout's sharding, the rest grows
@@ -768,7 +930,7 @@ def _traced_memory(model: PlanModel, s: Strategy, seq_len: int, device: str,
     dynamic_one = max(0, t.peak_bytes.get(key, states_at_peak) - states_at_peak) * scale
     acts = t.activation_bytes_per_sequence[key] * scale * s.micro_batch
     temporaries = max(0.0, dynamic_one - t.activation_bytes_per_sequence[key] * scale)
-    params, grads, optim = model_state_bytes(t.n_params, s, optimizer_state_bytes)
+    params, grads, optim = model_state_bytes(t.n_params, s, optimizer_state_bytes, states=states)
     if state_dtype in LOW_BIT_FORMATS:
         # A traced module's tensor shapes are not kept: planned as if every tensor were quantized.
         block, value_bytes, _ = LOW_BIT_FORMATS[state_dtype]
@@ -863,17 +1025,17 @@ def low_bit_optimizer_bytes(model: PlanModel, part: RankPart, state_dtype: str, 
 
 
 def model_state_bytes(params: float, s: Strategy, optimizer_state_bytes: int = 4,
-                      shard_group: int | None = None) -> tuple[float, float, float]:
+                      shard_group: int | None = None, states: StackStates = TORCH_STATES) -> tuple[float, float, float]:
     """(parameters, gradients, optimizer state) bytes per GPU for the `params` parameters of
-    this GPU's part of the model: fp32 parameters and gradients (low precision runs through
-    autocast or FSDP mixed precision, so there is no separate master copy) and AdamW's two
-    moments, each divided by the shard group where the strategy shards it (`shard_group`
-    overrides it: experts shard over the ranks that hold the same experts)."""
-    shard_opt, shard_grad, shard_param = s.shards()
-    group = s.state_shard_group if shard_group is None else shard_group
-    return (params * 4 / (group if shard_param else 1),
-            params * 4 / (group if shard_grad else 1),
-            params * 2 * optimizer_state_bytes / (group if shard_opt else 1))
+    this GPU's part of the model, as `states.stack` keeps them (state_buffers): on slipstream's own
+    trainer fp32 parameters and gradients (low precision runs through autocast or FSDP mixed
+    precision, so there is no separate master copy) and AdamW's two moments, each divided by the
+    shard group where the strategy shards it (`shard_group` overrides it: experts shard over the
+    ranks that hold the same experts)."""
+    totals = dict.fromkeys(("parameters", "gradients", "optimizer_state"), 0.0)
+    for category, nbytes in state_buffers(params, s, states, optimizer_state_bytes, shard_group).values():
+        totals[category] += nbytes
+    return totals["parameters"], totals["gradients"], totals["optimizer_state"]
 
 
 def _block_backward_transient(model: PlanModel, tokens: int, s: Strategy, moe: bool = False,
