@@ -205,7 +205,7 @@ def test_link_defaults_of_the_new_gpus():
     ("100Gb/s", 12.5, 5.0),               # bits!
     ("100 Gbps", 12.5, 5.0),
     ("400Gb/s@5us", 50.0, 5.0),
-    ("ib:400Gb/s", 50 * 0.88, 5.0),       # a wire rate of a kind: x its achievable fraction
+    ("ib:400Gb/s", 50 * 0.88, 14.0),      # a wire rate of a kind: x its achievable fraction; NCCL's net step
     ("roce:400Gb/s@2.5us", 50 * 0.80, 2.5),
     ("eth:25Gb/s", 3.125 * 0.80, 25.0),
     ("nvlink:450GB/s@1000ns", 450 * 0.80, 1.0),

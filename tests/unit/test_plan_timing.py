@@ -11,11 +11,12 @@ from slipstream.plan import efficiency
 from slipstream.plan.hardware import LOCAL, Link, make_cluster
 from slipstream.plan.model import resolve_model
 from slipstream.plan.space import PlanModel, Strategy, Workload
-from slipstream.plan.timing import (ADAM_BYTES_PER_PARAM, BACKWARD_OPS_PER_FORWARD_OP, CAUSAL_WORK, DDP_UNHIDDEN,
+from slipstream.plan.timing import (ADAM_BYTES_PER_PARAM, BACKWARD_OPS_PER_FORWARD_OP, CAUSAL_WORK,
                                     FUSED_ATTENTION_BACKWARD, LAYOUT_OPS, LOSS_BYTES_CASTS, LOSS_BYTES_FP32,
                                     POINTWISE_BACKWARD, ZERO_BUBBLE_RESIDUAL, Collective, all_reduce, all_to_all_time,
                                     estimate_time, gather_or_scatter, gemm_seconds, pipeline_bubble, ring_time,
                                     step_collectives)
+from slipstream.plan.timing import call_time, gradient_buckets, span
 
 LINK = Link("test", 100.0, 5.0, "100 GB/s, 5 us per step")
 NO_LATENCY = Link("fast", 100.0, 0.0, "100 GB/s, no latency")
@@ -224,7 +225,10 @@ def test_tp_adds_tp_comm_hand_computed(llama70b, h100_64):
     s = Strategy("fsdp", dp=32, tp=2, micro_batch=1, grad_accum=16)
     t = estimate_time(llama70b, s, W70, h100_64)
     act = 8192 * llama70b.cfg.d_model * 2
-    per_layer = 4 * all_reduce(act, 2, h100_64.intra)
+    # sequence parallel: each of the 4 all-reduces a ring would run is an all-gather + a reduce-scatter,
+    # each call at NCCL's fastest (collectives.py)
+    assert s.sequence_parallel
+    per_layer = 4 * (call_time("all_gather", act, span(h100_64, 2)) + call_time("reduce_scatter", act, span(h100_64, 2)))
     assert h100_64.intra.name == "nvlink4"
     assert t.breakdown["tp_comm"] == pytest.approx(per_layer * llama70b.cfg.n_layer * 16, rel=1e-9)
     # full AC re-runs forward collectives: x1.5
@@ -346,10 +350,13 @@ def test_ddp_exposed_comm_slow_link_vs_nvlink(gpt2, device_bound):
     assert fast.breakdown["compute"] == pytest.approx(slow.breakdown["compute"], rel=1e-12)
     assert slow.breakdown["dp_comm"] > 10 * fast.breakdown["dp_comm"]
     assert slow.tokens_per_s < fast.tokens_per_s
-    # hand-computed: fp32 gradients all-reduced over 2 ranks in 25 MiB buckets (a ring's
-    # latency each); what backward cannot hide + the last bucket
+    # hand-computed: fp32 gradients all-reduced over 2 ranks in DDP's buckets (1 MiB first, then
+    # 25 MiB, the rest last), each call at NCCL's fastest; what backward cannot hide of all but the
+    # last bucket, + the last bucket
     grad_bytes = param_count(gpt2.cfg).total * 4
-    buckets = math.ceil(grad_bytes / (25 * 2**20))
+    full = int((grad_bytes - 2**20) // (25 * 2**20))
+    buckets = [2**20] + [25 * 2**20] * full + [grad_bytes - 2**20 - full * 25 * 2**20]
+    assert gradient_buckets(grad_bytes, 4, "torch", 2) == pytest.approx(buckets)
     # backward's share of the compute, by class: GEMMs 2 of 3 passes, pointwise POINTWISE_BACKWARD of
     # 1 + POINTWISE_BACKWARD, the flash kernel FUSED_ATTENTION_BACKWARD of 1 + that; no launches shown
     c = slow.compute_s
@@ -357,9 +364,9 @@ def test_ddp_exposed_comm_slow_link_vs_nvlink(gpt2, device_bound):
     backward = (2 / 3 * c["gemm"] + POINTWISE_BACKWARD / (1 + POINTWISE_BACKWARD) * c["pointwise"]
                 + FUSED_ATTENTION_BACKWARD / (1 + FUSED_ATTENTION_BACKWARD) * c["attention"])
     assert 0.6 < backward / slow.breakdown["compute"] < 0.75
-    for t, link in ((slow, ether.link_for(2, 1)), (fast, nvlink.intra)):
-        comm = grad_bytes / (link.bandwidth_gbs * 1e9) + buckets * 2 * link.latency_us * 1e-6
-        assert t.breakdown["dp_comm"] == pytest.approx(max(0.0, comm - backward) + DDP_UNHIDDEN * comm, rel=1e-9)
+    for t, cluster in ((slow, ether), (fast, nvlink)):
+        times = [call_time("all_reduce", b, span(cluster, 2)) for b in buckets]
+        assert t.breakdown["dp_comm"] == pytest.approx(max(0.0, sum(times[:-1]) - backward) + times[-1], rel=1e-9)
     assert ether.link_for(2, 1).bandwidth_gbs == pytest.approx(2.5)
     assert nvlink.intra.bandwidth_gbs == pytest.approx(370.0)
 
@@ -377,7 +384,8 @@ def test_hsdp_has_replicate_comm(llama70b, h100_64):
     link = h100_64.link_for(8, 8)     # one replica per node: the network
     assert link.name == "ib-ndr"
     # FSDP2 all-reduces across replicas after every micro-batch's backward (8 of them)
-    assert t.breakdown["dp_replicate_comm"] == pytest.approx(8 * all_reduce(grad_shard, 8, link), rel=1e-9)
+    assert t.breakdown["dp_replicate_comm"] == pytest.approx(8 * call_time("all_reduce", grad_shard,
+                                                                           span(h100_64, 8, 8)), rel=1e-9)
     fsdp = estimate_time(llama70b, Strategy("fsdp", dp=64, micro_batch=1, grad_accum=8), W70, h100_64)
     assert "dp_replicate_comm" not in fsdp.breakdown
     # hsdp shards the optimizer over 8 ranks, fsdp over 64: 8x the optimizer time
@@ -403,8 +411,9 @@ def test_expert_parallel_adds_all_to_all():
                  + gather_or_scatter(8 * 8, 8, link))
     assert ep.breakdown["ep_comm"] == pytest.approx(per_block * 32 * 8, rel=1e-9)
     # the counts are all-reduced over the data-parallel ranks in every MoE block, with or without ep
-    # (a tree: 2 log2(8) latency steps per call)
-    counts = ring_time(8 * 8, 8, link, 2 * 7 / 8, 2 * 3)
+    # (64 bytes: NCCL's model runs them LL, a ring within the node: 6.6 us + 14 steps x 0.6 us)
+    counts = call_time("all_reduce", 8 * 8, span(cluster, 8))
+    assert counts == pytest.approx((6.6 + 14 * 0.6) * 1e-6 + 64 / (141e9 * 8 / 14), rel=1e-9)
     assert no_ep.breakdown["moe_counts"] == pytest.approx(counts * 32 * 8, rel=1e-9)
     assert ep.breakdown["moe_counts"] == no_ep.breakdown["moe_counts"]
     assert "moe_counts" not in estimate_time(resolve_model("llama-8b"), Strategy("ddp", dp=8, grad_accum=8),

@@ -3,6 +3,7 @@
     slipstream plan --model llama-70b --gpus 8xH100 --nodes 8 --seq 8192 --global-batch 512 [--top 10]
                     [--write-config best.toml] [--json]
     slipstream plan ... --layout "fsdp:16 tp4+sp mb1 ac:full"      one layout, its memory and time whole
+    slipstream plan ... --stack megatron [--bucket-mb 100]          collectives as that stack issues them
     slipstream cost --model llama-70b --tokens 300e9 --gpus 8xH100 --nodes 8 [--price 3.5]
 (`slipstream bench planner` is in cli/bench.py; `slipstream tune system` in cli/tune.py.)
 """
@@ -10,11 +11,13 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 
 from slipstream.cli.hardware_args import add_hardware_arguments, cluster_from_args, hardware_input_files
 from slipstream.errors import UserError
 from slipstream.outputs import refuse_existing, refuse_same_file
+from slipstream.plan.hardware import STACKS
 from slipstream.plan.memory import GIB
 from slipstream.plan.render import cluster_record, format_layout, format_plan, plan_record, write_best_config
 from slipstream.plan.search import Candidate, explain_infeasible, plan, plan_layout
@@ -41,6 +44,13 @@ def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--calibrate", nargs="+", default=None, metavar="RUN_DIR",
                    help="finished `slipstream train` run directories on this kind of device: their measured "
                         "tokens/s set the efficiency (replaces --efficiency)")
+    p.add_argument("--stack", default="torch", choices=STACKS,
+                   help="the training stack whose collectives to plan: torch (slipstream / PyTorch DDP and FSDP2; "
+                        "zero1 = all-reduce + broadcast), megatron (grad-buffer buckets; its distributed optimizer "
+                        "reduce-scatters and all-gathers) or deepspeed (ZeRO buckets, reduce-scatter + all-gather)")
+    p.add_argument("--bucket-mb", type=float, default=None, metavar="MB",
+                   help="gradient bucket size in MiB, replacing the stack's default (DDP bucket_cap_mb 25, Megatron "
+                        "max(40M, 1M x dp) parameters, DeepSpeed reduce_bucket_size 5e8 elements)")
     p.add_argument("--runnable-only", action="store_true", help="only layouts slipstream can run today")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
@@ -107,7 +117,7 @@ def _setup(args: argparse.Namespace, seq_len: int | None):
     for name in ("seq", "global_batch"):  # 0 means "the default" for cost; plan's Workload refuses it
         if getattr(args, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    cluster = cluster_from_args(args, cpu=this_cpu())
+    cluster = dataclasses.replace(cluster_from_args(args, cpu=this_cpu()), stack=args.stack, bucket_mb=args.bucket_mb)
     if args.calibrate:
         from slipstream.plan.report import efficiency_from_runs
 

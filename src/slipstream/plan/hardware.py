@@ -34,8 +34,15 @@ from slipstream.plan.gpus import (DTYPE_KEYS, MAX_HOST_LINK_GBS, MAX_MEM_BW_GBS,
 class Link:
     name: str             # e.g. "nvlink4", "ib-ndr", "pcie5", "shm"
     bandwidth_gbs: float  # achievable bus bandwidth per GPU of large ring collectives, GB/s, one direction
-    latency_us: float     # per-step latency of a collective over this link
+    latency_us: float     # per-step latency of a ring collective (NCCL's Simple protocol) over this link
     description: str
+    # What NCCL's tuning model calls this link (plan/collectives.py): "nvlink", "pcie" or "net";
+    # "" for links NCCL does not run (gloo between processes, AMD Infinity Fabric under RCCL),
+    # which are planned as a plain ring at latency_us per step.
+    fabric: str = ""
+    # NVLink SHARP (NVLS): the NVSwitch reduces an all-reduce in the switch. The bus bandwidth
+    # nccl-tests reports for it on a full node (0: the switch has none, NCCL runs rings and trees).
+    nvls_busbw_gbs: float = 0.0
 
 
 # Bandwidths are ACHIEVABLE nccl-tests bus bandwidths (busbw) of large ring collectives, not
@@ -66,29 +73,39 @@ class Link:
 #   A network link's bandwidth is ONE NIC's. ib-*, roce-* and slingshot-* default to one NIC per
 #   GPU (rail-optimised HGX/DGX); ethernet-* to one NIC per NODE, shared by its GPUs; a GPU's
 #   table entry or nics_per_node (--nics-per-node) can say otherwise (see _inter_per_gpu).
-# Latencies are per ring step, order of magnitude only (they matter for small messages):
-# NCCL's tuning model (src/graph/tuning.cc) has ~0.5-3.4 us per NVLink step and several us
-# per network step; TCP sockets and gloo add tens of us.
+# Latencies are per ring step of NCCL's Simple protocol: NCCL's own tuning model, hwLat[.][Ring][Simple]
+# in src/graph/tuning.cc (NCCL v2.27.7-1, lines 143-156): NVLink 3.4 us, PCI 5.7 us, network 14.0 us;
+# plan/collectives.py scales NCCL's other protocol and algorithm latencies by latency_us over these,
+# so a measured or given latency moves them all. TCP Ethernet (25 us) and gloo (50 us) are our
+# estimates (sockets add tens of us; `slipstream probe --sections comm` measures them).
+# NVLink SHARP (nvls_busbw_gbs): the NVSwitch of HGX/DGX H100 and H200 (NVLink 4 with the third-
+# generation NVSwitch) reduces in the switch; NCCL's maintainers quote a peak all_reduce busBw of
+# ~480 GB/s on 8 H100 (nccl-tests#212, sjeaugey 2024-05-06: "On 8 GPUs, you should reach a peak
+# busBw of ~480GB/s (algbw ~275GB/s)"; GTC S62129 quotes the same 480, nccl#1374). Not set for
+# NVLink 5 (B200) or the 400 GB/s export parts: no quoted figure here.
 LINKS: dict[str, Link] = {
     link.name: link
     for link in (
-        Link("nvlink2", 120.0, 2.0, "NVLink 2 (V100 SXM2): 6 links x 25 GB/s, hybrid cube-mesh"),
-        Link("nvlink3", 230.0, 2.0, "NVLink 3 (A100 SXM): 600 GB/s bidirectional = 300 per direction"),
-        Link("nvlink4", 370.0, 2.0, "NVLink 4 (H100/H200 SXM): 900 GB/s bidirectional = 450 per direction"),
-        Link("nvlink5", 720.0, 2.0, "NVLink 5 (B200): 1800 GB/s bidirectional = 900 per direction"),
-        Link("nvlink3-400", 150.0, 2.0, "NVLink 3 at 400 GB/s bidirectional (A800): 8 links, 200 per direction"),
-        Link("nvlink4-400", 155.0, 2.0, "NVLink 4 at 400 GB/s bidirectional (H800): 8 links, 200 per direction"),
+        Link("nvlink2", 120.0, 3.4, "NVLink 2 (V100 SXM2): 6 links x 25 GB/s, hybrid cube-mesh", "nvlink"),
+        Link("nvlink3", 230.0, 3.4, "NVLink 3 (A100 SXM): 600 GB/s bidirectional = 300 per direction", "nvlink"),
+        Link("nvlink4", 370.0, 3.4, "NVLink 4 (H100/H200 SXM): 900 GB/s bidirectional = 450 per direction", "nvlink",
+             nvls_busbw_gbs=480.0),
+        Link("nvlink5", 720.0, 3.4, "NVLink 5 (B200): 1800 GB/s bidirectional = 900 per direction", "nvlink"),
+        Link("nvlink3-400", 150.0, 3.4, "NVLink 3 at 400 GB/s bidirectional (A800): 8 links, 200 per direction",
+             "nvlink"),
+        Link("nvlink4-400", 155.0, 3.4, "NVLink 4 at 400 GB/s bidirectional (H800): 8 links, 200 per direction",
+             "nvlink"),
         Link("xgmi-mi300x", 315.0, 3.0, "AMD Infinity Fabric, 8 MI300X fully connected (7 links per GPU)"),
         Link("xgmi-mi250x", 40.0, 3.0, "AMD Infinity Fabric between the 8 GCDs of 4 MI250X (estimate)"),
-        Link("pcie3", 10.0, 3.0, "PCIe gen3 x16 (~16 GB/s raw per direction)"),
-        Link("pcie4", 20.0, 3.0, "PCIe gen4 x16 (~32 GB/s raw per direction)"),
-        Link("pcie5", 40.0, 3.0, "PCIe gen5 x16 (~64 GB/s raw per direction)"),
-        Link("ib-hdr", 22.0, 5.0, "InfiniBand HDR, one 200 Gb/s NIC per GPU"),
-        Link("ib-ndr", 44.0, 5.0, "InfiniBand NDR, one 400 Gb/s NIC per GPU"),
-        Link("roce-400g", 40.0, 6.0, "RoCE, one 400 Gb/s NIC per GPU"),
-        Link("slingshot-200g", 20.0, 6.0, "HPE Slingshot, a 200 Gb/s NIC"),
-        Link("ethernet-100g", 10.0, 25.0, "TCP Ethernet, one 100 Gb/s NIC per node"),
-        Link("ethernet-25g", 2.5, 25.0, "TCP Ethernet, one 25 Gb/s NIC per node"),
+        Link("pcie3", 10.0, 5.7, "PCIe gen3 x16 (~16 GB/s raw per direction)", "pcie"),
+        Link("pcie4", 20.0, 5.7, "PCIe gen4 x16 (~32 GB/s raw per direction)", "pcie"),
+        Link("pcie5", 40.0, 5.7, "PCIe gen5 x16 (~64 GB/s raw per direction)", "pcie"),
+        Link("ib-hdr", 22.0, 14.0, "InfiniBand HDR, one 200 Gb/s NIC per GPU", "net"),
+        Link("ib-ndr", 44.0, 14.0, "InfiniBand NDR, one 400 Gb/s NIC per GPU", "net"),
+        Link("roce-400g", 40.0, 14.0, "RoCE, one 400 Gb/s NIC per GPU", "net"),
+        Link("slingshot-200g", 20.0, 14.0, "HPE Slingshot, a 200 Gb/s NIC", "net"),
+        Link("ethernet-100g", 10.0, 25.0, "TCP Ethernet, one 100 Gb/s NIC per node", "net"),
+        Link("ethernet-25g", 2.5, 25.0, "TCP Ethernet, one 25 Gb/s NIC per node", "net"),
         # gloo between processes of one machine (TCP over loopback / shared memory). A rough
         # figure for a CPU development box; `slipstream probe --sections comm` measures it.
         Link("shm", 3.0, 50.0, "gloo between processes of one machine"),
@@ -103,14 +120,17 @@ PER_NODE_LINKS = frozenset({"ethernet-100g", "ethernet-25g"})
 # NVLink 0.80 (H100 370 of 450, B200 720 of 900, A100 230 of 300 GB/s per direction); PCIe 0.65;
 # xGMI 0.70 (MI300X 315 of 448). Latencies per ring step as the named links of each kind.
 WIRE_KINDS: dict[str, tuple[float, float, str]] = {  # kind -> (achievable fraction, latency us, what)
-    "ib": (0.88, 5.0, "InfiniBand"),
-    "roce": (0.80, 6.0, "RoCE"),
+    "ib": (0.88, 14.0, "InfiniBand"),
+    "roce": (0.80, 14.0, "RoCE"),
     "eth": (0.80, 25.0, "TCP Ethernet"),
-    "slingshot": (0.80, 6.0, "HPE Slingshot"),
-    "nvlink": (0.80, 2.0, "NVLink"),
-    "pcie": (0.65, 3.0, "PCIe"),
+    "slingshot": (0.80, 14.0, "HPE Slingshot"),
+    "nvlink": (0.80, 3.4, "NVLink"),
+    "pcie": (0.65, 5.7, "PCIe"),
     "xgmi": (0.70, 3.0, "AMD Infinity Fabric"),
 }
+# The fabric (Link.fabric) of a link given by kind: what NCCL's tuning model calls it.
+_KIND_FABRIC = {"ib": "net", "roce": "net", "eth": "net", "slingshot": "net", "nvlink": "nvlink", "pcie": "pcie",
+                "xgmi": ""}
 _KIND_ALIASES = {"infiniband": "ib", "ethernet": "eth", "tcp": "eth"}
 _UNIT_SCALE = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
 _LATENCY_SCALE = {"ns": 1e-3, "us": 1.0, "µs": 1.0, "ms": 1e3}
@@ -236,6 +256,15 @@ class CpuFacts:
     peak_flops: Callable[[str], float]
 
 
+# Training stacks whose data-parallel collectives the planner knows (plan/timing.py):
+#   torch      slipstream / PyTorch DDP (25 MiB buckets, zero1 = all-reduce + broadcast), FSDP2
+#   megatron   Megatron-LM (grad-buffer buckets; its distributed optimizer = reduce-scatter + all-gather)
+#   deepspeed  DeepSpeed ZeRO (reduce_bucket_size buckets; ZeRO-1/2 = reduce-scatter + all-gather)
+STACKS = ("torch", "megatron", "deepspeed")
+# A bucket above 64 GiB is a unit slip (MB for elements), not a setting.
+MAX_BUCKET_MB = 65536.0
+
+
 @dataclass(frozen=True)
 class Cluster:
     gpu: GpuSpec                 # datasheet (or, for cpu, measured) numbers of one GPU
@@ -248,6 +277,20 @@ class Cluster:
     host_link_gbs: float         # host<->device GB/s per GPU (CPU offload)
     sources: tuple[str, ...]     # one line per number that is not a table default
     short_name: str = ""         # the known_gpus() name, e.g. "H100" (for prices)
+    # The training stack whose collectives the plan times (plan/timing.py: its gradient bucket
+    # size, its ZeRO collectives): one of STACKS. And a gradient bucket size in MB (2**20 bytes)
+    # that replaces the stack's default (DDP's bucket_cap_mb, Megatron's bucket_size, DeepSpeed's
+    # reduce_bucket_size); None: the stack's default.
+    stack: str = "torch"
+    bucket_mb: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.stack not in STACKS:
+            raise UserError(f"unknown training stack {self.stack!r}; use one of {', '.join(STACKS)} (--stack).")
+        if self.bucket_mb is not None and not (isinstance(self.bucket_mb, (int, float)) and 0 < self.bucket_mb
+                                               <= MAX_BUCKET_MB):
+            raise UserError(f"--bucket-mb {self.bucket_mb!r}: a gradient bucket is more than 0 and at most "
+                            f"{MAX_BUCKET_MB:g} MB; give e.g. --bucket-mb 25.")
 
     @property
     def world(self) -> int:
@@ -379,8 +422,10 @@ def parse_link(text: str, flag: str, replaces: Link | None = None) -> Link:
         latency, said = replaces.latency_us, f"that of {replaces.name}"
     else:
         latency, said = 5.0, "assumed"
+    fabric = _KIND_FABRIC[kind] if kind is not None else (replaces.fabric if replaces is not None else "")
+    # a link given by its numbers has no NVLink SHARP: the user's bandwidth is the one planned
     return Link(re.sub(r"\s+", "", text), bandwidth, latency,
-                f"{flag} {text.strip()}: {what}, {latency:g} us per step ({said})")
+                f"{flag} {text.strip()}: {what}, {latency:g} us per step ({said})", fabric)
 
 
 def _inter_per_gpu(link: Link, per_node: int, nics: int) -> Link:
@@ -760,7 +805,8 @@ def make_cluster(gpus: str, nodes: int = 1, intra: str | None = None, inter: str
         if key in facts:
             ring, path = facts[key].detail, facts[key].path
             base = intra_link if level == "intra" else inter_link
-            link = Link(base.name, ring["bandwidth"], ring["latency"], f"{base.description} (measured)")
+            link = replace(base, bandwidth_gbs=ring["bandwidth"], latency_us=ring["latency"],
+                           description=f"{base.description} (measured)")
             sources.append(f"{key} {link.bandwidth_gbs:.1f} GB/s, {link.latency_us:.1f} us/step: all_reduce of "
                            f"{ring['bytes']} B over {ring['world']} ranks, probe file {path}")
             groups = ring.get("groups")

@@ -95,6 +95,10 @@ class PublishedRun:
     hfu: float | None = None  # hardware FLOPs utilization (fraction), where stated next to mfu
     step_time_s: float | None = None  # seconds per optimizer step (iteration), as stated
     flops_convention: str | None = None  # of tflops_per_gpu: "hardware", "model" or None (see above)
+    # the training stack the run names (plan.hardware.STACKS): its gradient buckets and ZeRO
+    # collectives (plan/timing.py). "torch" where the source names PyTorch DDP / FSDP or a stack on
+    # them (torchtitan, llm-foundry, metaseq's FSDP, Meta's Llama 3 stack), or names none.
+    stack: str = "torch"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -269,6 +273,7 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     # ---- TP + PP on A100: Megatron-LM weak scaling (NVIDIA) ----------------------------------
     PublishedRun(
         name="megatron-gpt-1t-3072gpu",
+        stack="megatron",
         source=_MEGATRON_PAPER,
         n_layer=128, d_model=25600, n_head=160, n_kv_head=160, d_ff=4 * 25600, vocab_size=51200,
         mlp="gelu", tie_embeddings=True,
@@ -290,6 +295,7 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     ),
     PublishedRun(
         name="megatron-gpt-145b-1536gpu",
+        stack="megatron",
         source=_MEGATRON_PAPER,
         n_layer=80, d_model=12288, n_head=96, n_kv_head=96, d_ff=4 * 12288, vocab_size=51200,
         mlp="gelu", tie_embeddings=True,
@@ -539,6 +545,7 @@ MORE_PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     # ---- Megatron-DeepSpeed, TP4 PP12 ZeRO-1 on 384 A100: BLOOM-176B (BigScience) -------------
     PublishedRun(
         name="bloom-176b-384gpu",
+        stack="deepspeed",
         source=_BLOOM_README,
         n_layer=70, d_model=14336, n_head=112, n_kv_head=None, d_ff=4 * 14336, vocab_size=250880,
         mlp="gelu", tie_embeddings=True,
@@ -618,6 +625,7 @@ MORE_PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     # ---- Megatron-LM SC21, more Table 1 rows (weak scaling on Selene) --------------------------
     PublishedRun(
         name="megatron-gpt-1.7b-32gpu",
+        stack="megatron",
         source=_MEGATRON_PAPER,
         n_layer=24, d_model=2304, n_head=24, n_kv_head=24, d_ff=4 * 2304, vocab_size=51200,
         mlp="gelu", tie_embeddings=True,
@@ -637,6 +645,7 @@ MORE_PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     ),
     PublishedRun(
         name="megatron-gpt-310b-1920gpu",
+        stack="megatron",
         source=_MEGATRON_PAPER,
         n_layer=96, d_model=16384, n_head=128, n_kv_head=128, d_ff=4 * 16384, vocab_size=51200,
         mlp="gelu", tie_embeddings=True,
@@ -657,6 +666,7 @@ MORE_PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     ),
     PublishedRun(
         name="megatron-gpt-530b-2520gpu",
+        stack="megatron",
         source=_MEGATRON_PAPER,
         n_layer=105, d_model=20480, n_head=128, n_kv_head=128, d_ff=4 * 20480, vocab_size=51200,
         mlp="gelu", tie_embeddings=True,
@@ -679,6 +689,7 @@ MORE_PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     # ---- Megatron-LM SC21 Table 2: DeepSpeed ZeRO-3 without model parallelism ------------------
     PublishedRun(
         name="megatron-zero3-gpt3-175b-384gpu",
+        stack="deepspeed",
         source=_MEGATRON_TABLE2,
         n_layer=96, d_model=12288, n_head=96, n_kv_head=96, d_ff=4 * 12288, vocab_size=51200,
         mlp="gelu", tie_embeddings=True,
@@ -705,6 +716,7 @@ MORE_PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     ),
     PublishedRun(
         name="megatron-zero3-gpt3-175b-1536gpu",
+        stack="deepspeed",
         source=_MEGATRON_TABLE2,
         n_layer=96, d_model=12288, n_head=96, n_kv_head=96, d_ff=4 * 12288, vocab_size=51200,
         mlp="gelu", tie_embeddings=True,
@@ -727,6 +739,7 @@ MORE_PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     # ---- Megatron-LM with sequence parallelism + selective recompute (Korthikanti et al.) -------
     PublishedRun(
         name="korthikanti-22b-8gpu-selective-sp",
+        stack="megatron",
         source=_KORTHIKANTI_PAPER,
         n_layer=48, d_model=6144, n_head=64, n_kv_head=64, d_ff=4 * 6144, vocab_size=51200,
         mlp="gelu", tie_embeddings=True,
@@ -748,6 +761,7 @@ MORE_PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     ),
     PublishedRun(
         name="korthikanti-22b-8gpu-full-recompute",
+        stack="megatron",
         source=_KORTHIKANTI_PAPER,
         n_layer=48, d_model=6144, n_head=64, n_kv_head=64, d_ff=4 * 6144, vocab_size=51200,
         mlp="gelu", tie_embeddings=True,
@@ -767,6 +781,7 @@ MORE_PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     ),
     PublishedRun(
         name="korthikanti-175b-64gpu-selective-sp",
+        stack="megatron",
         source=_KORTHIKANTI_PAPER,
         n_layer=96, d_model=12288, n_head=96, n_kv_head=96, d_ff=4 * 12288, vocab_size=51200,
         mlp="gelu", tie_embeddings=True,
@@ -787,6 +802,7 @@ MORE_PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     ),
     PublishedRun(
         name="korthikanti-530b-280gpu-selective-sp",
+        stack="megatron",
         source=_KORTHIKANTI_PAPER,
         n_layer=105, d_model=20480, n_head=128, n_kv_head=128, d_ff=4 * 20480, vocab_size=51200,
         mlp="gelu", tie_embeddings=True,
@@ -807,6 +823,7 @@ MORE_PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     ),
     PublishedRun(
         name="korthikanti-530b-280gpu-full-recompute",
+        stack="megatron",
         source=_KORTHIKANTI_PAPER,
         n_layer=105, d_model=20480, n_head=128, n_kv_head=128, d_ff=4 * 20480, vocab_size=51200,
         mlp="gelu", tie_embeddings=True,
@@ -828,6 +845,7 @@ MORE_PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     ),
     PublishedRun(
         name="korthikanti-1t-512gpu-selective-sp",
+        stack="megatron",
         source=_KORTHIKANTI_PAPER,
         n_layer=128, d_model=25600, n_head=160, n_kv_head=160, d_ff=4 * 25600, vocab_size=51200,
         mlp="gelu", tie_embeddings=True,
@@ -850,6 +868,7 @@ MORE_PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     ),
     PublishedRun(
         name="korthikanti-530b-2240gpu-selective-sp",
+        stack="megatron",
         source=_KORTHIKANTI_PAPER,
         n_layer=105, d_model=20480, n_head=128, n_kv_head=128, d_ff=4 * 20480, vocab_size=51200,
         mlp="gelu", tie_embeddings=True,

@@ -18,6 +18,7 @@ has not seen.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -74,9 +75,10 @@ def _generation(run: PublishedRun) -> str:
 
 @functools.lru_cache(maxsize=None)
 def _setup(run: PublishedRun):
-    """The planner's inputs of a run: model, layout, workload and cluster."""
+    """The planner's inputs of a run: model, layout, workload and cluster (with the run's stack)."""
     model, s = plan_model(run), plan_strategy(run)
-    cluster = make_cluster(f"{run.gpus_per_node}x{plan_gpu(run)}", nodes=run.gpus // run.gpus_per_node)
+    cluster = dataclasses.replace(make_cluster(f"{run.gpus_per_node}x{plan_gpu(run)}",
+                                               nodes=run.gpus // run.gpus_per_node), stack=run.stack)
     work = Workload(seq_len=run.seq_len, global_batch=s.dp * s.micro_batch * s.grad_accum)
     return model, s, work, cluster
 

@@ -28,10 +28,13 @@ compute      per operation class, each at its own achievable rate (plan/efficien
              step follows the busiest rank. `efficiency` divides the device time: a calibration
              measured by `slipstream tune system` / --calibrate (1 = the fitted rates).
 comm         each strategy's exact collective volumes (step_collectives: what slipstream's
-             layers issue, the bytes observe.comm counts in a run) over the link its group crosses,
-             ring algorithms (bus bandwidth as nccl-tests defines it) plus a latency per
-             ring step. Overlap rules: DDP/zero1 gradient all-reduce hides behind backward
-             except the last bucket; FSDP all-gathers and reduce-scatters hide behind the
+             layers issue, the bytes observe.comm counts in a run) over the links its group crosses,
+             each call as NCCL runs it (plan/collectives.py: ring, tree, PAT or NVLS, LL,
+             LL128 or Simple, whichever NCCL's tuning model finds fastest for its size; gloo
+             on a CPU as plain rings). Overlap rules: the gradient reduction of DDP / zero1
+             runs in the stack's buckets (Cluster.stack, --bucket-mb) behind backward, all
+             but the last bucket hidden; Megatron's / DeepSpeed's ZeRO all-gather of the
+             updated parameters is exposed; FSDP all-gathers and reduce-scatters hide behind the
              block they prefetch for (only what is longer than the compute shows); TP
              collectives sit on the critical path; CP's ring exchange hides behind attention;
              EP's all-to-all, the MoE token-count all-reduce and PP's point-to-point sends
@@ -60,8 +63,9 @@ from dataclasses import dataclass, field
 
 from slipstream.models.flops import flops_per_token, param_count
 from slipstream.plan import efficiency as rates_table
-from slipstream.plan.collectives import (Collective, _rows, all_reduce, all_to_all_time, bus_factor,  # noqa: F401
-                                         collective_time, collectives_by_dim, gather_or_scatter, ring_time)
+from slipstream.plan.collectives import (Collective, Span, _rows, all_reduce, all_to_all_time,  # noqa: F401
+                                         bus_factor, call_time, collective_time, collectives_by_dim,
+                                         gather_or_scatter, ring_time, span)
 from slipstream.plan.efficiency import Fit, Rates
 from slipstream.plan.experts import experts_of
 from slipstream.plan.hardware import DEFAULT_MATMUL_EFFICIENCY, Cluster
@@ -122,14 +126,25 @@ ROPE_OPS = 16
 # q and k (counted with torch.profiler, torch 2.13: 15 top-level ops per tensor against 8).
 PARTIAL_ROPE_OPS = 14
 BACKWARD_OPS_PER_FORWARD_OP = 3.8
-# DDP's gradient bucket (torch's default 25 MiB): one all-reduce, with its latency, per bucket.
+# Gradient buckets of each stack (Cluster.stack; `--bucket-mb` replaces the cap), reduced as
+# backward produces them:
+# torch DDP: bucket_cap_mb = 25 MiB, and a first bucket of 1 MiB (torch.distributed's
+#   _DEFAULT_FIRST_BUCKET_BYTES) so that the first reduction starts early.
 DDP_BUCKET_BYTES = 25 * 2**20
+DDP_FIRST_BUCKET_BYTES = 2**20
+# Megatron-LM: its grad buffer's buckets of max(40M, 1M x dp) parameters (Megatron Core
+#   distributed/distributed_data_parallel_config.py, DistributedDataParallelConfig.bucket_size:
+#   "If unspecified, MCore uses a default value of max(40000000, 1000000 * dp_size) parameters").
+MEGATRON_BUCKET_PARAMS = 40_000_000
+MEGATRON_BUCKET_PARAMS_PER_DP_RANK = 1_000_000
+# DeepSpeed ZeRO: reduce_bucket_size and allgather_bucket_size, 5e8 elements each (deepspeed/
+#   runtime/zero/constants.py: ZERO_OPTIMIZATION_REDUCE_BUCKET_SIZE_DEFAULT = 500000000,
+#   ZERO_OPTIMIZATION_ALLGATHER_BUCKET_SIZE_DEFAULT = 500000000).
+DEEPSPEED_BUCKET_ELEMENTS = 500_000_000
 # FSDP2's host-side cost per unit and collective (pre/post hooks, copy-in/copy-out of the
 # flat buffers): an estimate of tens of microseconds on a GPU host; it is why small models
 # run faster with DDP than with FSDP.
 FSDP_UNIT_OVERHEAD_S = 50e-6
-# Fraction of a DDP all-reduce that cannot hide behind backward: the last bucket.
-DDP_UNHIDDEN = 0.1
 # CPU Adam for offloaded state: bytes of state it streams per second (fp32 params, grads, two moments).
 HOST_ADAM_GBS = 10.0
 # Bytes Adam reads and writes per parameter on the device (param, grad, two moments, in and out).
@@ -198,7 +213,8 @@ class TimeEstimate:
                 "compute_s": {k: round(v, 6) for k, v in self.compute_s.items()}}
 
 
-def step_collectives(model: PlanModel, s: Strategy, work: Workload) -> list[Collective]:
+def step_collectives(model: PlanModel, s: Strategy, work: Workload, stack: str = "torch",
+                     bucket_mb: float | None = None) -> list[Collective]:
     """The collectives one rank runs in one training step of `model` laid out as `s`: the
     volumes slipstream's layers issue (distributed/tensor_parallel.py, context_parallel.py,
     data_parallel.py), in the units observe.comm measures (`metrics.comm_volume`).
@@ -216,8 +232,12 @@ def step_collectives(model: PlanModel, s: Strategy, work: Workload) -> list[Coll
     (the gradient norm, the optimizer). Not counted: the gradient norm's few scalars.
     cp, per block and micro-batch: K and V all-gathered over the whole sequence (heads / tp),
     their gradients reduce-scattered back (full AC: gathered again).
-    dp (the cp ranks fold into it): DDP and zero1 all-reduce the fp32 gradients once per step
-    (25 MiB buckets), zero1 then broadcasts every rank's updated shard; FSDP (zero2, fsdp, hsdp)
+    dp (the cp ranks fold into it), by `stack` (hardware.STACKS; bucket_mb replaces its bucket
+    size, gradient_buckets): DDP and zero1 all-reduce the gradients once per step in the stack's
+    buckets; torch's zero1 (ZeroRedundancyOptimizer) then broadcasts every rank's updated shard;
+    Megatron's distributed optimizer and DeepSpeed ZeRO-1/2 (zero1, zero2 on those stacks)
+    reduce-scatter the gradients instead and all-gather the updated parameters in the compute
+    dtype (DeepSpeed ZeRO-2 reduces after every micro-batch, the others once per step); FSDP (zero2, fsdp, hsdp)
     per micro-batch all-gathers every unit's parameters forward (in bf16 under its mixed
     precision), re-gathers the blocks' in backward (not zero2; the root unit stays gathered)
     and reduce-scatters the fp32 gradients; hsdp then all-reduces the shard over the replicas.
@@ -299,7 +319,7 @@ def step_collectives(model: PlanModel, s: Strategy, work: Workload) -> list[Coll
         else:
             add("dp", "all_reduce", "router", s.dp * s.cp, counts, (1 + again) * moe_layers * micro)
 
-    rows += _data_parallel_collectives(model, s, work.seq_len)
+    rows += _data_parallel_collectives(model, s, work.seq_len, stack, bucket_mb)
     return rows
 
 
@@ -311,7 +331,59 @@ def _moe_dtypes(s: Strategy) -> tuple[int, int]:
     return (2 if fsdp_mp else 4), (2 if low else 4)
 
 
-def _data_parallel_collectives(model: PlanModel, s: Strategy, seq_len: int | None) -> list[Collective]:
+def gradient_dtype_bytes(s: Strategy, stack: str) -> int:
+    """Bytes per gradient element the data-parallel reduction moves. torch: slipstream keeps fp32
+    parameters and gradients (autocast computes in 16 bits). Megatron: its grad buffer, fp32
+    under bf16 (arguments.py forces accumulate_allreduce_grads_in_fp32: "bfloat16 requires
+    gradient accumulation and all-reduce to be done in fp32"), else the parameters' dtype.
+    DeepSpeed: the 16-bit model's gradients (its communication_data_type defaults to them)."""
+    if s.precision == "fp32" or stack == "torch" or (stack == "megatron" and s.precision == "bf16"):
+        return 4
+    return 2
+
+
+def uses_reduce_scatter(s: Strategy, stack: str) -> bool:
+    """ZeRO as Megatron's distributed optimizer and DeepSpeed run it: gradients reduce-scattered,
+    parameters all-gathered (zero1; zero2 too, which the planner otherwise runs as FSDP2)."""
+    return stack != "torch" and s.dp_strategy in ("zero1", "zero2")
+
+
+def _reductions(s: Strategy, stack: str) -> int:
+    """Gradient reductions per step outside FSDP: one (no_sync, or the grad buffer accumulating
+    the micro-batches), but DeepSpeed ZeRO-2 keeps only its gradient shard, so it reduces after
+    every micro-batch (a pipeline stage accumulates first)."""
+    return s.grad_accum if (stack == "deepspeed" and s.dp_strategy == "zero2" and s.pp == 1) else 1
+
+
+def gradient_buckets(grad_bytes: float, elem: int, stack: str, dp: int, bucket_mb: float | None = None) -> list[float]:
+    """The gradient buckets of one reduction, in the order they are reduced (bytes each). torch
+    DDP: a first bucket of DDP_FIRST_BUCKET_BYTES, then bucket_cap_mb (25 MiB) ones, the rest in
+    the last; Megatron: max(40M, 1M x dp) parameters each; DeepSpeed: reduce_bucket_size (5e8
+    elements). bucket_mb (MiB) replaces the stack's bucket size (DDP keeps its first bucket)."""
+    if grad_bytes <= 0:
+        return []
+    if bucket_mb is not None:
+        size = bucket_mb * 2**20
+    elif stack == "megatron":
+        size = max(MEGATRON_BUCKET_PARAMS, MEGATRON_BUCKET_PARAMS_PER_DP_RANK * dp) * elem
+    elif stack == "deepspeed":
+        size = DEEPSPEED_BUCKET_ELEMENTS * elem
+    else:
+        size = DDP_BUCKET_BYTES
+    buckets = []
+    rest = grad_bytes
+    if stack == "torch" and rest > DDP_FIRST_BUCKET_BYTES and size > DDP_FIRST_BUCKET_BYTES:
+        buckets.append(float(DDP_FIRST_BUCKET_BYTES))
+        rest -= DDP_FIRST_BUCKET_BYTES
+    full = int(rest // size)
+    buckets += [float(size)] * full
+    if rest - full * size > 0:
+        buckets.append(rest - full * size)
+    return buckets
+
+
+def _data_parallel_collectives(model: PlanModel, s: Strategy, seq_len: int | None, stack: str = "torch",
+                               bucket_mb: float | None = None) -> list[Collective]:
     """The gradient and parameter collectives of step_collectives (see there)."""
     group = s.dp * s.cp  # the cp ranks average gradients with the data-parallel ones
     if s.dp_strategy == "none" or group <= 1:
@@ -324,14 +396,29 @@ def _data_parallel_collectives(model: PlanModel, s: Strategy, seq_len: int | Non
     params -= experts
     grad_bytes = params * 4
     rows = []
+    elem = gradient_dtype_bytes(s, stack)
+    if uses_reduce_scatter(s, stack):
+        reductions = _reductions(s, stack)
+        buckets = len(gradient_buckets(params * elem, elem, stack, group, bucket_mb))
+        rows.append(Collective("dp", "reduce_scatter", "gradients", group, params * elem * reductions,
+                               buckets * reductions))
+        compute = 4 if s.precision == "fp32" else 2
+        gathers = (math.ceil(params / DEEPSPEED_BUCKET_ELEMENTS) if stack == "deepspeed"
+                   else len(gradient_buckets(params * compute, compute, stack, group, bucket_mb)))
+        rows.append(Collective("dp", "all_gather", "parameters", group, params * compute, max(1, gathers)))
+        if experts and group // s.ep > 1:
+            rows.append(Collective("dp", "reduce_scatter", "experts", group // s.ep, experts * elem * reductions,
+                                   len(gradient_buckets(experts * elem, elem, stack, group, bucket_mb)) * reductions))
+            rows.append(Collective("dp", "all_gather", "experts", group // s.ep, experts * compute, 1))
+        return rows
     if s.dp_strategy in ("ddp", "zero1"):
-        buckets = max(1, math.ceil(grad_bytes / DDP_BUCKET_BYTES))
-        rows.append(Collective("dp", "all_reduce", "gradients", group, grad_bytes, buckets))
+        buckets = len(gradient_buckets(params * elem, elem, stack, group, bucket_mb))
+        rows.append(Collective("dp", "all_reduce", "gradients", group, params * elem, max(1, buckets)))
         if s.dp_strategy == "zero1":
             rows.append(Collective("dp", "broadcast", "parameters", group, params * 4, group))  # one per shard
         if experts and group // s.ep > 1:   # ddp with ep < dp (the trainer refuses it): planned as a reduction
-            rows.append(Collective("dp", "all_reduce", "experts", group // s.ep, experts * 4,
-                                   max(1, math.ceil(experts * 4 / DDP_BUCKET_BYTES))))
+            rows.append(Collective("dp", "all_reduce", "experts", group // s.ep, experts * elem,
+                                   max(1, len(gradient_buckets(experts * elem, elem, stack, group, bucket_mb)))))
         return rows
     shard = (s.dp_shard if s.dp_strategy == "hsdp" else s.dp) * s.cp
     low = s.precision != "fp32" and s.fsdp_mixed   # FSDP gathers in bf16 only under its mixed precision
@@ -760,7 +847,7 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
     blocks = _rank_blocks(model, s, work.seq_len)
 
     out: dict[str, float] = {"compute": compute_s}
-    collectives = step_collectives(model, s, work)  # the bytes every comm term below moves
+    collectives = step_collectives(model, s, work, cluster.stack, cluster.bucket_mb)  # the bytes every comm term moves
     # ---- pipeline bubble
     if s.pp > 1:
         # idle for a fraction f of the step: compute is (1 - f) of it, the bubble f / (1 - f) x compute
@@ -775,11 +862,11 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
     # micro-batch), on the critical path. The embedding's, head's and loss's (4 more per
     # micro-batch, ~1/n_layer of these) are counted in step_collectives' bytes but left out of the time.
     if s.tp > 1:
-        out["tp_comm"] = collective_time(_rows(collectives, "tp", "blocks"), cluster.link_for(s.tp, 1))
+        out["tp_comm"] = collective_time(_rows(collectives, "tp", "blocks"), span(cluster, s.tp, 1))
 
     # ---- context parallel: K and V all-gathered (backward: reduce-scattered), hidden behind attention
     if s.cp > 1:
-        ring = collective_time(_rows(collectives, "cp"), cluster.link_for(s.cp, s.tp))
+        ring = collective_time(_rows(collectives, "cp"), span(cluster, s.cp, s.tp))
         out["cp_comm"] = max(0.0, ring - busy.classes["attention"])
 
     # ---- expert parallel: all-to-all dispatch and combine, forward and backward (+ recompute),
@@ -788,12 +875,12 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
     if s.ep > 1 and ex:
         out["ep_comm"] = all_to_all_time(_rows(collectives, "ep"), cluster, s.tp * s.cp)
     # ---- MoE token counts: E integers all-reduced over the data-parallel ranks per MoE block,
-    # exposed; latency-bound, so NCCL runs them as a tree: 2 log2(n) steps, not a ring's 2(n - 1)
+    # exposed; latency-bound: NCCL's model runs them LL, as a tree across nodes (collectives.py)
     counts = [r for r in collectives if r.part == "router" and r.kind == "all_reduce"]
     if counts:   # the dp (x cp) ranks are tp apart; hsdp's replicas a shard group further
         out["moe_counts"] = sum(
-            ring_time(r.nbytes, r.group, cluster.link_for(r.group, s.tp * (s.cp * s.dp_shard if r.dim == "dp_replicate" else 1)),
-                      bus_factor(r.kind, r.group), 2 * math.ceil(math.log2(r.group)) * r.calls) for r in counts)
+            collective_time([r], span(cluster, r.group, s.tp * (s.cp * s.dp_shard if r.dim == "dp_replicate" else 1)))
+            for r in counts)
 
     # ---- data parallel
     out.update(_data_parallel_time(model, s, cluster, busy.forward, busy.backward, collectives, blocks))
@@ -835,7 +922,8 @@ def _traced_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluster
     compute = max(device, host) if sp.rates.launch_overlaps else device + host
     out = {"compute": compute}
     out.update(_data_parallel_time(model, s, cluster, compute / 3, compute * 2 / 3,
-                                   _data_parallel_collectives(model, s, None), 1.0))
+                                   _data_parallel_collectives(model, s, None, cluster.stack, cluster.bucket_mb),
+                                   1.0))
     mem_bw = cluster.gpu.mem_bw_gbs * 1e9
     out["optimizer"] = t.n_params / (s.shard_group if s.shards()[0] else 1) * ADAM_BYTES_PER_PARAM / mem_bw
     step = sum(out.values())
@@ -912,24 +1000,41 @@ def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward
     # fit (benchmarks/planner-accuracy-cpu.json) was made: the cp ranks folded into the group
     # (step_collectives' `group`) are left out of its ring here, a small under-estimate (a
     # Llama 3 cp16 run: +4 ms of 43.5 s) kept until that benchmark is refitted.
-    group = s.shard_group if s.dp_strategy in ("zero2", "fsdp", "hsdp") else s.dp
+    reduce_scatter = uses_reduce_scatter(s, cluster.stack)
+    fsdp = s.dp_strategy in ("zero2", "fsdp", "hsdp") and not reduce_scatter
+    group = s.shard_group if fsdp else s.dp
     if s.dp <= 1 or s.dp_strategy == "none":
         return {}
     dp_rows = [dataclasses.replace(r, group=group) for r in _rows(collectives, "dp")
                if r.part in ("parameters", "gradients")]
-    link = cluster.link_for(group, s.tp * s.cp)
+    where = span(cluster, group, s.tp * s.cp)
     # ep > 1: the routed experts' own collectives, over the dp / ep ranks holding the same ones
     # (the run's dp_mod_ep mesh dim: stride ep x cp x tp)
     expert_rows = _rows(collectives, "dp", "experts")
-    expert_link = cluster.link_for(max(1, s.dp // s.ep), s.ep * s.tp * s.cp) if expert_rows else link
-    if s.dp_strategy in ("ddp", "zero1"):
-        # once per step (no_sync between micro-batches), in buckets: one ring's latency each
-        comm = collective_time(_rows(dp_rows, "dp", "gradients"), link) + collective_time(expert_rows, expert_link)
-        exposed = max(0.0, comm - backward_s / s.grad_accum) + DDP_UNHIDDEN * comm
+    expert_where = span(cluster, max(1, s.dp // s.ep), s.ep * s.tp * s.cp) if expert_rows else where
+    if not fsdp:
+        # The gradients, in the stack's buckets as backward fills them, once per step (no_sync
+        # between micro-batches; DeepSpeed ZeRO-2 after every micro-batch): every bucket but the
+        # last hides behind the backward of the micro-batch that fills it, the last is exposed.
+        grads = _rows(dp_rows, "dp", "gradients")[0]
+        elem = gradient_dtype_bytes(s, cluster.stack)
+        reductions = _reductions(s, cluster.stack)
+        buckets = gradient_buckets(grads.nbytes / reductions, elem, cluster.stack, s.dp * s.cp, cluster.bucket_mb)
+        times = [call_time(grads.kind, b, where) for b in buckets]
+        experts = sum(collective_time([r], expert_where) for r in expert_rows if r.kind != "all_gather")
+        hidden = sum(times[:-1]) + experts / reductions
+        last = times[-1] if times else 0.0
+        exposed = reductions * (last + max(0.0, hidden - backward_s / s.grad_accum))
         out = {"dp_comm": exposed}
-        if s.dp_strategy == "zero1":
+        if reduce_scatter:
+            # the updated parameters, gathered in the compute dtype after the optimizer step: exposed
+            gather = [r for r in dp_rows if r.kind == "all_gather"]
+            out["zero_all_gather"] = (collective_time(gather, where)
+                                      + collective_time([r for r in expert_rows if r.kind == "all_gather"],
+                                                        expert_where))
+        elif s.dp_strategy == "zero1":
             # ZeroRedundancyOptimizer broadcasts each rank's updated shard after step(): exposed.
-            out["zero1_broadcast"] = gather_or_scatter(_rows(dp_rows, "dp", "parameters")[0].nbytes, group, link)
+            out["zero1_broadcast"] = collective_time(_rows(dp_rows, "dp", "parameters"), where)
         return out
     # FSDP family, per micro-batch: all-gather parameters (forward, and again in backward
     # unless zero2) and reduce-scatter the gradients (slipstream keeps gradients sharded, so
@@ -937,16 +1042,16 @@ def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward
     # parameters gathered and reduces once, after the last micro-batch (plan/memory.py).
     syncs = 1 if s.pp > 1 else s.grad_accum
     gathers = [r for r in dp_rows if r.kind == "all_gather"]
-    gather = collective_time(gathers[:1], link) / syncs                    # forward, one micro-batch
-    regather = collective_time(gathers[1:], link) / syncs                  # backward (not zero2)
-    scatter = collective_time([r for r in dp_rows if r.kind == "reduce_scatter"], link) / syncs
+    gather = collective_time(gathers[:1], where) / syncs                   # forward, one micro-batch
+    regather = collective_time(gathers[1:], where) / syncs                 # backward (not zero2)
+    scatter = collective_time([r for r in dp_rows if r.kind == "reduce_scatter"], where) / syncs
     units = _fsdp_units(model, s, blocks)
     first_layer = gather / units             # nothing to hide the first gather behind
     if expert_rows:   # the experts' units gather and reduce next to their blocks', behind the same compute
         expert_gathers = [r for r in expert_rows if r.kind == "all_gather"]
-        gather += collective_time(expert_gathers[:1], expert_link) / syncs
-        regather += collective_time(expert_gathers[1:], expert_link) / syncs
-        scatter += collective_time([r for r in expert_rows if r.kind == "reduce_scatter"], expert_link) / syncs
+        gather += collective_time(expert_gathers[:1], expert_where) / syncs
+        regather += collective_time(expert_gathers[1:], expert_where) / syncs
+        scatter += collective_time([r for r in expert_rows if r.kind == "reduce_scatter"], expert_where) / syncs
     micro = s.grad_accum
     fwd_s, bwd_s = forward_s / micro, backward_s / micro          # compute of one micro-batch
     if s.pp > 1:
@@ -960,6 +1065,5 @@ def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward
     out = {"dp_comm": exposed + first_layer, "fsdp_overhead": overhead}
     replicate = _rows(collectives, "dp_replicate", "gradients")
     if replicate:
-        out["dp_replicate_comm"] = collective_time(replicate, cluster.link_for(replicate[0].group,
-                                                                               group * s.tp * s.cp))
+        out["dp_replicate_comm"] = collective_time(replicate, span(cluster, replicate[0].group, group * s.tp * s.cp))
     return out
