@@ -450,8 +450,8 @@ class StackStates:
     def __post_init__(self) -> None:
         if self.stack not in STATE_STACKS:
             raise UserError(f"unknown training stack {self.stack!r}; use one of {', '.join(STATE_STACKS)} (--stack).")
-        if self.reduce_dtype not in ("fp32", "bf16"):
-            raise UserError(f"FSDP reduce dtype {self.reduce_dtype!r}: use fp32 or bf16 (parallel.reduce_dtype).")
+        if self.reduce_dtype not in ("fp32", "bf16", "fp16"):
+            raise UserError(f"FSDP reduce dtype {self.reduce_dtype!r}: use fp32, bf16 or fp16 (parallel.reduce_dtype).")
 
     def keeps_16bit_model(self, s: Strategy) -> bool:
         """Whether this stack runs `s` with the model itself in 16 bits (not FSDP2, not autocast)."""
@@ -815,7 +815,7 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
         comm += layers * mean_gather_unit + edge * dt.gathered   # parameters stay gathered between forward and backward
     # FSDP2 reduce-scatters a unit's gradients from a buffer in its reduce dtype (MixedPrecisionPolicy.
     # reduce_dtype; the sharded gradient it keeps is fp32 either way); DeepSpeed reduces through its buckets.
-    reduce_bytes = 2 if states.reduce_dtype == "bf16" else dt.reduce
+    reduce_bytes = 2 if states.reduce_dtype in ("bf16", "fp16") else dt.reduce
     bucket_bytes = stack_reduce_bucket_bytes(s, states)
     reduce_buffer = block_params * reduce_bytes if fsdp_run else bucket_bytes
     if bucket_bytes:

@@ -76,15 +76,19 @@ def device_memory_limit(device: torch.device) -> tuple[int, str] | None:
 
 def plan_training_memory(cfg, world: int, dp_strategy: str, dp_shard: int, device_type: str):
     """The planner's MemoryEstimate of one training step of `cfg` (its vocabulary resolved), with
-    its compression switches (quant.qat's fake-quantized linears, sparsity's masks)."""
-    from slipstream.plan.memory import Compression, estimate_memory
+    its compression switches (quant.qat's fake-quantized linears, sparsity's masks) and FSDP2's
+    reduce dtype (parallel.reduce_dtype; none: parallel.param_dtype's, as data_parallel.apply_fsdp)."""
+    from slipstream.plan.memory import Compression, StackStates, estimate_memory
     from slipstream.plan.space import PlanModel, strategy_from_config
 
     strategy = strategy_from_config(cfg, world, dp_strategy, dp_shard)
+    p = cfg.parallel
+    reduce_dtype = p.reduce_dtype if p.reduce_dtype != "none" else p.param_dtype
     return estimate_memory(PlanModel(cfg.model.preset, cfg.model), strategy, cfg.train.seq_len, device=device_type,
                            optimizer_state_bytes=2 if cfg.optim.state_dtype == "bf16" else 4,
                            optimizer=cfg.optim.optimizer, state_dtype=cfg.optim.state_dtype,
-                           compression=Compression.of(cfg))
+                           compression=Compression.of(cfg),
+                           stack=StackStates("torch", reduce_dtype="fp32" if reduce_dtype == "none" else reduce_dtype))
 
 
 # What shrinks each half of the step's memory, named in the refusal (the bigger half first).
