@@ -104,6 +104,7 @@ from dataclasses import dataclass, field
 from slipstream.errors import UserError
 from slipstream.models.flops import param_count
 from slipstream.plan.experts import Experts, experts_of
+from slipstream.plan.hardware import STACKS
 from slipstream.plan.space import PlanModel, Strategy
 from slipstream.plan.stages import RankPart, rank_parts, stage_costs
 
@@ -413,7 +414,6 @@ def sparsity_masked_values(model: PlanModel, method: str) -> tuple[int, int]:
 
 # ---------------------------------------------------------------- model states as each stack keeps them
 
-STATE_STACKS = ("torch", "megatron", "deepspeed")   # the training stacks of plan --stack (plan/hardware.py)
 # DeepSpeed ZeRO-1/2's reduce bucket ("ipg buffer"): reduce_bucket_size elements in the 16-bit dtype,
 # allocated by backward() (a second one with overlap_comm: "Use double buffers to avoid data access
 # conflict when overlap_comm is enabled"); default reduce_bucket_size 5e8 elements
@@ -448,8 +448,8 @@ class StackStates:
     overlap_comm: bool = False
 
     def __post_init__(self) -> None:
-        if self.stack not in STATE_STACKS:
-            raise UserError(f"unknown training stack {self.stack!r}; use one of {', '.join(STATE_STACKS)} (--stack).")
+        if self.stack not in STACKS:
+            raise UserError(f"unknown training stack {self.stack!r}; use one of {', '.join(STACKS)} (--stack).")
         if self.reduce_dtype not in ("fp32", "bf16", "fp16"):
             raise UserError(f"FSDP reduce dtype {self.reduce_dtype!r}: use fp32, bf16 or fp16 (parallel.reduce_dtype).")
 
