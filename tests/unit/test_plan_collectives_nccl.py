@@ -254,6 +254,26 @@ def test_cli_flags_reach_the_cluster():
     assert (args.stack, args.bucket_mb) == ("megatron", 40.0)
 
 
+def _probe(tmp_path, backend, small_seconds, world=8, device="cuda:0", name="NVIDIA H100 80GB HBM3"):
+    rows = [{"bytes": 1024, "seconds": small_seconds, "busbw_gbs": 0.1},
+            {"bytes": 2**26, "seconds": 4e-4, "busbw_gbs": 300.0}]
+    comm = {"backend": backend, "world_size": world, "collectives": {"all_reduce": rows}}
+    path = tmp_path / f"{backend}.json"
+    path.write_text(json.dumps({"machine": {"device": device, "device_name": name}, "sections": {"comm": comm}}))
+    return str(path)
+
+
+def test_a_probed_nccl_link_gives_back_the_measured_small_message(tmp_path):
+    """An NCCL probe's smallest all_reduce ran LL past NCCL's base latency: the link's step is the
+    one under which the model times it as measured (not its time / 2(n-1), which a gloo probe keeps)."""
+    cluster = make_cluster("8xH100", probe=_probe(tmp_path, "nccl", 20e-6))
+    assert cluster.intra.bandwidth_gbs == 300.0 and cluster.intra.fabric == "nvlink"
+    assert call_time("all_reduce", 1024, span(cluster, 8)) == pytest.approx(20e-6, rel=1e-9)
+    assert cluster.intra.latency_us > 20.0 / 14                 # more than the naive time per ring step
+    # and the model then plans the other sizes from it: 64 KiB costs more, by its bytes
+    assert call_time("all_reduce", 2**16, span(cluster, 8)) > 20e-6
+
+
 # ---------------------------------------------------------------- validation
 
 

@@ -216,7 +216,9 @@ def test_probe_overrides_efficiency_links_and_host(tmp_path):
     assert cluster.matmul_efficiency["fp8"] == 0.65  # skipped in the probe: default kept
     assert cluster.achievable_flops("bf16") == pytest.approx(791.2e12)
     assert cluster.intra.bandwidth_gbs == 360.0
-    assert cluster.intra.latency_us == pytest.approx(14.0 / (2 * 7))
+    # NCCL ran the 1 KiB all_reduce LL: 6.6 us base + 14 steps x 0.6 us x (step / 3.4) + bytes at
+    # Hopper's LL ceiling 141 GB/s x 8/14; the ring Simple step that makes it 14 us (collectives.py)
+    assert cluster.intra.latency_us == pytest.approx((14.0 - 6.6 - 1024 / (141e3 * 8 / 14)) * 3.4 / (14 * 0.6))
     assert cluster.inter == LINKS["ib-ndr"]
     assert cluster.host_link_gbs == 50.0  # the slower pinned direction
     text = "\n".join(cluster.sources)

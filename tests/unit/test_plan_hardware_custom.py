@@ -284,8 +284,13 @@ def two_level(intra_busbw=360.0, inter_busbw=40.0, per_node=8, nodes=2):
 def test_two_level_probe_sets_both_links(tmp_path):
     path = probe_file(tmp_path, "net.json", two_level())
     cluster = make_cluster("8xH100", nodes=2, probe=path)
-    assert cluster.intra.bandwidth_gbs == 360.0 and cluster.intra.latency_us == pytest.approx(14.0 / (2 * 7))
-    assert cluster.inter.bandwidth_gbs == 40.0 and cluster.inter.latency_us == pytest.approx(12.0 / 2)
+    # the ring Simple steps under which NCCL's model times the 1 KiB all_reduces as measured (LL rings):
+    # 8 ranks on NVLink, 6.6 + 14 x 0.6 x step / 3.4 us; 2 nodes, one rank each, 6.6 + 2 x 5.0 x
+    # step / 14 us (one rank per node: NCCL charges the tree's network hop), LL at half of 40 GB/s
+    intra = (14.0 - 6.6 - 1024 / (141e3 * 8 / 14)) * 3.4 / (14 * 0.6)
+    inter = (12.0 - 6.6 - 1024 / (0.5 * 40e3)) * 14.0 / (2 * 5.0)
+    assert cluster.intra.bandwidth_gbs == 360.0 and cluster.intra.latency_us == pytest.approx(intra)
+    assert cluster.inter.bandwidth_gbs == 40.0 and cluster.inter.latency_us == pytest.approx(inter)
     assert cluster.inter.name == "ib-ndr" and "(measured)" in cluster.inter.description
     assert cluster.link_for(16).bandwidth_gbs == pytest.approx(min(360.0, 8 * 40.0))
     assert any(s.startswith("inter-node link 40.0 GB/s") and s.endswith(path) for s in cluster.sources)

@@ -244,6 +244,29 @@ def candidates(kind: str, nbytes: float, where: Span) -> dict[tuple[str, str], f
     return out
 
 
+def link_latency_from_time(kind: str, nbytes: float, seconds: float, link: Link, intra: Link, nodes: int,
+                           per_node: int, generation: str = "") -> float:
+    """The ring Simple step latency (Link.latency_us, us) of `link` under which NCCL's model times
+    one `kind` call of `nbytes` at `seconds`: what a probe's smallest NCCL all_reduce says about
+    the link (NCCL ran it LL, past its base latency, so its time / 2(n-1) is not the step). The
+    group is `per_node` ranks on one node over `link` (nodes = 1), or one rank on each of `nodes`
+    nodes over the network `link` with `intra` the node's link. 0 when even a zero step is slower
+    than the measurement (the base latency alone is); bisection, the time rising with the step."""
+
+    def timed(latency_us: float) -> float:
+        trial = replace(link, latency_us=latency_us)
+        node = trial if nodes == 1 else intra
+        return call_time(kind, nbytes, Span(trial, node, trial, nodes, per_node, generation))
+
+    low, high = 0.0, 1e6
+    if timed(low) >= seconds:
+        return 0.0
+    for _ in range(80):
+        mid = (low + high) / 2
+        low, high = (mid, high) if timed(mid) < seconds else (low, mid)
+    return (low + high) / 2
+
+
 def _log2i(n: int) -> int:
     """NCCL's log2i: the floor of log2."""
     return max(0, int(n).bit_length() - 1)

@@ -114,6 +114,9 @@ LINKS: dict[str, Link] = {
 # These NICs serve a whole node by default: each GPU's share is the bandwidth / GPUs per node.
 PER_NODE_LINKS = frozenset({"ethernet-100g", "ethernet-25g"})
 
+# The fabrics NCCL's tuning model knows (Link.fabric; plan/collectives.py).
+NCCL_FABRICS = ("nvlink", "pcie", "net")
+
 # A link given by its number instead of its name (parse_link): "KIND:RATE" is a WIRE rate, of
 # which the kind's achievable fraction applies; a bare rate is an achievable bus bandwidth.
 # Fractions from the figures above: InfiniBand 0.88, RoCE / Ethernet 0.80 (the network note);
@@ -648,7 +651,8 @@ def _ring(section: dict, path: str, where: str) -> dict | None:
                       MAX_LINK_LATENCY_US / 1e6 * steps, f" s, over {MAX_LINK_LATENCY_US / 1e6:g} s per ring step")
     groups = section.get("groups")
     return {"bandwidth": bandwidth, "latency": seconds * 1e6 / steps, "world": world,
-            "bytes": largest["bytes"], "groups": groups if type(groups) is int else None}
+            "bytes": largest["bytes"], "groups": groups if type(groups) is int else None,
+            "small_bytes": smallest["bytes"], "small_seconds": seconds}
 
 
 def _probe_facts(data: dict, path: str, per_node: int, notes: list[str], peaks: dict[str, float]) -> dict[str, _Fact]:
@@ -684,16 +688,19 @@ def _probe_facts(data: dict, path: str, per_node: int, notes: list[str], peaks: 
     comm = sections.get("comm")
     if comm is None:
         return facts
+    backend = comm.get("backend")
     if "intra" in comm or "inter" in comm:
         # Two-level probe (multi-node, or a single node that says so): each level is its own group.
         for level, label in (("intra", "intra-node link"), ("inter", "inter-node link")):
             group = _table(comm, level, path, f"sections.comm.{level}")
             ring = _ring(group, path, f"sections.comm.{level}") if group is not None else None
             if ring is not None:
-                facts[label] = _Fact(ring["bandwidth"], ring, path)
+                facts[label] = _Fact(ring["bandwidth"], ring | {"backend": backend}, path)
         return facts
     # One group over the whole launch (older probes): a node's link only if it fits in one node.
     ring = _ring(comm, path, "sections.comm")
+    if ring is not None:
+        ring["backend"] = backend
     if ring is not None and ring["world"] <= per_node:
         facts["intra-node link"] = _Fact(ring["bandwidth"], ring, path)
     elif ring is not None:
@@ -807,8 +814,19 @@ def make_cluster(gpus: str, nodes: int = 1, intra: str | None = None, inter: str
             base = intra_link if level == "intra" else inter_link
             link = replace(base, bandwidth_gbs=ring["bandwidth"], latency_us=ring["latency"],
                            description=f"{base.description} (measured)")
-            sources.append(f"{key} {link.bandwidth_gbs:.1f} GB/s, {link.latency_us:.1f} us/step: all_reduce of "
-                           f"{ring['bytes']} B over {ring['world']} ranks, probe file {path}")
+            how = "the smallest's time per ring step"
+            if ring.get("backend") == "nccl" and base.fabric in NCCL_FABRICS:
+                # NCCL ran the smallest message LL, past its base latency: the ring Simple step
+                # under which NCCL's model (plan/collectives.py) times it as measured
+                from slipstream.plan.collectives import link_latency_from_time
+
+                nodes, ranks = (1, ring["world"]) if level == "intra" else (ring["world"], 1)
+                link = replace(link, latency_us=link_latency_from_time(
+                    "all_reduce", ring["small_bytes"], ring["small_seconds"], link, intra_link, nodes, ranks,
+                    spec.generation if spec is not None else ""))
+                how = "NCCL's model timing the smallest as measured"
+            sources.append(f"{key} {link.bandwidth_gbs:.1f} GB/s, {link.latency_us:.1f} us/step ({how}): all_reduce "
+                           f"of {ring['bytes']} B over {ring['world']} ranks, probe file {path}")
             groups = ring.get("groups")
             if level == "inter" and isinstance(groups, int) and groups != per_node:
                 sources.append(f"{key}: measured with {groups} rank(s) per node sharing the NICs, planned with "
