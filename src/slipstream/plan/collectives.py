@@ -25,6 +25,7 @@ point-to-point traffic outside the tuning model (all_to_all_time).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
@@ -276,6 +277,12 @@ def call_time(kind: str, nbytes: float, where: Span | Link, group: int | None = 
     """Seconds of one `kind` call of `nbytes` over `where` (a Span, or one Link with `group`
     ranks: link_span), at the (algorithm, protocol) NCCL's model finds fastest."""
     where = where if isinstance(where, Span) else link_span(where, group or 1)
+    return _fastest(kind, float(nbytes), where)
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _fastest(kind: str, nbytes: float, where: Span) -> float:
+    # a layout search times the same calls over and over (plan/search.py: thousands of layouts)
     times = candidates(kind, nbytes, where)
     return min(times.values()) if times else 0.0
 

@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 from slipstream.models.flops import flops_per_token, param_count
@@ -1020,10 +1021,11 @@ def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward
         elem = gradient_dtype_bytes(s, cluster.stack)
         reductions = _reductions(s, cluster.stack)
         buckets = gradient_buckets(grads.nbytes / reductions, elem, cluster.stack, s.dp * s.cp, cluster.bucket_mb)
-        times = [call_time(grads.kind, b, where) for b in buckets]
+        # thousands of buckets of a few sizes: each size timed once
+        hidden = sum(count * call_time(grads.kind, size, where) for size, count in Counter(buckets[:-1]).items())
         experts = sum(collective_time([r], expert_where) for r in expert_rows if r.kind != "all_gather")
-        hidden = sum(times[:-1]) + experts / reductions
-        last = times[-1] if times else 0.0
+        hidden += experts / reductions
+        last = call_time(grads.kind, buckets[-1], where) if buckets else 0.0
         exposed = reductions * (last + max(0.0, hidden - backward_s / s.grad_accum))
         out = {"dp_comm": exposed}
         if reduce_scatter:
