@@ -8,6 +8,7 @@
     slipstream bench checkpoint [--repeats N] [--model.* overrides]
     slipstream bench fused-ce [--rows N --d D --vocab V --dtype ... --chunk-size ...]
     slipstream bench ladder [memory|speed|both] [--device D --size S --repeats N --steps N --batch B]
+    slipstream bench ladder compression [--size ci|tiny|gpt2 --steps N --out-dir D --force --data-dir D]
     slipstream bench planner [--device cpu|cuda] [--cases grid|stratified] [--published-only] [--out FILE]
     slipstream bench recompute [--device cpu|cuda --rounds N --steps N --repredict FILE --out FILE]
     slipstream bench gpu [--dry-run] [--only ITEM ...] [--out-dir DIR]
@@ -38,15 +39,37 @@ def cmd_bench_ladder(args: argparse.Namespace, extra: list[str]) -> int:
     from slipstream.perf.ladder import ladder_outputs, run_ladder
 
     no_extra(extra)
+    if args.ladder == "compression":
+        return _bench_compression_ladder(args)
+    if args.size == "gpt2":
+        raise UserError("--size gpt2 is a size of the compression ladder; the memory and speed ladders take "
+                        "ci, tiny, small or book")
     ladders = ["memory", "speed"] if args.ladder == "both" else [args.ladder]
     if args.out_dir:  # an explicit --out-dir; the default benchmarks/ files are refreshed
         for which in ladders:
             for path in ladder_outputs(which, args.device, args.size, args.out_dir):
                 refuse_existing(path, args.force, "--out-dir", what="ladder result")
     for which in ladders:
-        run_ladder(which, device=args.device, size=args.size, repeats=args.repeats, steps=args.steps,
+        run_ladder(which, device=args.device, size=args.size, repeats=args.repeats,
+                   steps=6 if args.steps is None else args.steps,
                    batch=args.batch, out_dir=args.out_dir or "benchmarks", data_dir=args.data_dir,
                    augment_ms=args.augment_ms)
+    return 0
+
+
+def _bench_compression_ladder(args: argparse.Namespace) -> int:
+    from slipstream.perf.compression_ladder import SHAPES, compression_output, run_compression_ladder
+
+    if args.device != "cpu":
+        raise UserError("the compression ladder runs on CPU for now (its CUDA rows are not built yet); "
+                        "drop --device or use --device cpu")
+    if args.size not in SHAPES:
+        raise UserError(f"--size {args.size} is not a size of the compression ladder; choose one of "
+                        f"{', '.join(SHAPES)}")
+    if args.out_dir:  # an explicit --out-dir; the default benchmarks/ file is refreshed
+        refuse_existing(compression_output(args.size, args.out_dir), args.force, "--out-dir", what="ladder result")
+    run_compression_ladder(size=args.size, steps=args.steps, out_dir=args.out_dir or "benchmarks",
+                           data_dir=args.data_dir)
     return 0
 
 
@@ -256,14 +279,20 @@ def add_commands(sub) -> None:
     p.add_argument("--out", default="", help="JSON result file (default benchmarks/overhead-<machine>.json)")
     add_force(p)
     p.set_defaults(func=cmd_bench_overhead)
-    p = bench.add_parser("ladder", help="the books' memory and speed optimization ladders, measured rung by rung")
-    p.add_argument("ladder", nargs="?", default="both", choices=["memory", "speed", "both"])
+    p = bench.add_parser("ladder", help="the books' memory and speed optimization ladders, measured rung by rung; "
+                                        "compression: every compression switch against dense fp32")
+    p.add_argument("ladder", nargs="?", default="both", choices=["memory", "speed", "both", "compression"],
+                   help="both = memory and speed; compression = sparsity, QAT, low-bit optimizer states, "
+                        "quantized export and one-shot pruning, each against dense fp32")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--size", default="tiny", choices=["ci", "tiny", "small", "book"],
+    p.add_argument("--size", default="tiny", choices=["ci", "tiny", "small", "book", "gpt2"],
                    help="model scale: book = the books' settings (GPU), small/tiny for CPU, ci = the smallest "
-                        "shapes at which every rung still shows its effect (a seconds-long smoke run for tests)")
+                        "shapes at which every rung still shows its effect (a seconds-long smoke run for tests); "
+                        "compression: ci, tiny (the default job's model) or gpt2 (GPT-2 124M shapes)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per rung")
-    p.add_argument("--steps", type=int, default=6, help="training steps per rung and repeat (step 1 is warm-up)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="training steps per rung and repeat (step 1 is warm-up; default 6); compression: the "
+                        "token budget of every row (default per size: ci 6, tiny 50, gpt2 10)")
     p.add_argument("--batch", type=int, default=32, help="global batch in sequences (the books used 32)")
     p.add_argument("--out-dir", default="", help="where the JSON and PNG go (default benchmarks)")
     add_force(p)

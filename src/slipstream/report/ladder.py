@@ -20,7 +20,8 @@ from slipstream.safe_read import MiB, Cap, load_json_capped
 
 # A real result is ~20 KiB (the memory breakdown of each rung is the bulk).
 LADDER_JSON = Cap("ladder result JSON", 16 * MiB, "SLIPSTREAM_MAX_LADDER_JSON_BYTES")
-LADDERS = {"ladder-memory": "Memory ladder", "ladder-speed": "Speed ladder"}
+LADDERS = {"ladder-memory": "Memory ladder", "ladder-speed": "Speed ladder",
+           "ladder-compression": "Compression ladder"}
 MAX_RUNGS = 64  # the books' ladders have 6 and 7 rungs
 MAX_TEXT = 200  # characters of a rung name or note shown
 
@@ -66,6 +67,11 @@ def _ladder_problem(result: Any) -> str | None:
     for i, row in enumerate(rungs):
         if not isinstance(row, dict) or not isinstance(row.get("rung"), str):
             return f"rung {i} has no name ('rung')"
+    if result["bench"] == "ladder-compression":  # one run per row: plain numbers, the dense row first
+        if _number(rungs[0].get("peak_bytes")) is None or _number(rungs[0].get("val_loss")) is None:
+            return "its first row (dense fp32) has no finite peak_bytes and val_loss"
+        return None
+    for i, row in enumerate(rungs):
         if _median(row, _main_key(result)) is None:
             return (f"rung {row['rung'][:MAX_TEXT]!r} has no median {_main_key(result)} "
                     "(finite numbers median, min and max with min <= median <= max)")
@@ -88,6 +94,12 @@ def _stat(row: dict[str, Any], key: str) -> tuple[float, float, float] | None:
         return None
     median, low, high = map(float, numbers)
     return (median, low, high) if low <= median <= high else None
+
+
+def _number(value: Any) -> float | None:
+    """A finite number from the file, or None."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    return float(value) if ok else None
 
 
 def _median(row: dict[str, Any], key: str) -> float | None:
@@ -114,6 +126,10 @@ def ladder_sections(path: str | Path, key: str | None = None) -> list[Section]:
     device, size = _text(result.get("device")) or "?", _text(result.get("size")) or "?"
     key = key or _safe_key(f"{result['bench']}-{device}-{size}")
     section = Section(key, f"{LADDERS[result['bench']]} ({device}, size {size})")
+    if result["bench"] == "ladder-compression":
+        section.add(paragraph(_compression_setting(result, Path(path))))
+        section.add(compression_table(result))
+        return [section]
     section.add(paragraph(_setting(result, Path(path))))
     section.add(figure(rung_figure(result), key, _caption(result), math_text=False))
     section.add(rung_table(result))
@@ -208,3 +224,43 @@ def rung_table(result: dict[str, Any]) -> str:
                      f"{value / base:.2f}x" if value is not None and base else "n/a",
                      float(loss) if loss is not None else None, _text(row.get("note"))])
     return table(header, rows, name=f"{result['bench']}-rungs")
+
+
+# ---------------------------------------------------------------------------- compression ladder
+
+
+def _compression_setting(result: dict[str, Any], path: Path) -> str:
+    env = result.get("env") if isinstance(result.get("env"), dict) else {}
+    machine = _text(env.get("cpu_model")) or "an unrecorded machine"
+    budget = [f"{int(result[k]):,} {k.replace('_', ' ')}" for k in ("steps", "tokens_per_row")
+              if _number(result.get(k)) is not None]
+    return (f"{path.name}: one row per technique, each trained from the same init on the same data "
+            f"({', '.join(budget) or 'budget not recorded'}) and scored on the same val windows, against dense "
+            f"fp32; export and one-shot rows transform the dense checkpoint without training. Ratios to dense "
+            f"in parentheses. Measured on {machine}.")
+
+
+def compression_table(result: dict[str, Any]) -> str:
+    """One row per technique: absolute numbers with their ratio to the dense row."""
+    header = ["technique", "peak train memory (MiB)", "ms/step", "val loss", "sparsity", "optimizer state (MiB)",
+              "model.pt (MB)", "quantized model.pt (MB)", "quantized val loss", "generate tokens/s", "what it is"]
+    dense = result["rungs"][0]
+
+    def cell(row: dict[str, Any], key: str, scale: float = 1.0, digits: int = 1) -> str | None:
+        value, base = _number(row.get(key)), _number(dense.get(key))
+        if value is None:
+            return None
+        ratio = f" ({value / base:.2f}x)" if base else ""
+        return f"{value / scale:.{digits}f}{ratio}"
+
+    rows = []
+    for row in result["rungs"]:
+        quantized, base = _number(row.get("quantized_bytes")), _number(dense.get("checkpoint_bytes"))
+        rows.append([_text(row["rung"]), cell(row, "peak_bytes", 2**20), cell(row, "step_time_s", 1e-3, 0),
+                     _number(row.get("val_loss")), _number(row.get("sparsity")),
+                     cell(row, "optimizer_state_bytes", 2**20, 2), cell(row, "checkpoint_bytes", 1e6, 2),
+                     None if quantized is None else f"{quantized / 1e6:.2f}" + (f" ({quantized / base:.2f}x)"
+                                                                                 if base else ""),
+                     _number(row.get("quantized_val_loss")), cell(row, "generate_tokens_per_s", 1.0, 0),
+                     _text(row.get("note"))])
+    return table(header, rows, name="ladder-compression-rows")
