@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 ROWS = ["dense fp32", "magnitude 50%", "magnitude 90%", "2:4", "QAT int8-dynact-int4-weight", "QAT int8-weight",
         "optimizer state int8", "optimizer state int4", "export int8", "export int4", "one-shot magnitude 50%",
         "one-shot Wanda 50%"]
-COMMITTED = {size: ROOT / "benchmarks" / f"ladder-compression-cpu-{size}.json" for size in ("tiny",)}
+COMMITTED = {size: ROOT / "benchmarks" / f"ladder-compression-cpu-{size}.json" for size in ("tiny", "gpt2")}
 
 
 @pytest.fixture(scope="module")
