@@ -363,8 +363,9 @@ def add_commands(sub) -> None:
     p = bench.add_parser("planner", help="planner accuracy: planned vs measured memory on this CPU, vs published runs")
     p.add_argument("--device", default="cpu", help="cpu: the fake-process-group grid; cuda: GPT-2 steps on this GPU")
     p.add_argument("--cases", default="grid", choices=["grid", "stratified"],
-                   help="cpu: grid = every case (the committed JSON); stratified = 12 of them covering every model "
-                        "family, strategy, AC mode and precision (a seconds-long smoke run for tests; needs --out)")
+                   help="cpu: grid = every case (the committed JSON); stratified = 21 of them covering every "
+                        "model family, strategy, AC mode and precision, QAT, low-bit optimizer states and the stacks' "
+                        "ZeRO states (a seconds-long smoke run for tests; needs --out)")
     p.add_argument("--published-only", action="store_true",
                    help="cpu: recompute only the published runs' part (the fit and its leave-one-run-out table), "
                         "keeping the measured memory rows of the file (--out, default the committed one)")

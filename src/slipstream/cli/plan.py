@@ -45,9 +45,11 @@ def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
                    help="finished `slipstream train` run directories on this kind of device: their measured "
                         "tokens/s set the efficiency (replaces --efficiency)")
     p.add_argument("--stack", default="torch", choices=STACKS,
-                   help="the training stack whose collectives to plan: torch (slipstream / PyTorch DDP and FSDP2; "
-                        "zero1 = all-reduce + broadcast), megatron (grad-buffer buckets; its distributed optimizer "
-                        "reduce-scatters and all-gathers) or deepspeed (ZeRO buckets, reduce-scatter + all-gather)")
+                   help="the training stack whose collectives and model states to plan: torch (slipstream / PyTorch "
+                        "DDP and FSDP2; fp32 weights and gradients; zero1 = all-reduce + broadcast), megatron "
+                        "(grad-buffer buckets; its distributed optimizer reduce-scatters and all-gathers, 16-bit "
+                        "weights, fp32 master copy and moments sharded) or deepspeed (ZeRO buckets, reduce-scatter + "
+                        "all-gather, 16-bit weights and gradients, fp32 master copy and moments sharded)")
     p.add_argument("--bucket-mb", type=float, default=None, metavar="MB",
                    help="gradient bucket size in MiB, replacing the stack's default (DDP bucket_cap_mb 25, Megatron "
                         "max(40M, 1M x dp) parameters, DeepSpeed reduce_bucket_size 5e8 elements)")

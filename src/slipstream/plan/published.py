@@ -196,7 +196,7 @@ _ZERO_PAPER = (
 _ZERO_COMMON = dict(
     n_layer=0, d_model=0, n_head=0, n_kv_head=None, d_ff=None, vocab_size=0, mlp="",
     tie_embeddings=False, gpu="", gpus=64, dp=64, seq_len=0, precision="fp16",
-    n_params=7.5e9,
+    n_params=7.5e9, stack="deepspeed",  # ZeRO's own stack: fp16 weights and gradients, fp32 master copy
 )
 _ZERO_COMMON_NOTE = (
     "Figure 1 caption: 'Comparing the per-device memory consumption of model states, with three "

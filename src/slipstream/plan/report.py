@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from slipstream.plan.efficiency import PRIORS, Fit
 from slipstream.plan.hardware import make_cluster
-from slipstream.plan.memory import GIB, estimate_memory, model_state_bytes
+from slipstream.plan.memory import GIB, StackStates, estimate_memory, model_state_bytes
 from slipstream.plan.published import ALL_PUBLISHED_RUNS, PublishedRun, plan_gpu, plan_model, plan_strategy
 from slipstream.plan.space import Strategy, Workload
 from slipstream.plan.timing import DEFAULT_EFFICIENCY, TimeEstimate, estimate_time
@@ -111,17 +111,16 @@ def _speed_figures(run: PublishedRun, time: TimeEstimate, s: Strategy) -> list[C
 def compare_run(run: PublishedRun, efficiency: float = DEFAULT_EFFICIENCY, fit: Fit | None = None) -> list[Comparison]:
     """The planner's numbers for one published run, next to the reported ones."""
     if not run.n_layer:  # model-state figures only (ZeRO): bytes per parameter by strategy
-        s = Strategy(dp_strategy=_STRATEGY_NAMES.get(run.dp_strategy, run.dp_strategy), dp=run.dp)
-        states = sum(model_state_bytes(run.n_params, s))
+        s = Strategy(dp_strategy=_STRATEGY_NAMES.get(run.dp_strategy, run.dp_strategy), dp=run.dp,
+                     precision=run.precision)
+        states = sum(model_state_bytes(run.n_params, s, states=StackStates(run.stack)))
         return [Comparison(run.name, "model_state_gib_per_gpu", run.memory_gib_per_gpu, states / GIB,
-                           "slipstream keeps fp32 parameters and gradients (4 + 4 bytes) where the paper keeps fp16 "
-                           "ones and an fp32 master copy in the optimizer state (2 + 2 + 12 bytes): equal without "
-                           "sharding and at ZeRO-3, different at ZeRO-1/2")]
+                           f"model states as the {run.stack} stack keeps them (plan/memory.py state_buffers)")]
     model, s, work, cluster = _setup(run)
     out = _speed_figures(run, estimate_time(model, s, work, cluster, efficiency=efficiency, fit=fit), s)
     if run.memory_gib_per_gpu:
         note = "fp8 run planned at the bf16 rate" if run.precision == "fp8" else ""
-        memory = estimate_memory(model, s, run.seq_len)
+        memory = estimate_memory(model, s, run.seq_len, stack=run.stack)
         out.append(Comparison(run.name, "memory_gib_per_gpu", run.memory_gib_per_gpu, memory.total_bytes / GIB,
                               "planned peak incl. the fragmentation margin; " + note))
     return out

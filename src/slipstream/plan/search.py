@@ -344,7 +344,7 @@ def evaluate(model: PlanModel, s: Strategy, work: Workload, cluster: Cluster, ef
     if s.pp > 1 and model.traced is None and stages > model.cfg.n_layer:
         raise UserError(f"layout {s.label()}: pipeline parallel {s.pp} x {s.pp_virtual} chunks = {stages} stages for "
                         f"{model.cfg.n_layer} blocks; every stage holds at least one block: fewer stages")
-    memory = estimate_memory(model, s, work.seq_len, device=device)
+    memory = estimate_memory(model, s, work.seq_len, device=device, stack=cluster.stack)
     time = estimate_time(model, s, work, cluster, efficiency=efficiency)
     fits = memory.total_bytes <= cluster.memory_bytes
     why = "" if fits else (f"needs {memory.total_bytes / GIB:.1f} GiB > {cluster.memory_bytes / GIB:.1f} GiB "
