@@ -198,3 +198,18 @@ def test_sharded_strategies_are_refused():
     with pytest.raises(UserError, match="parallel.tp = 2"):
         check_low_bit_state(cfg, "none", 2)
     check_low_bit_state(cfg, "ddp", 1)  # plain tensors: allowed
+
+
+def test_memory_breakdown_skips_the_compiled_low_bit_update_and_measures_the_eager_one(tmp_path, capsys):
+    """torchao's compiled update cannot run under the memory tracker (it crashed the step):
+    the probe skips it with a note; the eager (for-loop) update is measured."""
+    from slipstream.train.memory_probe import MemoryProbe
+
+    def probe(*overrides):
+        cfg = load_config(None, ["--metrics.memory_breakdown=true", "--train.max_steps=5", *overrides])
+        return MemoryProbe(cfg, torch.device("cpu"), 0, tmp_path / "snapshot.pickle")
+
+    assert probe("--optim.state_dtype=int8").measure_at is None
+    assert "--optim.implementation=for-loop" in capsys.readouterr().out
+    assert probe("--optim.state_dtype=int4", "--optim.implementation=for-loop").measure_at == 2
+    assert probe().measure_at == 2

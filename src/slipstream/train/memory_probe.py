@@ -38,6 +38,13 @@ class MemoryProbe:
                 print("note: metrics.memory_breakdown is skipped with torch.compile (its tracker would measure "
                       "the eager model); compare memory with --compile.scope=off")
             self.measure_at = None
+        compiled_update = cfg.optim.state_dtype in ("int8", "int4") and cfg.optim.implementation != "for-loop"
+        if self.measure_at is not None and compiled_update:
+            # torchao's low-bit AdamW compiles its update (fullgraph): it cannot run under the tracker.
+            if is_main:
+                print(f"note: metrics.memory_breakdown is skipped with optim.state_dtype = {cfg.optim.state_dtype} "
+                      "and its compiled update; measure with --optim.implementation=for-loop (the eager update)")
+            self.measure_at = None
 
     def measures(self, step: int) -> bool:
         """Whether training step `step` (1-based) runs under the tracker."""
