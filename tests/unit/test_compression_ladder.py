@@ -23,7 +23,9 @@ def ci_result(tmp_path_factory, data_dir):
     from slipstream.perf.compression_ladder import run_compression_ladder
 
     out = tmp_path_factory.mktemp("compression")
-    result = run_compression_ladder(size="ci", out_dir=str(out), data_dir=str(data_dir))
+    # device="cpu" explicitly: the path `--device cuda` takes, on the CPU (every load, eval, prune and
+    # generate gets the device from here)
+    result = run_compression_ladder(size="ci", out_dir=str(out), data_dir=str(data_dir), device="cpu")
     return result, out / "ladder-compression-cpu-ci.json"
 
 
@@ -138,3 +140,87 @@ def test_committed_result_has_every_row_and_the_readme_shows_it(size):
     section = readme.split("### Compression ladder (measured)", 1)[1].split("\n## ", 1)[0]
     assert markdown_table(result) in section, f"README table of {size} differs from {COMMITTED[size].name}"
     assert re.search(re.escape(COMMITTED[size].name), section)
+
+
+# --- the device: CPU plumbing, the CUDA refusal, the CUDA-only timings --------------------------
+
+def test_device_reaches_the_run_and_the_file_name(ci_result):
+    result, path = ci_result
+    assert path.is_file() and result["device"] == "cpu" and "--train.device=cpu" in result["base"]
+    rows = _rows(result)
+    for r in result["rungs"]:
+        assert not r.get("generate_sparse_kernel")  # the sparse kernel is timed on CUDA only
+        if r["kind"] == "train":
+            assert r["cuda_allocated_before_bytes"] is None  # an allocator reading exists on CUDA only
+    assert "generate_tokens_per_s" not in rows["2:4"]
+    assert "the sparse kernel needs CUDA" in rows["2:4"]["note"]
+
+
+def test_output_is_named_by_device_and_size():
+    from slipstream.perf.compression_ladder import compression_output
+
+    assert compression_output("gpu", "out", "cuda") == Path("out/ladder-compression-cuda-gpu.json")
+    assert compression_output("ci", "out") == Path("out/ladder-compression-cpu-ci.json")
+
+
+def test_cuda_without_a_gpu_is_refused_before_anything_runs(tmp_path, monkeypatch, capsys):
+    import torch
+
+    from slipstream.cli import main
+    from slipstream.perf import compression_ladder
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match=r"--device cuda needs a CUDA GPU.*--device cpu"):
+        compression_ladder.run_compression_ladder(size="ci", out_dir=str(tmp_path), device="cuda")
+    assert main(["bench", "ladder", "compression", "--size", "ci", "--device", "cuda", "--out-dir", str(tmp_path)]) != 0
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+    assert main(["bench", "ladder", "compression", "--size", "ci", "--device", "mps", "--out-dir", str(tmp_path)]) != 0
+    assert "choose cpu or cuda" in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing prepared or written
+
+
+def test_cuda_times_the_two_four_row_through_the_sparse_kernel(monkeypatch, tmp_path):
+    """The generate timings on CUDA (run on CPU with the timing replaced): the 2:4 checkpoint goes through
+    --sparse-kernel on the ladder's device, the export rows quantize the dense checkpoint."""
+    from slipstream.perf import compression_ladder as cl
+
+    calls = []
+    monkeypatch.setattr(cl, "_generate_tokens_per_s",
+                        lambda ckpt, tokens, quantize, device, sparse_kernel=False:
+                        calls.append((ckpt.name, quantize, device, sparse_kernel)) or 10.0 + len(calls))
+    results = [{"rung": row.name, "kind": row.kind, "quantize": row.quantize or None}
+               for row in cl.rows_for(cl.SHAPES["gpu"], 6, "cuda")]
+    dense, sparse = tmp_path / "dense", tmp_path / "two-four"
+    cl._time_generation(cl.generation_variants(results, dense, sparse), 16, "cuda")
+    one_round = [("dense", None, "cuda", False), ("dense", "int8", "cuda", False), ("dense", "int4", "cuda", False),
+                 ("two-four", None, "cuda", True)]
+    assert calls == one_round * cl.GENERATE_ROUNDS  # interleaved rounds
+    rows = _rows({"rungs": results})
+    assert rows["2:4"]["generate_sparse_kernel"] is True
+    assert rows["2:4"]["generate_tokens_per_s"] == 10.0 + 2 * len(one_round)  # the best (here: last) round
+    assert "generate_tokens_per_s" not in rows["magnitude 50%"]
+    # CPU: no sparse checkpoint, no sparse-kernel timing
+    assert [v[3] for v in cl.generation_variants(results, dense, None)] == [False, False, False]
+
+
+def test_gpu_shape_fits_the_sparse_kernel_and_the_suite_runs_it():
+    import torch
+
+    from slipstream.config.load import load_config
+    from slipstream.models.transformer import Transformer
+    from slipstream.perf.compression_ladder import SHAPES, compression_output
+    from slipstream.perf.gpu_items import ITEMS
+
+    shape = SHAPES["gpu"]
+    cfg = load_config(None, [*shape.model, "--model.vocab_size=50257"])
+    assert (cfg.model.n_layer, cfg.model.d_model) == (12, 768)  # GPT-2 124M
+    with torch.device("meta"):
+        model = Transformer(cfg.model)
+    linears = [m for m in model.blocks.modules() if isinstance(m, torch.nn.Linear)]
+    assert linears
+    # bf16 2:4 weights: rows a multiple of 32, columns of 64 (torch's CUTLASS semi-structured constraints)
+    assert all(m.out_features % 32 == 0 and m.in_features % 64 == 0 for m in linears)
+    item = next(i for i in ITEMS if i.name == "ladder-compression")
+    assert item.args[:3] == ("bench", "ladder", "compression")
+    assert ("--size", "gpu") == item.args[3:5] and ("--device", "cuda") == item.args[5:7]
+    assert item.outputs == (str(compression_output("gpu", "{out}", "cuda")),)

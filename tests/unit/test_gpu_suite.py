@@ -30,6 +30,10 @@ def test_real_items_dry_run_on_cpu_passes_lists_every_item_and_writes_nothing(tm
     assert row["ladder-memory"]["command"][1:6] == ["-m", "slipstream", "bench", "ladder", "memory"]
     assert str(out / "ladder-memory-cuda-book.json") in row["ladder-memory"]["outputs"]
     assert str(out / "gpu-gpt2-step.json") in row["gpt2-step"]["outputs"]
+    # the compression ladder's CUDA rows: its own item and budget, its file under the suite's folder
+    assert row["ladder-compression"]["command"][3:9] == ["bench", "ladder", "compression", "--size", "gpu", "--device"]
+    assert row["ladder-compression"]["outputs"] == [str(out / "ladder-compression-cuda-gpu.json")]
+    assert row["ladder-compression"]["budget_s"] == 100 and "ladder-compression" in printed
     assert not out.exists()  # a dry run writes nothing
 
 

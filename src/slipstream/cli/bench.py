@@ -8,7 +8,8 @@
     slipstream bench checkpoint [--repeats N] [--model.* overrides]
     slipstream bench fused-ce [--rows N --d D --vocab V --dtype ... --chunk-size ...]
     slipstream bench ladder [memory|speed|both] [--device D --size S --repeats N --steps N --batch B]
-    slipstream bench ladder compression [--size ci|tiny|gpt2 --steps N --out-dir D --force --data-dir D]
+    slipstream bench ladder compression [--device cpu|cuda --size ci|tiny|gpt2|gpu --steps N --out-dir D --force
+                                        --data-dir D]
     slipstream bench planner [--device cpu|cuda] [--cases grid|stratified] [--published-only] [--out FILE]
     slipstream bench recompute [--device cpu|cuda --rounds N --steps N --repredict FILE --out FILE]
     slipstream bench gpu [--dry-run] [--only ITEM ...] [--out-dir DIR]
@@ -41,8 +42,8 @@ def cmd_bench_ladder(args: argparse.Namespace, extra: list[str]) -> int:
     no_extra(extra)
     if args.ladder == "compression":
         return _bench_compression_ladder(args)
-    if args.size == "gpt2":
-        raise UserError("--size gpt2 is a size of the compression ladder; the memory and speed ladders take "
+    if args.size in ("gpt2", "gpu"):
+        raise UserError(f"--size {args.size} is a size of the compression ladder; the memory and speed ladders take "
                         "ci, tiny, small or book")
     ladders = ["memory", "speed"] if args.ladder == "both" else [args.ladder]
     if args.out_dir:  # an explicit --out-dir; the default benchmarks/ files are refreshed
@@ -58,18 +59,17 @@ def cmd_bench_ladder(args: argparse.Namespace, extra: list[str]) -> int:
 
 
 def _bench_compression_ladder(args: argparse.Namespace) -> int:
-    from slipstream.perf.compression_ladder import SHAPES, compression_output, run_compression_ladder
+    from slipstream.perf.compression_ladder import SHAPES, check_device, compression_output, run_compression_ladder
 
-    if args.device != "cpu":
-        raise UserError("the compression ladder runs on CPU for now (its CUDA rows are not built yet); "
-                        "drop --device or use --device cpu")
+    check_device(args.device)  # before anything is prepared: --device cuda needs a GPU
     if args.size not in SHAPES:
         raise UserError(f"--size {args.size} is not a size of the compression ladder; choose one of "
                         f"{', '.join(SHAPES)}")
     if args.out_dir:  # an explicit --out-dir; the default benchmarks/ file is refreshed
-        refuse_existing(compression_output(args.size, args.out_dir), args.force, "--out-dir", what="ladder result")
+        refuse_existing(compression_output(args.size, args.out_dir, args.device), args.force, "--out-dir",
+                        what="ladder result")
     run_compression_ladder(size=args.size, steps=args.steps, out_dir=args.out_dir or "benchmarks",
-                           data_dir=args.data_dir)
+                           data_dir=args.data_dir, device=args.device)
     return 0
 
 
@@ -285,14 +285,15 @@ def add_commands(sub) -> None:
                    help="both = memory and speed; compression = sparsity, QAT, low-bit optimizer states, "
                         "quantized export and one-shot pruning, each against dense fp32")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--size", default="tiny", choices=["ci", "tiny", "small", "book", "gpt2"],
+    p.add_argument("--size", default="tiny", choices=["ci", "tiny", "small", "book", "gpt2", "gpu"],
                    help="model scale: book = the books' settings (GPU), small/tiny for CPU, ci = the smallest "
                         "shapes at which every rung still shows its effect (a seconds-long smoke run for tests); "
-                        "compression: ci, tiny (the default job's model) or gpt2 (GPT-2 124M shapes)")
+                        "compression: ci, tiny (the default job's model), gpt2 (GPT-2 124M shapes) or gpu "
+                        "(GPT-2 124M shapes, a few steps: `bench gpu`'s ladder-compression item)")
     p.add_argument("--repeats", type=int, default=3, help="interleaved repeats per rung")
     p.add_argument("--steps", type=int, default=None,
                    help="training steps per rung and repeat (step 1 is warm-up; default 6); compression: the "
-                        "token budget of every row (default per size: ci 6, tiny 50, gpt2 10)")
+                        "token budget of every row (default per size: ci 6, tiny 50, gpt2 10, gpu 6)")
     p.add_argument("--batch", type=int, default=32, help="global batch in sequences (the books used 32)")
     p.add_argument("--out-dir", default="", help="where the JSON and PNG go (default benchmarks)")
     add_force(p)

@@ -18,14 +18,23 @@ Columns: peak memory of a training step (metrics.memory_breakdown's tracker, ste
 ladder memory` measures it), median step time of the steady steps (3..N), final val loss,
 sparsity measured from the weights, optimizer-state bytes (from the optimizer's state),
 checkpoint size (bytes of the `checkpoint export --format torch` model.pt; export and QAT rows
-also the quantized model.pt and its val loss) and CPU generate tokens/s (dense and export rows),
-each absolute and as a ratio to dense.
+also the quantized model.pt and its val loss) and generate tokens/s on the ladder's device (dense
+and export rows; on CUDA also the 2:4 row), each absolute and as a ratio to dense.
 
 Low-bit optimizer states on CPU: torchao's compiled update (optim.implementation = auto) cannot
 run under the memory tracker (a dispatch mode: torch.compile(fullgraph=True) finds no frame), and
 its eager update (for-loop) is slow on large tensors (GPT-2 124M: ~45 s per step here). So the
 `ci` and `tiny` shapes train these rows eagerly (tracked in the same run), while `gpt2` trains
 them compiled and measures the peak in a separate 2-step eager run (`memory_run` in the row).
+
+CUDA (`--device cuda`, run by `slipstream bench gpu` as its ladder-compression item at the `gpu`
+size): the same rows train, evaluate, export, prune and generate on the GPU. Peak memory is then
+the CUDA allocator's peak of step 2 (metrics.memory_breakdown on CUDA reads
+torch.cuda.max_memory_allocated per phase, as `bench ladder memory --device cuda` does), after
+the previous row's tensors were collected (`cuda_allocated_before_bytes` in each trained row
+shows what was still held). The 2:4 row also times generation with `--sparse-kernel` (torchao's
+semi-structured sparse matmul, sm80+, bf16 weights: the dense rows generate in fp32), and the
+export rows generate their quantized model on the GPU.
 
 Everything runs in this process, one row after the other (no repeats: the loss needs the whole
 budget; step time is the median over the steady steps of the one run).
@@ -75,7 +84,30 @@ SHAPES = {
     "gpt2": Shape(("--model.preset=gpt2",), batch=4, seq_len=64, steps=10, eval_tokens=4096, generate_tokens=16,
                   lowbit_implementation="auto", calibration_tokens=8192,
                   note="GPT-2 124M shapes (preset gpt2, vocabulary 50257) at seq_len 64, batch 4, so CPU finishes"),
+    # For `--device cuda` inside `slipstream bench gpu`'s budget: GPT-2 124M shapes, a few steps. Its
+    # linears (768 / 2304 / 3072 wide) are multiples of the (32 rows, 64 columns) the bf16 2:4 sparse
+    # kernel accepts (torch/sparse/semi_structured.py, SparseSemiStructuredTensorCUTLASS's
+    # _DTYPE_SHAPE_CONSTRAINTS; cuSPARSELt's are looser). Low-bit states run eagerly: no compile time
+    # in the budget, and the step is tracked in the same run.
+    "gpu": Shape(("--model.preset=gpt2",), batch=8, seq_len=128, steps=6, eval_tokens=4096, generate_tokens=16,
+                 lowbit_implementation="for-loop", calibration_tokens=4096,
+                 note="GPT-2 124M shapes (preset gpt2) at seq_len 128, batch 8, 6 steps: sized for `slipstream bench "
+                      "gpu`'s budget"),
 }
+
+DEVICES = ("cpu", "cuda")
+
+
+def check_device(device: str) -> None:
+    """The ladder runs on "cpu" or "cuda"; "cuda" needs a CUDA device in this process."""
+    import torch
+
+    if device not in DEVICES:
+        raise UserError(f"--device {device} is not a device of the compression ladder; choose cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda needs a CUDA GPU that PyTorch can use (torch.cuda.is_available() is False "
+                        "here); run the ladder on a GPU machine (`slipstream bench gpu` runs it as its "
+                        "ladder-compression item) or use --device cpu")
 
 
 @dataclass(frozen=True)
@@ -88,7 +120,7 @@ class Row:
     note: str = ""
 
 
-def rows_for(shape: Shape, steps: int) -> list[Row]:
+def rows_for(shape: Shape, steps: int, device: str = "cpu") -> list[Row]:
     start, end = steps // 5, steps * 3 // 5
     every = max(1, (end - start) // 4)
     schedule = (f"--sparsity.start_step={start}", f"--sparsity.end_step={end}", f"--sparsity.every={every}")
@@ -103,7 +135,9 @@ def rows_for(shape: Shape, steps: int) -> list[Row]:
             note="as above, to 90 %"),
         Row("2:4", "train", ("--sparsity.method=2:4", "--sparsity.target=0.5", f"--sparsity.start_step={start}",
                              "--sparsity.end_step=0"),
-            note=f"two zeros in every four input weights from step {start}; dense matmuls on CPU"),
+            note=f"two zeros in every four input weights from step {start}; trained with dense matmuls"
+                 + ("; generate: the 2:4 sparse kernel (--sparse-kernel, bf16)" if device == "cuda" else
+                    " (the sparse kernel needs CUDA)")),
         Row("QAT int8-dynact-int4-weight", "train", ("--quant.qat=int8-dynact-int4-weight", "--quant.qat_start_step=0"),
             quantize="int8-dynact-int4-weight",
             note="fake-quantized from step 0; quantized: the converted model (export --quantize)"),
@@ -124,8 +158,8 @@ def rows_for(shape: Shape, steps: int) -> list[Row]:
     ]
 
 
-def compression_output(size: str, out_dir: str) -> Path:
-    return Path(out_dir) / f"ladder-compression-cpu-{size}.json"
+def compression_output(size: str, out_dir: str, device: str = "cpu") -> Path:
+    return Path(out_dir) / f"ladder-compression-{device}-{size}.json"
 
 
 def _quiet(fn: Callable[[], Any]) -> Any:
@@ -221,39 +255,54 @@ def _val_loss(model, cfg, data_dir: str, eval_tokens: int) -> float:
     return evaluate_lm(model, cfg, data_dir, max_tokens=eval_tokens)["loss"]
 
 
-def _generate_tokens_per_s(ckpt: Path, tokens: int, quantize: str | None) -> float:
+def _generate_tokens_per_s(ckpt: Path, tokens: int, quantize: str | None, device: str,
+                           sparse_kernel: bool = False) -> float:
     from slipstream.train.lm import generate_text
 
     stats: dict[str, Any] = {}
-    generate_text(str(ckpt), "def ", max_new_tokens=tokens, device="cpu", quantize=quantize, on_stats=stats.update)
+    generate_text(str(ckpt), "def ", max_new_tokens=tokens, device=device, quantize=quantize, on_stats=stats.update,
+                  sparse_kernel=sparse_kernel)
     return stats["tokens_per_s"]
 
 
 GENERATE_ROUNDS = 2
 
 
-def _time_generation(dense_run: Path, tokens: int, results: list[dict[str, Any]]) -> None:
-    """CPU generate tokens/s of the dense checkpoint as it is, and quantized as each export row
-    quantizes it: interleaved rounds (dense, int8, int4, dense, ...), the best round kept, so a
-    busy moment of the machine does not land on one variant only."""
-    rows = [results[0]] + [r for r in results if r["kind"] == "export"]
-    kinds = [None] + [r["quantize"] for r in rows[1:]]
-    for r in rows:
+def generation_variants(results: list[dict[str, Any]], dense_run: Path, sparse_run: Path | None
+                        ) -> list[tuple[dict[str, Any], Path, str | None, bool]]:
+    """(row, checkpoint, quantize, sparse_kernel) of every generate timing: the dense checkpoint as
+    it is and quantized as each export row quantizes it, and (sparse_run given: CUDA) the 2:4
+    row's checkpoint through the sparse kernel."""
+    variants = [(results[0], dense_run, None, False)]
+    variants += [(r, dense_run, r["quantize"], False) for r in results if r["kind"] == "export"]
+    if sparse_run is not None:
+        variants += [(r, sparse_run, None, True) for r in results if r["rung"] == "2:4"]
+    return variants
+
+
+def _time_generation(variants: list[tuple[dict[str, Any], Path, str | None, bool]], tokens: int, device: str
+                     ) -> None:
+    """Generate tokens/s of each variant: interleaved rounds (dense, int8, int4, [2:4], dense, ...),
+    the best round kept, so a busy moment of the machine does not land on one variant only."""
+    for r, _, _, sparse_kernel in variants:
         r["generate_tokens_per_s_rounds"] = []
+        if sparse_kernel:
+            r["generate_sparse_kernel"] = True  # bf16 weights, torchao semi-structured sparse matmul
     for _ in range(GENERATE_ROUNDS):
-        for r, kind in zip(rows, kinds):
-            r["generate_tokens_per_s_rounds"].append(_generate_tokens_per_s(dense_run, tokens, kind))
-    for r in rows:
+        for r, ckpt, quantize, sparse_kernel in variants:
+            r["generate_tokens_per_s_rounds"].append(_generate_tokens_per_s(ckpt, tokens, quantize, device,
+                                                                            sparse_kernel))
+    for r, _, _, _ in variants:
         r["generate_tokens_per_s"] = max(r["generate_tokens_per_s_rounds"])
 
 
-def _quantized_val_loss(ckpt: Path, quantize: str, data_dir: str, eval_tokens: int) -> float:
+def _quantized_val_loss(ckpt: Path, quantize: str, data_dir: str, eval_tokens: int, device: str) -> float:
     """Val loss of the dense or QAT checkpoint converted as `checkpoint export --quantize` converts it."""
     from slipstream.optimize.qat import SCHEMES, convert_qat
     from slipstream.optimize.weight_quant import quantize_weights
     from slipstream.train.lm import load_lm_from_checkpoint
 
-    model, _, cfg = load_lm_from_checkpoint(ckpt, device="cpu")
+    model, _, cfg = load_lm_from_checkpoint(ckpt, device=device)
     if quantize in SCHEMES:
         convert_qat(model, quantize, cfg.quant.qat_group_size)
     else:
@@ -262,15 +311,15 @@ def _quantized_val_loss(ckpt: Path, quantize: str, data_dir: str, eval_tokens: i
 
 
 def _oneshot(dense_run: Path, out: Path, criterion: str, data_dir: str, eval_tokens: int,
-             calibration_tokens: int) -> dict[str, Any]:
+             calibration_tokens: int, device: str) -> dict[str, Any]:
     from slipstream.train.lm import load_lm_from_checkpoint
     from slipstream.train.prune_checkpoint import prune_checkpoint
 
     # evaluate=False: prune_checkpoint scores every window of the val split; we score the rows' windows
     result = _quiet(lambda: prune_checkpoint(dense_run, out, "magnitude", target=0.5, criterion=criterion,
                                              calibration_tokens=calibration_tokens, data_dir=data_dir,
-                                             device="cpu", evaluate=False))
-    model, _, cfg = load_lm_from_checkpoint(out, device="cpu")
+                                             device=device, evaluate=False))
+    model, _, cfg = load_lm_from_checkpoint(out, device=device)
     return {"val_loss": _val_loss(model, cfg, data_dir, eval_tokens), "sparsity": result["measured_sparsity"],
             "layer_sparsity_min": result["layer_sparsity_min"], "layer_sparsity_max": result["layer_sparsity_max"],
             "calibration_tokens": result["calibration_tokens"],
@@ -294,30 +343,46 @@ def _ratios(row: dict[str, Any], dense: dict[str, Any]) -> dict[str, float | Non
     return out
 
 
+def _cuda_allocated_after_collect(device: str) -> int | None:
+    """On CUDA: collect the previous row's garbage and return the bytes the allocator still holds
+    (what the next row's allocator peak carries on top of its own); None on CPU."""
+    if device != "cuda":
+        return None
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    return int(torch.cuda.memory_allocated())
+
+
 def run_compression_ladder(size: str = "tiny", steps: int | None = None, out_dir: str = "benchmarks",
-                           data_dir: str = "") -> dict[str, Any]:
+                           data_dir: str = "", device: str = "cpu") -> dict[str, Any]:
     from slipstream.data.ensure import ensure_data
     from slipstream.observe.env import collect_env, write_json_atomic
 
     if size not in SHAPES:
         raise UserError(f"unknown --size '{size}' for the compression ladder; choose one of {', '.join(SHAPES)}")
+    check_device(device)
     shape = SHAPES[size]
     steps = shape.steps if steps is None else steps
     if steps < 5:
         raise UserError(f"--steps {steps}: the compression ladder needs >= 5 (pruning starts at 1/5 of the run, "
                         "step 2 is the memory step, steps 3.. are timed)")
-    base = ["--train.device=cpu", *shape.model, f"--train.micro_batch_size={shape.batch}",
+    base = [f"--train.device={device}", *shape.model, f"--train.micro_batch_size={shape.batch}",
             f"--train.seq_len={shape.seq_len}", "--train.grad_accum_steps=1",
             f"--optim.warmup_steps={max(1, steps // 10)}"] + ([f"--data.dir={data_dir}"] if data_dir else [])
     prepared, _ = ensure_data(load_config(None, base))  # prepare once, outside every timed region
     data_dir = str(prepared)
     base.append(f"--data.dir={data_dir}")
-    rows = rows_for(shape, steps)
+    rows = rows_for(shape, steps, device)
     pressure_before = _cpu_pressure()
     results: list[dict[str, Any]] = []
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="slipstream-compression-") as tmp:
         dense_run = Path(tmp) / "0-dense"
+        sparse_run: Path | None = None  # CUDA: the 2:4 checkpoint, kept for the sparse-kernel generate
         _warm_up(base, Path(tmp) / "warm-up")
         for i, row in enumerate(rows):
             t0 = time.perf_counter()
@@ -325,6 +390,7 @@ def run_compression_ladder(size: str = "tiny", steps: int | None = None, out_dir
             r: dict[str, Any] = {"rung": row.name, "kind": row.kind, "note": row.note,
                                  "overrides": list(row.overrides), "quantize": row.quantize or None}
             if row.kind == "train":
+                r["cuda_allocated_before_bytes"] = _cuda_allocated_after_collect(device)
                 lowbit_compiled = "--optim.state_dtype" in " ".join(row.overrides) and \
                     shape.lowbit_implementation != "for-loop"
                 r.update(_train(base, row, steps, run_dir, shape.eval_tokens, track_memory=not lowbit_compiled))
@@ -333,32 +399,35 @@ def run_compression_ladder(size: str = "tiny", steps: int | None = None, out_dir
                 r["checkpoint_bytes"] = _export_bytes(run_dir, Path(tmp) / f"{i}-export")
                 if row.quantize:  # QAT: the real quantized model its fake quantization trained
                     r["quantized_bytes"] = _export_bytes(run_dir, Path(tmp) / f"{i}-qexport", row.quantize)
-                    r["quantized_val_loss"] = _quantized_val_loss(run_dir, row.quantize, data_dir, shape.eval_tokens)
+                    r["quantized_val_loss"] = _quantized_val_loss(run_dir, row.quantize, data_dir, shape.eval_tokens,
+                                                                  device)
             elif row.kind == "export":
                 r["checkpoint_bytes"] = r["quantized_bytes"] = _export_bytes(dense_run, Path(tmp) / f"{i}-export",
                                                                              row.quantize)
                 r["val_loss"] = r["quantized_val_loss"] = _quantized_val_loss(dense_run, row.quantize, data_dir,
-                                                                              shape.eval_tokens)
+                                                                              shape.eval_tokens, device)
             else:
                 r.update(_oneshot(dense_run, Path(tmp) / f"{i}-oneshot", row.criterion, data_dir, shape.eval_tokens,
-                                  shape.calibration_tokens))
-            if i > 0 and row.kind == "train":
+                                  shape.calibration_tokens, device))
+            if device == "cuda" and row.name == "2:4":
+                sparse_run = run_dir
+            elif i > 0 and row.kind == "train":
                 shutil.rmtree(run_dir, ignore_errors=True)  # GPT-2 checkpoints are large: keep only the dense one
             r["seconds"] = time.perf_counter() - t0
             r["cpu_pressure"] = _cpu_pressure()  # other work on the machine while this row ran (its avg60)
             results.append(r)
             print(f"[compression {size}] {row.name}: {_one_line(r)} ({r['seconds']:.0f} s)")
-        _time_generation(dense_run, shape.generate_tokens, results)
+        _time_generation(generation_variants(results, dense_run, sparse_run), shape.generate_tokens, device)
     for r in results:
         r["vs_dense"] = _ratios(r, results[0])
-    result = {"bench": "ladder-compression", "device": "cpu", "size": size, "shape_note": shape.note,
+    result = {"bench": "ladder-compression", "device": device, "size": size, "shape_note": shape.note,
               "base": base, "batch": shape.batch, "seq_len": shape.seq_len, "steps": steps,
               "tokens_per_row": steps * shape.batch * shape.seq_len, "eval_tokens": shape.eval_tokens,
               "generate_tokens": shape.generate_tokens, "lowbit_implementation": shape.lowbit_implementation,
               "repeats": 1, "rungs": results, "total_seconds": time.perf_counter() - started,
               "cpu_pressure": {"before": pressure_before, "after": _cpu_pressure()},
               "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"), "env": collect_env()}
-    path = compression_output(size, out_dir)
+    path = compression_output(size, out_dir, device)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, result)
     print(markdown_table(result))

@@ -110,4 +110,13 @@ ITEMS: tuple[Item, ...] = (
           "--batch", "32", "--out-dir", "{out}", "--force"),
          "the speed ladder at the book's size (gpt-mini, seq 512, batch 32): tokens/s per rung, pinned + "
          "non-blocking and TF32 included", outputs=("{out}/ladder-speed-cuda-book.json", "{out}/ladder-speed-cuda-book.png")),
+    # Not run on a GPU yet: 100 s is an estimate. Its 12 rows each cost a trainer build, 6 small steps,
+    # an eval, a checkpoint of GPT-2 124M with its Adam state (~1.5 GB) and a model.pt export: about
+    # 5-8 s per trained row on one GPU, plus the export, one-shot and generate timings. Check its
+    # wall time on the first run.
+    Item("ladder-compression", 100, "slipstream",
+         ("bench", "ladder", "compression", "--size", "gpu", "--device", "cuda", "--out-dir", "{out}", "--force"),
+         "the compression ladder on CUDA at GPT-2 124M shapes (batch 8 x 128, 6 steps per row): allocator peak, "
+         "ms/step, val loss, sizes and generate tok/s per technique vs dense fp32, the 2:4 row through the "
+         "sparse kernel", outputs=("{out}/ladder-compression-cuda-gpu.json",)),
 )

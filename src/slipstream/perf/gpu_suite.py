@@ -14,7 +14,7 @@ poison the next), and writes
 
 A failing item is reported and the suite goes on; the exit code is non-zero at the end if
 any item failed. An item is stopped (its whole process group) at the sum of the budgets up to
-and including it, so time an earlier item did not use carries over to the later ones. The budgets sum to at most LIMIT_S (under 8 minutes of items), set
+and including it, so time an earlier item did not use carries over to the later ones. The budgets sum to at most LIMIT_S (under 10 minutes of items), set
 from the wall times of the first run on one H200 (benchmarks/gpu-suite.json); the wall time of
 every item is recorded so a run on a new GPU shows which budget to change.
 
@@ -49,7 +49,12 @@ from typing import Any, Callable
 from slipstream.errors import UserError
 from slipstream.perf.gpu_items import ITEMS, REPO_DIR, SRC_DIR, Item
 
-LIMIT_S = 475  # the items' budgets together: under 8 minutes
+# The items' budgets together: under 10 minutes. Raised from 475 s for ladder-compression's 100 s:
+# the nine items timed on the first H200 run (benchmarks/gpu-suite.json) took 302 s of their 355 s
+# budgets, so with ladder-memory's 120 s and ladder-compression's 100 s a run is expected near 520 s.
+# 575 s stays under the device machine's 600 s per command and leaves over 5 minutes of the
+# 15-minute device budget for starting the machine.
+LIMIT_S = 575
 TAIL_LINES = 60  # output lines kept per item in the summary
 KILL_GRACE_S = 5.0
 # An item always gets at least this share of its own budget, even when the items before it
