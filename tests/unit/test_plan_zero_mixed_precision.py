@@ -213,3 +213,39 @@ def test_preflight_plans_the_runs_fsdp_reduce_dtype():
     pc = param_count(load_config(None, args).model)
     assert plans["none"].peak_bytes == plans["bf16"].peak_bytes
     assert plans["fp32"].peak_bytes - plans["bf16"].peak_bytes == (pc.attn + pc.mlp + pc.norm) * 2
+
+
+@pytest.mark.parametrize("dp", [8, 64])
+def test_fp32_zero_on_megatron_and_deepspeed_is_their_zero_not_fsdp(dp):
+    """fp32 zero1 / zero2 on the non-torch stacks: weights whole, moments sharded, no FSDP. Megatron README
+    "fp32 param, fp32 grads | 16 | 8 + 8/d" (zero2 = its zero1); DeepSpeed keeps a cloned fp32 shard
+    (stage_1_and_2.py .clone().float().detach()) and ZeRO-2 shards the gradients: 4 + 16/d."""
+    for dp_strategy in ("zero1", "zero2"):
+        megatron = per_param("megatron", dp_strategy, "fp32", dp)
+        assert megatron == {"weights (fp32)": 4, "gradients (fp32)": 4, "Adam moments": 8 / dp}
+        assert sum(megatron.values()) == pytest.approx(8 + 8 / dp)
+    zero1 = per_param("deepspeed", "zero1", "fp32", dp)
+    assert zero1 == {"weights (fp32)": 4, "gradients (fp32)": 4, "master weights (fp32)": 4 / dp,
+                     "Adam moments": 8 / dp}
+    zero2 = per_param("deepspeed", "zero2", "fp32", dp)
+    assert zero2 == {"weights (fp32)": 4, "gradients (fp32)": 4 / dp, "master weights (fp32)": 4 / dp,
+                     "Adam moments": 8 / dp}
+    assert sum(zero2.values()) == pytest.approx(4 + 16 / dp)
+    # torch's zero2 stays FSDP2: everything sharded
+    assert sum(per_param("torch", "zero2", "fp32", dp).values()) == pytest.approx(16 / dp)
+
+
+def test_fp32_zero2_on_megatron_plans_whole_weights_and_no_gathered_units():
+    model, s = tiny(), Strategy(dp_strategy="zero2", dp=8, micro_batch=8, precision="fp32")
+    n = param_count(model.cfg).total
+    megatron = estimate_memory(model, s, 128, device="cpu", stack="megatron")
+    torch_plan = estimate_memory(model, s, 128, device="cpu")
+    assert megatron.breakdown["parameters"] == 4 * n and torch_plan.breakdown["parameters"] == int(4 * n / 8)
+    assert megatron.breakdown["optimizer_state"] == int(8 * n / 8)
+    # as its zero1 (Megatron has no ZeRO-2), which gathers nothing
+    zero1 = estimate_memory(model, Strategy(dp_strategy="zero1", dp=8, micro_batch=8, precision="fp32"), 128,
+                            device="cpu", stack="megatron")
+    assert megatron.peak_bytes == zero1.peak_bytes
+    deepspeed = estimate_memory(model, s, 128, device="cpu", stack=StackStates("deepspeed", bucket_mb=1.0))
+    assert deepspeed.buffers["reduce buckets (fp32)"] == 2**20
+    assert deepspeed.breakdown["parameters"] == 4 * n

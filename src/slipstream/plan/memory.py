@@ -457,6 +457,11 @@ class StackStates:
         """Whether this stack runs `s` with the model itself in 16 bits (not FSDP2, not autocast)."""
         return self.stack != "torch" and s.precision != "fp32" and s.dp_strategy in ("none", "ddp", "zero1", "zero2")
 
+    def zero_optimizer(self, s: Strategy) -> bool:
+        """Whether this stack runs `s` through its own ZeRO (Megatron's distributed optimizer, DeepSpeed
+        ZeRO-1/2), whatever the precision: the weights stay whole, nothing is gathered per unit (not FSDP)."""
+        return self.stack != "torch" and s.dp_strategy in ("zero1", "zero2")
+
     def grads_in_fp32(self, s: Strategy) -> bool:
         if self.fp32_grad_accum is not None:
             return self.fp32_grad_accum
@@ -470,8 +475,10 @@ def state_buffers(params: float, s: Strategy, states: StackStates = TORCH_STATES
                   shard_group: int | None = None) -> dict[str, tuple[str, float]]:
     """The model-state buffers per GPU of `params` parameters, by name: (category, bytes).
 
-    torch (and fp32, and FSDP strategies, on any stack): fp32 weights and gradients and the two
-    moments, each divided by the shard group where the strategy shards it. A stack that keeps the
+    torch (and FSDP strategies on any stack, and fp32 ddp): fp32 weights and gradients and the two
+    moments, each divided by the shard group where the strategy shards it. fp32 zero1 / zero2 on
+    Megatron / DeepSpeed runs their own ZeRO (StackStates.zero_optimizer): weights whole, moments
+    sharded (Megatron 8 + 8 / d; DeepSpeed 8 + 12 / d, ZeRO-2 4 + 16 / d). A stack that keeps the
     model in 16 bits (StackStates.keeps_16bit_model) keeps, per parameter (d: the shard group):
         16-bit weights 2; gradients 2 (4 with fp32 accumulation), / d under DeepSpeed ZeRO-2;
         fp32 master weights 4 and moments 2 x optimizer_state_bytes, / d under zero1 / zero2;
@@ -485,6 +492,20 @@ def state_buffers(params: float, s: Strategy, states: StackStates = TORCH_STATES
     shard_opt, shard_grad, shard_param = s.shards()
     group = s.state_shard_group if shard_group is None else shard_group
     moments = params * 2 * optimizer_state_bytes / (group if shard_opt else 1)
+    if states.zero_optimizer(s) and not states.keeps_16bit_model(s):
+        # fp32 on Megatron / DeepSpeed ZeRO: weights whole, moments sharded. Megatron README ("fp32 param,
+        # fp32 grads | 16 | 8 + 8/d"): no master copy, gradients whole (its zero2 is its zero1). DeepSpeed
+        # (runtime/zero/stage_1_and_2.py, DeepSpeedZeroOptimizer.__init__: "A partition of the fp32 master
+        # weights ... single_partition_of_fp32_groups ... .clone().float().detach()") clones its shard even
+        # in fp32, and ZeRO-2 partitions the gradients: 4 + 4 + 12 / d (ZeRO-1), 4 + 16 / d (ZeRO-2).
+        deepspeed = states.stack == "deepspeed"
+        buffers = {"weights (fp32)": ("parameters", params * 4),
+                   "gradients (fp32)": ("gradients", params * 4 / (group if deepspeed and s.dp_strategy == "zero2"
+                                                                   else 1))}
+        if deepspeed:
+            buffers["master weights (fp32)"] = ("optimizer_state", params * 4 / group)
+        buffers["Adam moments"] = ("optimizer_state", moments)
+        return buffers
     if not states.keeps_16bit_model(s):
         return {"weights (fp32)": ("parameters", params * 4 / (group if shard_param else 1)),
                 "gradients (fp32)": ("gradients", params * 4 / (group if shard_grad else 1)),
@@ -508,9 +529,10 @@ def state_buffers(params: float, s: Strategy, states: StackStates = TORCH_STATES
 def stack_reduce_bucket_bytes(s: Strategy, states: StackStates) -> float:
     """DeepSpeed's reduce buckets alive in backward (16-bit; DEEPSPEED_REDUCE_BUCKET_ELEMENTS);
     Megatron's buckets are views into its gradient buffer, torch's are planned with the gradients."""
-    if not (states.keeps_16bit_model(s) and states.stack == "deepspeed" and s.dp_strategy in ("zero1", "zero2")):
+    if not (states.zero_optimizer(s) and states.stack == "deepspeed"):
         return 0.0
-    one = states.bucket_mb * 2**20 if states.bucket_mb is not None else DEEPSPEED_REDUCE_BUCKET_ELEMENTS * 2
+    elem = 2 if states.keeps_16bit_model(s) else 4   # fp32 runs reduce fp32 gradients
+    one = states.bucket_mb * 2**20 if states.bucket_mb is not None else DEEPSPEED_REDUCE_BUCKET_ELEMENTS * elem
     return one * (2 if states.overlap_comm else 1)
 
 
@@ -660,6 +682,7 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
     # bfloat16()): no autocast copies, a 16-bit residual stream, the activations of FSDP mixed
     # precision's compute. `sa` plans the activations with those dtypes; `s` the states and buffers.
     sixteen = states.keeps_16bit_model(s)
+    zero_stack = states.zero_optimizer(s)   # the stack's own ZeRO (any precision): not FSDP
     sa = dataclasses.replace(s, dp_strategy="fsdp", fsdp_mixed=True) if sixteen else s
     cfg, dt = model.cfg, _dtypes(sa)
     pc = param_count(cfg)
@@ -715,11 +738,13 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
                      f"{LOW_BIT_MIN_NUMEL} values (norms, biases) keep fp32 moments")
     param_bytes, grad_bytes, optim_bytes = (sum(nbytes for category, nbytes in buffers.values() if category == wanted)
                                             for wanted in ("parameters", "gradients", "optimizer_state"))
+    if zero_stack and not sixteen:
+        notes.append(f"{states.stack} ZeRO in fp32: " + ", ".join(buffers) + " (moments sharded over dp)")
     if sixteen:
         notes.append(f"{states.stack} mixed precision: " + ", ".join(buffers)
                      + (" (master copy and moments sharded over dp)" if s.dp_strategy in ("zero1", "zero2") else ""))
-        if states.stack == "megatron" and s.dp_strategy == "zero2":
-            notes.append("Megatron's distributed optimizer shards no gradients: zero2 planned as its zero1")
+    if states.stack == "megatron" and s.dp_strategy == "zero2":
+        notes.append("Megatron's distributed optimizer shards no gradients: zero2 planned as its zero1")
     host = 0
     if s.offload:
         host = int(param_bytes + grad_bytes + optim_bytes)
@@ -806,8 +831,8 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
     # zero2 keeps the gathered parameters from forward to backward; so does FSDP under a
     # pipeline (as torchtitan runs it), or every micro-batch would gather them again.
     # (slipstream's zero2 runs as FSDP2; Megatron's and DeepSpeed's keep the 16-bit weights whole.)
-    fsdp_run = s.dp_strategy in ("fsdp", "hsdp") or (s.dp_strategy == "zero2" and not sixteen)
-    keeps_gathered = (s.dp_strategy == "zero2" and not sixteen) or (piped and s.dp_strategy in ("fsdp", "hsdp"))
+    fsdp_run = s.dp_strategy in ("fsdp", "hsdp") or (s.dp_strategy == "zero2" and not zero_stack)
+    keeps_gathered = (s.dp_strategy == "zero2" and not zero_stack) or (piped and s.dp_strategy in ("fsdp", "hsdp"))
     comm = pipe_buffers
     if s.dp_strategy in ("fsdp", "hsdp") and not keeps_gathered:
         comm += 2 * gather_unit                        # the block being computed and the prefetched next one
@@ -819,12 +844,12 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
     bucket_bytes = stack_reduce_bucket_bytes(s, states)
     reduce_buffer = block_params * reduce_bytes if fsdp_run else bucket_bytes
     if bucket_bytes:
-        buffers["reduce buckets (16-bit)"] = ("temporaries", bucket_bytes)
+        buffers["reduce buckets (16-bit)" if sixteen else "reduce buckets (fp32)"] = ("temporaries", bucket_bytes)
     # DDP/zero1 gradients are views into the all-reduce buckets and never freed, as are Megatron's
     # in its gradient buffer and DeepSpeed ZeRO-2's in its gradient partition; DeepSpeed ZeRO-1's
     # 16-bit gradients appear in backward. With accumulation every gradient exists from the
     # second micro-batch on.
-    if sixteen:
+    if sixteen or zero_stack:
         grad_buffers = states.stack == "megatron" or s.dp_strategy == "zero2"
     else:
         grad_buffers = s.dp_strategy in ("ddp", "zero1")
@@ -848,7 +873,7 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
     # its gradients arrive, while its backward temporaries (and recomputation) are alive.
     head_grad = sharded(head_matmul, shard_grad) * 4 * last
     block_grad = sharded(block_params, shard_grad) * 4
-    if sixteen:   # the stack's gradient bytes per parameter (16-bit, or fp32 accumulation)
+    if sixteen or zero_stack:   # the stack's gradient bytes per parameter (16-bit, fp32 accumulation, fp32)
         head_grad = head_matmul * last * grad_bytes / max(local_params, 1)
         block_grad = block_params * grad_bytes / max(local_params, 1)
     transient = _block_backward_transient(model, tokens, sa, seq_len=seq_len)
