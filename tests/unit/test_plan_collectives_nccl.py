@@ -6,6 +6,7 @@ gloo collectives (benchmarks/collectives-gloo-cpu.json) and published nccl-tests
 
 import dataclasses
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -143,6 +144,24 @@ def test_links_nccl_does_not_run_are_plain_rings():
     assert call_time("all_reduce", 2**20, shm, 1) == 0.0
 
 
+def test_ring_plateau_only_once_each_channel_gets_64_bytes_per_rank():
+    """tuning.cc line 570: the x1.4 ring plateau applies when nBytes / (nChannels x nRanks) >= 64;
+    with the assumed 16 channels, 16 ranks on 2 nodes: from 16 KiB on."""
+    cluster = make_cluster("8xH100", nodes=2)
+    where = span(cluster, 16)
+    n, edge = 16, C.NCCL_CHANNELS * 16 * C.RING_PLATEAU_MIN_BYTES
+    assert (C.NCCL_CHANNELS, edge) == (16, 16384)
+    algbw = where.link.bandwidth_gbs * 1e9 * n / (2 * (n - 1))
+
+    def latency(nbytes):
+        return C.candidates("all_reduce", nbytes, where)["ring", "Simple"] - nbytes / algbw
+
+    below, at = latency(edge - 1), latency(edge)
+    assert at / below == pytest.approx(C.RING_PLATEAU, rel=1e-9)
+    assert latency(edge // 4) == pytest.approx(below, rel=1e-9)      # no plateau on small messages
+    assert latency(2**26) == pytest.approx(at, rel=1e-9)
+
+
 def test_constants_are_ncclS_tuning_model():
     """A spot check that the quoted constants were copied right (src/graph/tuning.cc, v2.27.7-1)."""
     assert C.NCCL_RELEASE == "v2.27.7-1"
@@ -218,13 +237,60 @@ def test_zero_is_reduce_scatter_and_all_gather_in_the_compute_dtype_on_megatron_
     z2 = dp_rows("deepspeed", Strategy("zero2", dp=8, micro_batch=2, grad_accum=4))
     assert z2["reduce_scatter", "gradients"].nbytes == 4 * params * 2
     # the time model: the all-gather is exposed, no broadcast
-    cluster = dataclasses.replace(make_cluster("8xH100"), stack="megatron")
+    cluster = dataclasses.replace(make_cluster("8xH100"), stack="megatron", overlap_grad_reduce=True)
     t = estimate_time(gpt2, s, work, cluster)
     assert "zero1_broadcast" not in t.breakdown
     calls = len(gradient_buckets(params * 2, 2, "megatron", 8))    # in the grad buffer's buckets
     assert calls == 4 and megatron["all_gather", "parameters"].calls == calls
     assert t.breakdown["zero_all_gather"] == pytest.approx(
         calls * call_time("all_gather", params * 2 / calls, span(cluster, 8)), rel=1e-12)
+
+
+def test_each_stacks_overlap_default_and_the_flag():
+    """torch's DDP overlaps; Megatron Core's overlap_grad_reduce and DeepSpeed ZeRO-1/2's overlap_comm
+    default to off (hardware.STACK_OVERLAPS_GRAD_REDUCE); --overlap-grad-reduce replaces the default."""
+    cluster = make_cluster("8xH100")
+    assert cluster.overlap_grad_reduce is None and cluster.overlaps_grad_reduce
+    for stack in ("megatron", "deepspeed"):
+        assert not dataclasses.replace(cluster, stack=stack).overlaps_grad_reduce
+        assert dataclasses.replace(cluster, stack=stack, overlap_grad_reduce=True).overlaps_grad_reduce
+    assert not dataclasses.replace(cluster, overlap_grad_reduce=False).overlaps_grad_reduce
+    # Megatron without overlap: one bucket of every gradient, unless --bucket-mb sets one
+    assert gradient_buckets(10e9, 4, "megatron", 8, overlap=False) == [10e9]
+    assert len(gradient_buckets(10e9, 4, "megatron", 8, overlap=False, bucket_mb=100)) == 96
+
+
+def test_overlap_off_exposes_every_bucket_and_on_hides_all_but_the_last(gpt2):
+    """Off: the reduction after backward, all of it exposed (Megatron: one call of every gradient);
+    on: every bucket but the last behind backward (NVLink hides them all)."""
+    s, work = Strategy("ddp", dp=8, micro_batch=8, grad_accum=1), Workload(1024, 64)
+    grads = param_count(gpt2.cfg).total * 4
+    base = make_cluster("8xH100")
+    where = span(base, 8)
+    for stack in ("torch", "megatron"):
+        on = estimate_time(gpt2, s, work, dataclasses.replace(base, stack=stack, overlap_grad_reduce=True))
+        off = estimate_time(gpt2, s, work, dataclasses.replace(base, stack=stack, overlap_grad_reduce=False))
+        buckets = gradient_buckets(grads, 4, stack, 8, overlap=True)
+        assert on.breakdown["dp_comm"] == pytest.approx(call_time("all_reduce", buckets[-1], where), rel=1e-9)
+        whole = gradient_buckets(grads, 4, stack, 8, overlap=False)
+        assert off.breakdown["dp_comm"] == pytest.approx(sum(call_time("all_reduce", b, where) for b in whole),
+                                                         rel=1e-9)
+        assert off.breakdown["dp_comm"] > 2 * on.breakdown["dp_comm"]
+    assert len(gradient_buckets(grads, 4, "megatron", 8, overlap=False)) == 1
+    # the stack's default: Megatron's is off
+    default = estimate_time(gpt2, s, work, dataclasses.replace(base, stack="megatron"))
+    assert default.breakdown["dp_comm"] == off.breakdown["dp_comm"]
+
+
+def test_megatron_gathers_parameters_in_its_gradient_buckets(gpt2):
+    """Megatron all-gathers the updated parameters per bucket, the buckets its gradients were
+    reduce-scattered in: the same count under --bucket-mb (bf16: 4-byte gradients, 2-byte parameters)."""
+    work, s = Workload(1024, 64), Strategy("zero1", dp=8, micro_batch=8, grad_accum=1, precision="bf16")
+    for mb in (None, 10.0, 40.0):
+        rows = {(r.kind, r.part): r for r in step_collectives(gpt2, s, work, "megatron", mb) if r.dim == "dp"}
+        assert rows["all_gather", "parameters"].calls == rows["reduce_scatter", "gradients"].calls
+    rows = {(r.kind, r.part): r for r in step_collectives(gpt2, s, work, "megatron", 10.0) if r.dim == "dp"}
+    assert rows["reduce_scatter", "gradients"].calls == math.ceil(rows["reduce_scatter", "gradients"].nbytes / (10 * MIB))
 
 
 def test_stack_and_bucket_are_checked():
@@ -246,12 +312,36 @@ def test_published_runs_are_planned_on_their_stack():
     assert _setup(run)[3].stack == "deepspeed"
 
 
-def test_cli_flags_reach_the_cluster():
+def _cli_plan(*flags: str):
+    """The model and cluster `slipstream plan` builds from these flags, and the DeepSpeed ZeRO-2 layout's
+    evaluation on them (time and memory)."""
     from slipstream.cli import build_parser
+    from slipstream.cli.plan import _setup
+    from slipstream.plan.search import evaluate
 
     args = build_parser().parse_args(["plan", "--model", "gpt2", "--gpus", "8xH100", "--seq", "1024",
-                                      "--global-batch", "64", "--stack", "megatron", "--bucket-mb", "40"])
-    assert (args.stack, args.bucket_mb) == ("megatron", 40.0)
+                                      "--global-batch", "64", *flags])
+    model, cluster = _setup(args, 1024)
+    s = Strategy(dp_strategy="zero2", dp=8, micro_batch=8, precision="bf16")
+    return cluster, evaluate(model, s, Workload(1024, 64), cluster)
+
+
+def test_cli_flags_reach_the_plans_time_and_memory():
+    """--bucket-mb moves both the exposed gradient reduction (bucket count: latency) and DeepSpeed's
+    reduce buckets in memory; --overlap-grad-reduce on hides all but the last bucket and doubles
+    DeepSpeed's buckets (overlap_comm's second one)."""
+    cluster, small = _cli_plan("--stack", "deepspeed", "--bucket-mb", "40")
+    assert (cluster.stack, cluster.bucket_mb, cluster.overlaps_grad_reduce) == ("deepspeed", 40.0, False)
+    _, large = _cli_plan("--stack", "deepspeed", "--bucket-mb", "400")
+    assert small.memory.buffers["reduce buckets (16-bit)"] == 40 * 2**20
+    assert large.memory.buffers["reduce buckets (16-bit)"] == 400 * 2**20
+    assert large.memory.peak_bytes > small.memory.peak_bytes
+    # GPT-2's 124M 16-bit gradients: 6 buckets of 40 MiB against one, each paying NCCL's latency, all exposed
+    assert small.time.breakdown["dp_comm"] > large.time.breakdown["dp_comm"]
+    on_cluster, on = _cli_plan("--stack", "deepspeed", "--bucket-mb", "40", "--overlap-grad-reduce", "on")
+    assert on_cluster.overlap_grad_reduce is True
+    assert on.memory.buffers["reduce buckets (16-bit)"] == 2 * 40 * 2**20
+    assert on.time.breakdown["dp_comm"] < small.time.breakdown["dp_comm"]
 
 
 def _probe(tmp_path, backend, small_seconds, world=8, device="cuda:0", name="NVIDIA H100 80GB HBM3"):
@@ -287,8 +377,15 @@ def test_gloo_collectives_measured_on_this_cpu_match_the_model():
     """benchmarks/collectives-gloo-cpu.json: `slipstream probe --sections comm` under torchrun at
     world 2 and 4, repeated; per size the median. The link is what the planner reads from a probe
     (hardware._ring: the largest all_reduce's busbw, the smallest one's time per ring step); the
-    model (a plain ring: gloo) must give every size within the committed tolerance."""
+    model is a plain ring (gloo). World 2: all_reduce and all_gather (rings in gloo) within 25 %
+    except the listed points, each with its reason; broadcast and reduce_scatter (not rings in gloo)
+    in their measured direction. World 4 (oversubscribed cores): recorded, sanity only. This checks
+    the plain ring model, not NCCL's."""
     data = json.loads(GLOO.read_text())
+    tolerance = data["tolerance"]
+    hold, checked_world = tolerance["hold"], str(tolerance["checked_world"])
+    assert hold == 0.25 and checked_world == "2"
+    exceptions = {(e["kind"], str(e["bytes"])): e for e in data["tolerance_exceptions"]}
     checked = 0
     for world, entry in data["worlds"].items():
         w = int(world)
@@ -305,10 +402,25 @@ def test_gloo_collectives_measured_on_this_cpu_match_the_model():
                 predicted = call_time(kind, row["bytes"], link, w)
                 error = predicted / row["seconds"] - 1
                 assert committed["error"] == pytest.approx(error, abs=1e-4)
-                tolerance = data["tolerance"][kind][str(row["bytes"])]
-                assert abs(error) <= tolerance, (world, kind, row["bytes"], error)
+                size = str(row["bytes"])
+                if world != checked_world:
+                    sanity = tolerance["world_4_sanity"]
+                    assert sanity["min"] < error < sanity["max"], (world, kind, size, error)
+                elif kind in ("all_reduce", "all_gather"):
+                    bound = tolerance[kind][size]
+                    assert abs(error) <= bound, (kind, size, error)
+                    # a point held looser than 25 % is listed, with its measured error and why
+                    assert (bound > hold) == ((kind, size) in exceptions), (kind, size)
+                    if bound > hold:
+                        assert exceptions[kind, size]["error"] == pytest.approx(error, abs=1e-4)
+                        assert exceptions[kind, size]["tolerance"] == bound and exceptions[kind, size]["why"]
+                    else:
+                        assert abs(error) <= hold
+                else:   # not rings in gloo: the direction of the error
+                    assert tolerance[kind]["min"] < error < tolerance[kind]["max"], (kind, size, error)
                 checked += 1
-    assert checked >= 2 * 2 * 6
+    assert checked >= 2 * 4 * 6
+    assert len(exceptions) == 4
 
 
 @pytest.mark.parametrize("figure", FIGURES, ids=[f.name for f in FIGURES])

@@ -249,3 +249,21 @@ def test_fp32_zero2_on_megatron_plans_whole_weights_and_no_gathered_units():
     deepspeed = estimate_memory(model, s, 128, device="cpu", stack=StackStates("deepspeed", bucket_mb=1.0))
     assert deepspeed.buffers["reduce buckets (fp32)"] == 2**20
     assert deepspeed.breakdown["parameters"] == 4 * n
+
+
+def test_plan_text_output_names_each_model_state_buffer(capsys):
+    """`slipstream plan --layout` prints the stack's named buffers with their GiB under the memory breakdown."""
+    from slipstream.cli import main
+
+    from slipstream.plan.model import resolve_model
+
+    code = main(["plan", "--model", "llama-8b", "--gpus", "8xH100", "--seq", "1024", "--global-batch", "64",
+                 "--stack", "deepspeed", "--bucket-mb", "64", "--layout", "zero2:8 mb8"])
+    out = capsys.readouterr().out
+    assert code in (0, None)
+    section = out[out.index("model states and buffers:"):out.index("step time, s:")]
+    n = param_count(resolve_model("llama-8b").cfg).total
+    for name, nbytes in (("weights (bf16)", 2 * n), ("gradients (bf16)", 2 * n / 8),
+                         ("master weights (fp32)", 4 * n / 8), ("reduce buckets (16-bit)", 64 * 2**20)):
+        line = next(line for line in section.splitlines() if name in line)
+        assert line.split()[-1] == f"{nbytes / 2**30:.1f}", line

@@ -53,6 +53,10 @@ def _add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bucket-mb", type=float, default=None, metavar="MB",
                    help="gradient bucket size in MiB, replacing the stack's default (DDP bucket_cap_mb 25, Megatron "
                         "max(40M, 1M x dp) parameters, DeepSpeed reduce_bucket_size 5e8 elements)")
+    p.add_argument("--overlap-grad-reduce", default=None, choices=("on", "off"),
+                   help="whether the data-parallel gradient reduction runs behind backward (default: the stack's: "
+                        "torch on; megatron off, its overlap_grad_reduce default, one bucket of all gradients; "
+                        "deepspeed off, its ZeRO-1/2 overlap_comm default)")
     p.add_argument("--runnable-only", action="store_true", help="only layouts slipstream can run today")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
@@ -119,7 +123,9 @@ def _setup(args: argparse.Namespace, seq_len: int | None):
     for name in ("seq", "global_batch"):  # 0 means "the default" for cost; plan's Workload refuses it
         if getattr(args, name) < 0:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    cluster = dataclasses.replace(cluster_from_args(args, cpu=this_cpu()), stack=args.stack, bucket_mb=args.bucket_mb)
+    overlap = None if args.overlap_grad_reduce is None else args.overlap_grad_reduce == "on"
+    cluster = dataclasses.replace(cluster_from_args(args, cpu=this_cpu()), stack=args.stack, bucket_mb=args.bucket_mb,
+                                  overlap_grad_reduce=overlap)
     if args.calibrate:
         from slipstream.plan.report import efficiency_from_runs
 

@@ -66,9 +66,15 @@ LL_MAX_BUSBW_NODE = {"volta": 39.0, "turing": 39.0, "ampere": 87.7, "ada": 87.7,
                      "blackwell": 282.0}
 LL_MAX_BUSBW_NET = (39.0, 20.4)    # 2 nodes, more (Intel row of llMaxBws)
 # Multi-node ring all-reduce with Simple: latency x 1.4 (sm80 and later) or 1.9 (older), the
-# "plateau effect of ring" (tuning.cc lines 570-573).
+# "plateau effect of ring" (tuning.cc lines 570-573), once each channel's share of each rank's
+# slice is at least 64 bytes: nBytes / (nChannels x nRanks) >= 64 (line 570).
 RING_PLATEAU = 1.4
 RING_PLATEAU_OLD = 1.9
+RING_PLATEAU_MIN_BYTES = 64
+# The channels that condition divides by: NCCL picks them per topology at init; we assume 16, what
+# it logs on an 8-GPU NVLink node ("16 coll channels, 0 nvls channels, 16 p2p channels", an 8 x H800
+# node: https://github.com/NVIDIA/nccl/issues/892). Fewer channels would start the plateau earlier.
+NCCL_CHANNELS = 16
 # Tree all-reduce's bandwidth correction by message size, powers of two from 64 B to 256 MiB
 # (treeCorrectionFactor, tuning.cc lines 555-559; applied at line 569).
 TREE_CORRECTION = {
@@ -208,7 +214,8 @@ def candidates(kind: str, nbytes: float, where: Span) -> dict[tuple[str, str], f
                 intra = max(intra, NET_OVERHEAD_US * (NET_OVERHEAD_SIMPLE if p == "Simple" else 1.0))
             inter = _hop_us(where.inter, "tree" if where.per_node == 1 else "ring", p)
             latency = BASE_LATENCY_US["ring"][p] + (steps - inter_steps) * intra + inter_steps * inter
-            if kind == "all_reduce" and p == "Simple" and where.nodes > 1:
+            if (kind == "all_reduce" and p == "Simple" and where.nodes > 1
+                    and nbytes / (NCCL_CHANNELS * n) >= RING_PLATEAU_MIN_BYTES):
                 latency *= RING_PLATEAU_OLD if old_gpu else RING_PLATEAU
         add("ring", p, latency, algbw)
         if kind == "all_reduce":

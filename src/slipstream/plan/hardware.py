@@ -264,6 +264,20 @@ class CpuFacts:
 #   megatron   Megatron-LM (grad-buffer buckets; its distributed optimizer = reduce-scatter + all-gather)
 #   deepspeed  DeepSpeed ZeRO (reduce_bucket_size buckets; ZeRO-1/2 = reduce-scatter + all-gather)
 STACKS = ("torch", "megatron", "deepspeed")
+# Whether each stack, left at its defaults, reduces gradients behind backward:
+#   torch      DDP's reducer launches each bucket's all-reduce asynchronously as backward fills it
+#              (torch docs, "Distributed Data Parallel" design note: "overlapping gradient
+#              synchronization with the backward pass"); FSDP2 reduce-scatters per unit the same way.
+#   megatron   Megatron Core distributed/distributed_data_parallel_config.py: "overlap_grad_reduce:
+#              bool = False"; off, finish_grad_sync "start(s) (and finish(es)) synchronous
+#              communication call here", after backward, and DistributedDataParallel sets
+#              bucket_size to None ("Set bucket_size to infinity if overlap_grad_reduce is False"):
+#              one bucket of all gradients. Training scripts turn it on with --overlap-grad-reduce.
+#   deepspeed  DeepSpeed runtime/zero/config.py, DeepSpeedZeroConfig.overlap_comm_valid: "if
+#              self.overlap_comm is None: self.overlap_comm = self.stage == ZeroStageEnum.weights"
+#              (on for stage 3 only); stages 1 / 2 without it reduce each bucket on the compute
+#              stream, blocking backward.
+STACK_OVERLAPS_GRAD_REDUCE = {"torch": True, "megatron": False, "deepspeed": False}
 # A bucket above 64 GiB is a unit slip (MB for elements), not a setting.
 MAX_BUCKET_MB = 65536.0
 
@@ -286,6 +300,9 @@ class Cluster:
     # reduce_bucket_size); None: the stack's default.
     stack: str = "torch"
     bucket_mb: float | None = None
+    # Whether the gradient reduction overlaps backward (`--overlap-grad-reduce on|off`); None: the
+    # stack's default, STACK_OVERLAPS_GRAD_REDUCE.
+    overlap_grad_reduce: bool | None = None
 
     def __post_init__(self) -> None:
         if self.stack not in STACKS:
@@ -294,6 +311,13 @@ class Cluster:
                                                <= MAX_BUCKET_MB):
             raise UserError(f"--bucket-mb {self.bucket_mb!r}: a gradient bucket is more than 0 and at most "
                             f"{MAX_BUCKET_MB:g} MB; give e.g. --bucket-mb 25.")
+
+    @property
+    def overlaps_grad_reduce(self) -> bool:
+        """Whether the data-parallel gradient reduction runs behind backward (plan/timing.py)."""
+        if self.overlap_grad_reduce is not None:
+            return self.overlap_grad_reduce
+        return STACK_OVERLAPS_GRAD_REDUCE[self.stack]
 
     @property
     def world(self) -> int:

@@ -457,6 +457,13 @@ class StackStates:
         """Whether this stack runs `s` with the model itself in 16 bits (not FSDP2, not autocast)."""
         return self.stack != "torch" and s.precision != "fp32" and s.dp_strategy in ("none", "ddp", "zero1", "zero2")
 
+    @classmethod
+    def of_cluster(cls, cluster) -> StackStates:
+        """The states of `cluster`'s stack (hardware.Cluster: stack, --bucket-mb, and DeepSpeed's
+        overlap_comm, whose second bucket follows --overlap-grad-reduce)."""
+        return cls(cluster.stack, bucket_mb=cluster.bucket_mb,
+                   overlap_comm=cluster.stack == "deepspeed" and cluster.overlaps_grad_reduce)
+
     def zero_optimizer(self, s: Strategy) -> bool:
         """Whether this stack runs `s` through its own ZeRO (Megatron's distributed optimizer, DeepSpeed
         ZeRO-1/2), whatever the precision: the weights stay whole, nothing is gathered per unit (not FSDP)."""

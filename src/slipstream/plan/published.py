@@ -99,6 +99,9 @@ class PublishedRun:
     # collectives (plan/timing.py). "torch" where the source names PyTorch DDP / FSDP or a stack on
     # them (torchtitan, llm-foundry, metaseq's FSDP, Meta's Llama 3 stack), or names none.
     stack: str = "torch"
+    # whether the run overlapped its gradient reduction with backward, where the source says
+    # (Cluster.overlap_grad_reduce); None: the stack's default (hardware.STACK_OVERLAPS_GRAD_REDUCE).
+    overlap_grad_reduce: bool | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -869,6 +872,7 @@ MORE_PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
         name="korthikanti-530b-2240gpu-selective-sp",
         stack="megatron",
+        overlap_grad_reduce=False,   # Sec. 6.3: "we do not use any overlapping of gradient all-reduces"
         source=_KORTHIKANTI_PAPER,
         n_layer=105, d_model=20480, n_head=128, n_kv_head=128, d_ff=4 * 20480, vocab_size=51200,
         mlp="gelu", tie_embeddings=True,

@@ -112,6 +112,9 @@ def format_layout(result: PlanResult) -> str:
     lines += [f"  {name.replace('_', ' '):<24} {_gib(value):>8}" for name, value in parts.items()]
     lines.append(f"  {'total':<24} {_gib(m.total_bytes):>8}" + (f"   (+ {_gib(m.host_bytes)} GiB in host memory)"
                                                                    if m.host_bytes else ""))
+    if m.buffers:   # the model states as the stack keeps them, by name (MemoryEstimate.buffers)
+        lines += ["  model states and buffers:"]
+        lines += [f"    {name:<23}{_gib(value):>8}" for name, value in m.buffers.items()]
     lines += [f"  note: {note}" for note in m.notes]
     lines += ["", "step time, s:"]
     lines += [f"  {name.replace('_', ' '):<24} {value:>8.3f}" for name, value in t.breakdown.items()]

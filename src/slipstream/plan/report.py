@@ -78,7 +78,8 @@ def _setup(run: PublishedRun):
     """The planner's inputs of a run: model, layout, workload and cluster (with the run's stack)."""
     model, s = plan_model(run), plan_strategy(run)
     cluster = dataclasses.replace(make_cluster(f"{run.gpus_per_node}x{plan_gpu(run)}",
-                                               nodes=run.gpus // run.gpus_per_node), stack=run.stack)
+                                               nodes=run.gpus // run.gpus_per_node), stack=run.stack,
+                                  overlap_grad_reduce=run.overlap_grad_reduce)
     work = Workload(seq_len=run.seq_len, global_batch=s.dp * s.micro_batch * s.grad_accum)
     return model, s, work, cluster
 
@@ -120,7 +121,7 @@ def compare_run(run: PublishedRun, efficiency: float = DEFAULT_EFFICIENCY, fit: 
     out = _speed_figures(run, estimate_time(model, s, work, cluster, efficiency=efficiency, fit=fit), s)
     if run.memory_gib_per_gpu:
         note = "fp8 run planned at the bf16 rate" if run.precision == "fp8" else ""
-        memory = estimate_memory(model, s, run.seq_len, stack=run.stack)
+        memory = estimate_memory(model, s, run.seq_len, stack=StackStates.of_cluster(cluster))
         out.append(Comparison(run.name, "memory_gib_per_gpu", run.memory_gib_per_gpu, memory.total_bytes / GIB,
                               "planned peak incl. the fragmentation margin; " + note))
     return out

@@ -54,7 +54,7 @@ from slipstream.config.dims import PP_ONE_STAGE, PP_V_SHAPED
 from slipstream.models.transformer import mlp_hidden, padded_vocab_size
 from slipstream.errors import UserError
 from slipstream.plan.hardware import Cluster
-from slipstream.plan.memory import GIB, MemoryEstimate, estimate_memory
+from slipstream.plan.memory import GIB, MemoryEstimate, StackStates, estimate_memory
 from slipstream.plan.space import (AC_MODES, DP_STRATEGIES, PRECISIONS, PlanModel, Strategy, Workload,
                                    schedule_name)
 from slipstream.plan.timing import TimeEstimate, estimate_time
@@ -344,7 +344,7 @@ def evaluate(model: PlanModel, s: Strategy, work: Workload, cluster: Cluster, ef
     if s.pp > 1 and model.traced is None and stages > model.cfg.n_layer:
         raise UserError(f"layout {s.label()}: pipeline parallel {s.pp} x {s.pp_virtual} chunks = {stages} stages for "
                         f"{model.cfg.n_layer} blocks; every stage holds at least one block: fewer stages")
-    memory = estimate_memory(model, s, work.seq_len, device=device, stack=cluster.stack)
+    memory = estimate_memory(model, s, work.seq_len, device=device, stack=StackStates.of_cluster(cluster))
     time = estimate_time(model, s, work, cluster, efficiency=efficiency)
     fits = memory.total_bytes <= cluster.memory_bytes
     why = "" if fits else (f"needs {memory.total_bytes / GIB:.1f} GiB > {cluster.memory_bytes / GIB:.1f} GiB "

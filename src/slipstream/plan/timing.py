@@ -33,7 +33,8 @@ comm         each strategy's exact collective volumes (step_collectives: what sl
              LL128 or Simple, whichever NCCL's tuning model finds fastest for its size; gloo
              on a CPU as plain rings). Overlap rules: the gradient reduction of DDP / zero1
              runs in the stack's buckets (Cluster.stack, --bucket-mb) behind backward, all
-             but the last bucket hidden; Megatron's / DeepSpeed's ZeRO all-gather of the
+             but the last bucket hidden, where the stack overlaps it (--overlap-grad-reduce;
+             Megatron's and DeepSpeed's defaults do not: every bucket exposed); Megatron's / DeepSpeed's ZeRO all-gather of the
              updated parameters is exposed; FSDP all-gathers and reduce-scatters hide behind the
              block they prefetch for (only what is longer than the compute shows); TP
              collectives sit on the critical path; CP's ring exchange hides behind attention;
@@ -215,7 +216,7 @@ class TimeEstimate:
 
 
 def step_collectives(model: PlanModel, s: Strategy, work: Workload, stack: str = "torch",
-                     bucket_mb: float | None = None) -> list[Collective]:
+                     bucket_mb: float | None = None, overlap: bool = True) -> list[Collective]:
     """The collectives one rank runs in one training step of `model` laid out as `s`: the
     volumes slipstream's layers issue (distributed/tensor_parallel.py, context_parallel.py,
     data_parallel.py), in the units observe.comm measures (`metrics.comm_volume`).
@@ -320,7 +321,7 @@ def step_collectives(model: PlanModel, s: Strategy, work: Workload, stack: str =
         else:
             add("dp", "all_reduce", "router", s.dp * s.cp, counts, (1 + again) * moe_layers * micro)
 
-    rows += _data_parallel_collectives(model, s, work.seq_len, stack, bucket_mb)
+    rows += _data_parallel_collectives(model, s, work.seq_len, stack, bucket_mb, overlap)
     return rows
 
 
@@ -356,13 +357,18 @@ def _reductions(s: Strategy, stack: str) -> int:
     return s.grad_accum if (stack == "deepspeed" and s.dp_strategy == "zero2" and s.pp == 1) else 1
 
 
-def gradient_buckets(grad_bytes: float, elem: int, stack: str, dp: int, bucket_mb: float | None = None) -> list[float]:
+def gradient_buckets(grad_bytes: float, elem: int, stack: str, dp: int, bucket_mb: float | None = None,
+                     overlap: bool = True) -> list[float]:
     """The gradient buckets of one reduction, in the order they are reduced (bytes each). torch
     DDP: a first bucket of DDP_FIRST_BUCKET_BYTES, then bucket_cap_mb (25 MiB) ones, the rest in
-    the last; Megatron: max(40M, 1M x dp) parameters each; DeepSpeed: reduce_bucket_size (5e8
+    the last; Megatron: max(40M, 1M x dp) parameters each, or one bucket of every gradient when it
+    does not overlap (hardware.STACK_OVERLAPS_GRAD_REDUCE: its DistributedDataParallel sets
+    bucket_size to None without overlap_grad_reduce); DeepSpeed: reduce_bucket_size (5e8
     elements). bucket_mb (MiB) replaces the stack's bucket size (DDP keeps its first bucket)."""
     if grad_bytes <= 0:
         return []
+    if bucket_mb is None and stack == "megatron" and not overlap:
+        return [float(grad_bytes)]
     if bucket_mb is not None:
         size = bucket_mb * 2**20
     elif stack == "megatron":
@@ -384,7 +390,7 @@ def gradient_buckets(grad_bytes: float, elem: int, stack: str, dp: int, bucket_m
 
 
 def _data_parallel_collectives(model: PlanModel, s: Strategy, seq_len: int | None, stack: str = "torch",
-                               bucket_mb: float | None = None) -> list[Collective]:
+                               bucket_mb: float | None = None, overlap: bool = True) -> list[Collective]:
     """The gradient and parameter collectives of step_collectives (see there)."""
     group = s.dp * s.cp  # the cp ranks average gradients with the data-parallel ones
     if s.dp_strategy == "none" or group <= 1:
@@ -400,26 +406,27 @@ def _data_parallel_collectives(model: PlanModel, s: Strategy, seq_len: int | Non
     elem = gradient_dtype_bytes(s, stack)
     if uses_reduce_scatter(s, stack):
         reductions = _reductions(s, stack)
-        buckets = len(gradient_buckets(params * elem, elem, stack, group, bucket_mb))
+        buckets = len(gradient_buckets(params * elem, elem, stack, group, bucket_mb, overlap))
         rows.append(Collective("dp", "reduce_scatter", "gradients", group, params * elem * reductions,
                                buckets * reductions))
         compute = 4 if s.precision == "fp32" else 2
-        gathers = (math.ceil(params / DEEPSPEED_BUCKET_ELEMENTS) if stack == "deepspeed"
-                   else len(gradient_buckets(params * compute, compute, stack, group, bucket_mb)))
+        # Megatron all-gathers the updated parameters bucket by bucket: the same parameter buckets
+        # its gradients were reduce-scattered in (param_and_grad_buffer.py, one bucket group each).
+        gathers = math.ceil(params / DEEPSPEED_BUCKET_ELEMENTS) if stack == "deepspeed" else buckets
         rows.append(Collective("dp", "all_gather", "parameters", group, params * compute, max(1, gathers)))
         if experts and group // s.ep > 1:
             rows.append(Collective("dp", "reduce_scatter", "experts", group // s.ep, experts * elem * reductions,
-                                   len(gradient_buckets(experts * elem, elem, stack, group, bucket_mb)) * reductions))
+                                   len(gradient_buckets(experts * elem, elem, stack, group, bucket_mb, overlap)) * reductions))
             rows.append(Collective("dp", "all_gather", "experts", group // s.ep, experts * compute, 1))
         return rows
     if s.dp_strategy in ("ddp", "zero1"):
-        buckets = len(gradient_buckets(params * elem, elem, stack, group, bucket_mb))
+        buckets = len(gradient_buckets(params * elem, elem, stack, group, bucket_mb, overlap))
         rows.append(Collective("dp", "all_reduce", "gradients", group, params * elem, max(1, buckets)))
         if s.dp_strategy == "zero1":
             rows.append(Collective("dp", "broadcast", "parameters", group, params * 4, group))  # one per shard
         if experts and group // s.ep > 1:   # ddp with ep < dp (the trainer refuses it): planned as a reduction
             rows.append(Collective("dp", "all_reduce", "experts", group // s.ep, experts * elem,
-                                   max(1, len(gradient_buckets(experts * elem, elem, stack, group, bucket_mb)))))
+                                   max(1, len(gradient_buckets(experts * elem, elem, stack, group, bucket_mb, overlap)))))
         return rows
     shard = (s.dp_shard if s.dp_strategy == "hsdp" else s.dp) * s.cp
     low = s.precision != "fp32" and s.fsdp_mixed   # FSDP gathers in bf16 only under its mixed precision
@@ -848,7 +855,7 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
     blocks = _rank_blocks(model, s, work.seq_len)
 
     out: dict[str, float] = {"compute": compute_s}
-    collectives = step_collectives(model, s, work, cluster.stack, cluster.bucket_mb)  # the bytes every comm term moves
+    collectives = step_collectives(model, s, work, cluster.stack, cluster.bucket_mb, cluster.overlaps_grad_reduce)  # the bytes every comm term moves
     # ---- pipeline bubble
     if s.pp > 1:
         # idle for a fraction f of the step: compute is (1 - f) of it, the bubble f / (1 - f) x compute
@@ -923,7 +930,8 @@ def _traced_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluster
     compute = max(device, host) if sp.rates.launch_overlaps else device + host
     out = {"compute": compute}
     out.update(_data_parallel_time(model, s, cluster, compute / 3, compute * 2 / 3,
-                                   _data_parallel_collectives(model, s, None, cluster.stack, cluster.bucket_mb),
+                                   _data_parallel_collectives(model, s, None, cluster.stack, cluster.bucket_mb,
+                                                              cluster.overlaps_grad_reduce),
                                    1.0))
     mem_bw = cluster.gpu.mem_bw_gbs * 1e9
     out["optimizer"] = t.n_params / (s.shard_group if s.shards()[0] else 1) * ADAM_BYTES_PER_PARAM / mem_bw
@@ -1017,16 +1025,20 @@ def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward
         # The gradients, in the stack's buckets as backward fills them, once per step (no_sync
         # between micro-batches; DeepSpeed ZeRO-2 after every micro-batch): every bucket but the
         # last hides behind the backward of the micro-batch that fills it, the last is exposed.
+        # A stack that does not overlap (Cluster.overlaps_grad_reduce: Megatron's and DeepSpeed's
+        # defaults) reduces them blocking: every bucket is exposed.
         grads = _rows(dp_rows, "dp", "gradients")[0]
         elem = gradient_dtype_bytes(s, cluster.stack)
         reductions = _reductions(s, cluster.stack)
-        buckets = gradient_buckets(grads.nbytes / reductions, elem, cluster.stack, s.dp * s.cp, cluster.bucket_mb)
+        overlap = cluster.overlaps_grad_reduce
+        buckets = gradient_buckets(grads.nbytes / reductions, elem, cluster.stack, s.dp * s.cp, cluster.bucket_mb,
+                                   overlap)
         # thousands of buckets of a few sizes: each size timed once
         hidden = sum(count * call_time(grads.kind, size, where) for size, count in Counter(buckets[:-1]).items())
         experts = sum(collective_time([r], expert_where) for r in expert_rows if r.kind != "all_gather")
         hidden += experts / reductions
         last = call_time(grads.kind, buckets[-1], where) if buckets else 0.0
-        exposed = reductions * (last + max(0.0, hidden - backward_s / s.grad_accum))
+        exposed = reductions * (last + (max(0.0, hidden - backward_s / s.grad_accum) if overlap else hidden))
         out = {"dp_comm": exposed}
         if reduce_scatter:
             # the updated parameters, gathered in the compute dtype after the optimizer step: exposed
