@@ -4,6 +4,7 @@
                     [--write-config best.toml] [--json]
     slipstream plan ... --layout "fsdp:16 tp4+sp mb1 ac:full"      one layout, its memory and time whole
     slipstream plan ... --stack megatron [--bucket-mb 100]          collectives as that stack issues them
+    slipstream plan ... --stack megatron --overlap-grad-reduce on   the gradient reduction behind backward
     slipstream cost --model llama-70b --tokens 300e9 --gpus 8xH100 --nodes 8 [--price 3.5]
 (`slipstream bench planner` is in cli/bench.py; `slipstream tune system` in cli/tune.py.)
 """
