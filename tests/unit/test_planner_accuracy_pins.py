@@ -214,3 +214,13 @@ def test_readme_and_docs_state_the_committed_worst_case(committed):
         counts = {int(m) for m in re.findall(r"(\d+)[ -]case", text) + re.findall(r"on (\d+) cases", text)
                   + re.findall(r"all (\d+) within", text)}
         assert counts == {n}, f"{doc} states {sorted(counts)} cases, the committed JSON has {n}"
+
+
+def test_docs_communication_terms_table_is_the_planners():
+    """docs/planner.md's per-run table of the communication terms (NCCL's model, each run's stack
+    and overlap) is what the planner computes now with the committed constants."""
+    from slipstream.plan.report import communication_table
+
+    block = re.search(r"<!-- collective-terms:start -->\n(.*?)\n<!-- collective-terms:end -->", DOC.read_text(), re.S)
+    assert block and block.group(1) == communication_table()
+

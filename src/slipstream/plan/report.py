@@ -129,6 +129,28 @@ def compare_run(run: PublishedRun, efficiency: float = DEFAULT_EFFICIENCY, fit: 
     return out
 
 
+# The communication terms of a step's time (TimeEstimate.breakdown), in the order the table shows them.
+COMM_TERMS = (("dp_comm", "dp reduction"), ("zero_all_gather", "ZeRO all-gather"), ("zero1_broadcast", "zero1 broadcast"),
+              ("dp_replicate_comm", "hsdp replicas"), ("tp_comm", "tp"), ("cp_comm", "cp"), ("pp_p2p", "pp p2p"),
+              ("ep_comm", "ep all-to-all"))
+
+
+def communication_table(fit: Fit | None = None) -> str:
+    """Markdown: each published speed run's stack, whether its gradient reduction overlaps
+    backward, its planned step and the exposed seconds of each communication term (NCCL's
+    model, plan/collectives.py) with the committed constants. docs/planner.md holds it between
+    its collective-terms markers (a test renders it again)."""
+    head = ["run", "stack", "overlap", "step s"] + [label for _, label in COMM_TERMS]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for run in _runs_with_speed(ALL_PUBLISHED_RUNS):
+        model, s, work, cluster = _setup(run)
+        t = estimate_time(model, s, work, cluster, fit=fit)
+        terms = [f"{t.breakdown[key]:.3f}" if key in t.breakdown else "-" for key, _ in COMM_TERMS]
+        cells = [f"`{run.name}`", run.stack, "on" if cluster.overlaps_grad_reduce else "off", f"{t.step_s:.3f}"]
+        lines.append("| " + " | ".join(cells + terms) + " |")
+    return "\n".join(lines)
+
+
 def _speed(rows: list[Comparison]) -> list[Comparison]:
     return [r for r in rows if r.metric in SPEED_METRICS]
 
