@@ -152,8 +152,9 @@ def test_prime_batch_runnable_only(capsys):
     code, out, err = run(capsys, "plan", "--model", "gpt2", "--gpus", "8xH100", "--seq", "1024",
                          "--global-batch", "7", "--runnable-only")
     assert code == 0, err
-    # gpt2's 12 blocks make 12 one-block stages over pp 4 (3 chunks per rank): the smallest bubble
-    assert "best: none tp2+sp pp4:interleaved-1f1bx3 mb1x7" in out
+    # gpt2's 12 blocks make 12 one-block stages over pp 4 (3 chunks per rank): the smallest bubble.
+    # With and without sequence parallelism are a near tie (tp's small messages on NCCL's LL protocol).
+    assert re.search(r"best: none tp2(\+sp)? pp4:interleaved-1f1bx3 mb1x7", out), out
     code, out, err = run(capsys, "plan", "--model", "gpt2", "--gpus", "8xH100", "--seq", "1024",
                          "--global-batch", "7", "--runnable-only", "--pp", "1")
     # the binding constraints named: the batch (with the reachable dp and the nearest batches), or tp8's heads
