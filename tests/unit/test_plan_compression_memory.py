@@ -178,12 +178,7 @@ def test_a_planner_that_ignores_qat_misses_the_measured_peak():
     review measured a QAT run 31.6 % over a plan that ignored it)."""
     case = next(c for c in compression_cases() if c.qat == SCHEMES[0] and c.strategy.precision == "bf16")
     assert case in stratified_cases()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        measured = measure_case(case)
-    finally:
-        torch.set_num_threads(threads)
+    measured = measure_case(case, threads=1)
     planned = plan_case(case)
     ignored = estimate_memory(PlanModel(case.preset, case.model_config()), case.strategy, case.seq_len,
                               device="cpu", compression=NO_COMPRESSION).peak_bytes

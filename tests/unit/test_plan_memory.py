@@ -32,15 +32,10 @@ COMMITTED_REPORT = Path(__file__).resolve().parents[2] / "benchmarks" / "planner
 def _worst_error(cases: list[Case]) -> tuple[str, float]:
     # Bytes are counted, not timed, and do not depend on the thread count: one thread, which other
     # work on the 2 cores does not stall as it does two (the subset: 15 s, or 40 s on a loaded machine).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        errors = {}
-        for case in cases:
-            measured, planned = measure_case(case), plan_case(case)
-            errors[case.label()] = (planned - measured) / measured
-    finally:
-        torch.set_num_threads(threads)
+    errors = {}
+    for case in cases:
+        measured, planned = measure_case(case, threads=1), plan_case(case)
+        errors[case.label()] = (planned - measured) / measured
     worst = max(errors, key=lambda k: abs(errors[k]))
     return worst, errors[worst]
 

@@ -215,11 +215,6 @@ def test_option_steps_within_the_grids_tolerance(label):
     (the NeoX-like combination and plain materialized attention run in test_plan_memory's
     stratified subset; the grid has every option)."""
     (case,) = [c for c in architecture_cases() if c.label() == label]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        measured = measure_case(case)
-    finally:
-        torch.set_num_threads(threads)
+    measured = measure_case(case, threads=1)
     assert abs(plan_case(case) / measured - 1) <= TARGET_ERROR
     assert dataclasses.is_dataclass(Case)

@@ -7,7 +7,6 @@ ranks (one process) against the plan."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from slipstream.config.presets import PRESETS
 from slipstream.config.schema import ModelConfig
@@ -203,10 +202,5 @@ def test_measured_rank_within_the_grids_tolerance(label):
     last rank, GPipe's (every micro-batch and its logits in flight). The stratified subset of
     test_plan_memory runs a 1F1B pipeline's busiest rank; the grid more."""
     (case,) = [c for c in pipeline_cases() if c.label() == label]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        measured = measure_case(case)
-    finally:
-        torch.set_num_threads(threads)
+    measured = measure_case(case, threads=1)
     assert abs(plan_case(case) / measured - 1) <= TARGET_ERROR

@@ -10,7 +10,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from slipstream.config import load_config
 from slipstream.config.schema import ModelConfig
@@ -186,12 +185,7 @@ def test_an_emulated_stack_rank_is_planned_within_target(stack):
     further off (DeepSpeed)."""
     case = next(c for c in stack_cases() if c.stack == stack and c.preset == "tiny")
     assert case in stratified_cases()
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        measured = measure_case(case)
-    finally:
-        torch.set_num_threads(threads)
+    measured = measure_case(case, threads=1)
     error = plan_case(case) / measured - 1
     assert abs(error) <= TARGET_ERROR, f"{case.label()}: {error:+.1%}"
     as_torch = plan_case(case.__class__(case.preset, case.strategy, overrides=case.overrides)) / measured - 1

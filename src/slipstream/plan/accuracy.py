@@ -308,12 +308,20 @@ def _fake_process_group(world: int) -> Iterator[Any]:
         dist.destroy_process_group()
 
 
-def measure_case(case: Case) -> int:
-    """Measured peak bytes of the second training step (MemTracker / FSDPMemTracker)."""
-    with _attention_kernel(case.strategy):
-        if case.strategy.pp > 1:
-            return _measure_pipeline_rank(case)
-        return _measure_one(case)
+def measure_case(case: Case, threads: int | None = None) -> int:
+    """Measured peak bytes of the second training step (MemTracker / FSDPMemTracker). threads:
+    torch's intra-op threads for the measurement, then restored (bytes are counted, not timed:
+    one thread is as exact, and other work on a small machine does not stall it as it does two)."""
+    before = torch.get_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
+    try:
+        with _attention_kernel(case.strategy):
+            if case.strategy.pp > 1:
+                return _measure_pipeline_rank(case)
+            return _measure_one(case)
+    finally:
+        torch.set_num_threads(before)
 
 
 @contextlib.contextmanager
