@@ -302,7 +302,7 @@ def test_stack_and_bucket_are_checked():
 
 
 def test_published_runs_are_planned_on_their_stack():
-    from slipstream.plan.published import ALL_PUBLISHED_RUNS
+    from slipstream.plan.published_more import ALL_PUBLISHED_RUNS
     from slipstream.plan.report import _setup
 
     stacks = {run.name: run.stack for run in ALL_PUBLISHED_RUNS}

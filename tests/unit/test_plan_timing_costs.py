@@ -258,7 +258,7 @@ def test_selective_hfu_of_the_korthikanti_runs(name):
     FLOPs. Megatron's formula (the reported ratios) adds s / (6h) to 1 + s / (6h) + V / (16 l h),
     three times the core's forward (its forward and backward): the planned excess is about a third
     of the reported one."""
-    from slipstream.plan.published import ALL_PUBLISHED_RUNS
+    from slipstream.plan.published_more import ALL_PUBLISHED_RUNS
     from slipstream.plan.report import _setup
 
     run = next(r for r in ALL_PUBLISHED_RUNS if r.name == name)

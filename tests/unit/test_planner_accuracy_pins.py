@@ -19,7 +19,7 @@ import pytest
 
 from slipstream.plan.accuracy import default_cases, measure_case, plan_case
 from slipstream.plan.efficiency import FITTED
-from slipstream.plan.published import ALL_PUBLISHED_RUNS
+from slipstream.plan.published_more import ALL_PUBLISHED_RUNS
 from slipstream.plan.report import (SPEED_METRICS, fit_constants, fit_efficiency, fit_record, held_out_summary,
                                     published_report)
 from slipstream.plan.timing import DEFAULT_EFFICIENCY

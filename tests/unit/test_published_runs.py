@@ -1,4 +1,4 @@
-"""The published runs the planner's speed accuracy is measured on (plan/published.py): enough of
+"""The published runs the planner's speed accuracy is measured on (plan/published.py, published_more.py): enough of
 them, each with its source and quoted figures, layouts that add up, shapes that rebuild the
 parameter counts their sources state, and planner inputs (plan_model / plan_strategy) that carry
 what each source states. Pure arithmetic: no timing model, well under a second."""
@@ -12,14 +12,9 @@ import pytest
 
 from slipstream.errors import UserError
 from slipstream.models.flops import param_count
-from slipstream.plan.published import (
-    ALL_PUBLISHED_RUNS,
-    MORE_PUBLISHED_RUNS,
-    PUBLISHED_RUNS,
-    plan_gpu,
-    plan_model,
-    plan_strategy,
-)
+from slipstream.plan.published import PUBLISHED_RUNS
+from slipstream.plan.published_inputs import plan_gpu, plan_model, plan_strategy
+from slipstream.plan.published_more import ALL_PUBLISHED_RUNS, MORE_PUBLISHED_RUNS
 from slipstream.plan.space import ATTENTION_IMPLEMENTATIONS
 
 RUNS = {run.name: run for run in ALL_PUBLISHED_RUNS}

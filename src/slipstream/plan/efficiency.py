@@ -10,7 +10,7 @@ A training step is three kinds of work, each limited by something else (plan/tim
                 softmax passes: bytes/s, a fraction of the memory bandwidth
 
 plus the host's costs: per eager op, per op under selective AC, per checkpointed block. Each generation (GpuSpec.generation) has sourced priors
-(PRIORS). The published runs (plan/published.py) then fit a few free constants
+(PRIORS). The published runs (plan/published.py, published_more.py) then fit a few free constants
 (plan/report.fit_constants: the GEMM fraction of each generation the runs cover, one scale on
 the attention fractions and one on the pointwise fraction, shared by the GPU generations):
 FITTED holds the result of that fit, which `rates()` returns. A generation without published

@@ -1,7 +1,7 @@
 """Planned vs published: the planner run on the layouts of published large-scale trainings.
 
-For every entry of plan/published.py (ALL_PUBLISHED_RUNS) the model, layout and cluster are
-rebuilt (published.plan_model / plan_strategy / plan_gpu) and the planner's figures are compared
+For every entry of plan/published.py and plan/published_more.py (ALL_PUBLISHED_RUNS) the model,
+layout and cluster are rebuilt (published_inputs.plan_model / plan_strategy / plan_gpu) and the planner's figures are compared
 with the reported ones: TFLOP/s per GPU (as the source counted them, `flops_convention`: model
 FLOPs, or hardware FLOPs with activation recompute), MFU, HFU, tokens/s per GPU, seconds per step,
 and memory per GPU.
@@ -28,7 +28,9 @@ from dataclasses import dataclass
 from slipstream.plan.efficiency import PRIORS, Fit
 from slipstream.plan.hardware import make_cluster
 from slipstream.plan.memory import GIB, StackStates, estimate_memory, model_state_bytes
-from slipstream.plan.published import ALL_PUBLISHED_RUNS, PublishedRun, plan_gpu, plan_model, plan_strategy
+from slipstream.plan.published import PublishedRun
+from slipstream.plan.published_inputs import plan_gpu, plan_model, plan_strategy
+from slipstream.plan.published_more import ALL_PUBLISHED_RUNS
 from slipstream.plan.space import Strategy, Workload
 from slipstream.plan.timing import DEFAULT_EFFICIENCY, TimeEstimate, estimate_time
 
