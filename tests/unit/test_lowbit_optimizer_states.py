@@ -17,7 +17,8 @@ from slipstream.config.presets import PRESETS  # noqa: E402
 from slipstream.config.schema import ModelConfig  # noqa: E402
 from slipstream.errors import UserError  # noqa: E402
 from slipstream.optimize.optimizers import make_adamw, optimizer_state_bytes, tensor_storage_bytes  # noqa: E402
-from slipstream.plan.memory import estimate_memory, low_bit_state_bytes  # noqa: E402
+from slipstream.plan.memory import estimate_memory  # noqa: E402
+from slipstream.plan.memory_states import low_bit_state_bytes  # noqa: E402
 from slipstream.plan.space import PlanModel, Strategy  # noqa: E402
 from slipstream.train.lm import build_lm_trainer, train_lm  # noqa: E402
 from slipstream.train.resume import LAYOUT_DEFAULTS, check_layout  # noqa: E402

@@ -1,7 +1,7 @@
-"""The planner counts what quant.qat and [sparsity] keep (plan/memory.py: Compression,
-qat_activation_bytes, qat_weight_bytes, sparsity_masked_values), checked against the masks the
-sparsity code registers, the tensors autograd keeps for torchao's fake-quantized linears, the
-run's own pre-flight plan and one measured training step."""
+"""The planner counts what quant.qat and [sparsity] keep (plan/memory_activations.py:
+Compression, qat_activation_bytes, qat_weight_bytes, sparsity_masked_values), checked against the
+masks the sparsity code registers, the tensors autograd keeps for torchao's fake-quantized
+linears, the run's own pre-flight plan and one measured training step."""
 
 from __future__ import annotations
 
@@ -17,8 +17,9 @@ from slipstream.config.schema import ModelConfig, QuantConfig, SparsityConfig
 from slipstream.models.transformer import build_model
 from slipstream.optimize.activations import activation_memory_bytes, apply_activation_checkpointing
 from slipstream.plan.accuracy import TARGET_ERROR, Case, compression_cases, measure_case, plan_case, stratified_cases
-from slipstream.plan.memory import (NO_COMPRESSION, Compression, block_activation_bytes, estimate_memory,
-                                    qat_weight_bytes, sparsity_masked_values)
+from slipstream.plan.memory import estimate_memory
+from slipstream.plan.memory_activations import (NO_COMPRESSION, Compression, block_activation_bytes, qat_weight_bytes,
+                                                sparsity_masked_values)
 from slipstream.plan.space import PlanModel, Strategy
 
 SCHEMES = ("int8-dynact-int4-weight", "int8-weight")

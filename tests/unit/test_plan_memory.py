@@ -17,7 +17,9 @@ from slipstream.models.flops import param_count
 from slipstream.models.transformer import build_model
 from slipstream.optimize.activations import activation_memory_bytes, apply_activation_checkpointing
 from slipstream.plan.accuracy import TARGET_ERROR, Case, default_cases, measure_case, plan_case, stratified_cases
-from slipstream.plan.memory import GIB, block_activation_bytes, estimate_memory, in_flight_microbatches, model_state_bytes
+from slipstream.plan.memory import GIB, estimate_memory, in_flight_microbatches
+from slipstream.plan.memory_activations import block_activation_bytes
+from slipstream.plan.memory_states import model_state_bytes
 from slipstream.plan.model import resolve_model
 from slipstream.plan.space import PlanModel, Strategy
 

@@ -16,7 +16,8 @@ from slipstream.models.transformer import build_model, mlp_hidden
 from slipstream.optimize.activations import activation_memory_bytes, apply_activation_checkpointing
 from slipstream.plan.accuracy import TARGET_ERROR, Case, architecture_cases, measure_case, plan_case
 from slipstream.plan.experts import experts_of
-from slipstream.plan.memory import block_activation_bytes, estimate_memory
+from slipstream.plan.memory import estimate_memory
+from slipstream.plan.memory_activations import block_activation_bytes
 from slipstream.plan.model import resolve_model
 from slipstream.plan.space import PlanModel, Strategy
 

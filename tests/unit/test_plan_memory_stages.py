@@ -13,7 +13,8 @@ from slipstream.config.schema import ModelConfig
 from slipstream.models.flops import param_count
 from slipstream.models.transformer import mlp_hidden, padded_vocab_size
 from slipstream.plan.accuracy import TARGET_ERROR, measure_case, pipeline_cases, plan_case
-from slipstream.plan.memory import block_activation_bytes, estimate_memory, in_flight_microbatches, rank_memory
+from slipstream.plan.memory import estimate_memory, in_flight_microbatches, rank_memory
+from slipstream.plan.memory_activations import block_activation_bytes
 from slipstream.plan.model import resolve_model
 from slipstream.plan.space import PlanModel, Strategy
 from slipstream.plan.stages import rank_parts

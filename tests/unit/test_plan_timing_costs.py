@@ -222,9 +222,9 @@ def test_alibi_runs_flash_as_the_efficient_kernel_over_the_whole_square(gpt, h10
 
 
 def test_selective_ac_recomputes_the_materialized_attention_core(gpt, h100, device_bound):
-    """plan/memory.py plans selective AC over materialized scores as Megatron runs it: no T x T
-    matrix kept, the core (QK^T, softmax, AV) recomputed. The time re-runs that core's forward:
-    its batched GEMMs (on the roofline) and its score passes, besides the pointwise forward."""
+    """plan/memory_activations.py plans selective AC over materialized scores as Megatron runs it:
+    no T x T matrix kept, the core (QK^T, softmax, AV) recomputed. The time re-runs that core's
+    forward: its batched GEMMs (on the roofline) and its score passes, besides the pointwise forward."""
     cfg = gpt.cfg
     s = S.replace(attention="materialized")
     none = _compute(gpt, s, h100)

@@ -1,5 +1,5 @@
-"""Mixed-precision model states as the stacks keep them (issue 23 part 2, plan/memory.py
-StackStates, state_buffers): hand-computed bytes per parameter for Megatron's distributed
+"""Mixed-precision model states as the stacks keep them (issue 23 part 2,
+plan/memory_states.py StackStates, state_buffers): hand-computed bytes per parameter for Megatron's distributed
 optimizer, DeepSpeed ZeRO-1/2 and FSDP2's reduce dtype; the breakdown names each buffer; the torch
 stack plans as before; a published 40 GB-A100 layout fits under its stack; and two of the grid's
 emulated stack cases are measured live within the target."""
@@ -17,8 +17,9 @@ from slipstream.errors import UserError
 from slipstream.models.flops import param_count
 from slipstream.plan.accuracy import TARGET_ERROR, default_cases, measure_case, plan_case, stack_cases, stratified_cases
 from slipstream.plan.hardware import make_cluster
-from slipstream.plan.memory import (DEEPSPEED_REDUCE_BUCKET_ELEMENTS, StackStates, estimate_memory,
-                                    model_state_bytes, state_buffers)
+from slipstream.plan.memory import estimate_memory
+from slipstream.plan.memory_states import (DEEPSPEED_REDUCE_BUCKET_ELEMENTS, StackStates, model_state_bytes,
+                                           state_buffers)
 from slipstream.plan.space import PlanModel, Strategy
 
 REPORT = Path(__file__).resolve().parents[2] / "benchmarks" / "planner-accuracy-cpu.json"

@@ -91,7 +91,8 @@ def test_relu2_moe_experts_square_the_relu(gemm):
 def test_relu2_counts_as_gelu_in_flops_parameters_and_planned_memory():
     from slipstream.models.flops import flops_per_token, param_count
     from slipstream.optimize.activations import activation_memory_bytes
-    from slipstream.plan.memory import block_activation_bytes, estimate_memory
+    from slipstream.plan.memory import estimate_memory
+    from slipstream.plan.memory_activations import block_activation_bytes
     from slipstream.plan.space import PlanModel, Strategy
 
     relu2, gelu = _cfg(mlp="relu2"), _cfg(mlp="gelu")

@@ -10,7 +10,7 @@
                            the model's params and grads
 
 Memory per parameter (fp32 params, plain AdamW): 4 param + 4 grad + 8 state bytes.
-bf16 state saves 4 bytes, int8 about 6, int4 about 7 (plan.memory.low_bit_state_bytes),
+bf16 state saves 4 bytes, int8 about 6, int4 about 7 (plan.memory_states.low_bit_state_bytes),
 in-backward saves most of the 4 grad bytes, CPU offload moves the 8 state bytes (plus a 4-byte
 fp32 master and a 4-byte grad buffer) off the device.
 """
@@ -234,7 +234,7 @@ def low_bit_adamw(params_or_groups: Iterable[Any], state_dtype: str, lr: float, 
     Small tensors stay in full precision: a parameter with fewer than 4096
     elements, or a count that is not a multiple of the block size (256 for int8, 128 for int4),
     keeps plain moments in its own dtype (norm weights and biases, typically).
-    plan/memory.py's low_bit_state_bytes counts exactly this, and the planner plans with it.
+    plan/memory_states.py's low_bit_state_bytes counts exactly this, and the planner plans with it.
 
     implementation: for-loop runs torchao's per-parameter update eagerly (no compilation: the
     quickest start, the slowest step); auto and fused run it as torchao does, compiled per

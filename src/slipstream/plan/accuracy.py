@@ -38,7 +38,9 @@ import torch
 
 from slipstream.config.presets import PRESETS
 from slipstream.config.schema import ModelConfig
-from slipstream.plan.memory import Compression, StackStates, estimate_memory, rank_memory
+from slipstream.plan.memory import estimate_memory, rank_memory
+from slipstream.plan.memory_activations import Compression
+from slipstream.plan.memory_states import StackStates
 from slipstream.plan.space import PlanModel, Strategy
 
 TARGET_ERROR = 0.10
@@ -55,7 +57,7 @@ class Case:
     state_dtype: str = "fp32"    # optim.state_dtype: int8 / int4 run torchao's low-bit AdamW
     qat: str = "none"            # quant.qat: the blocks' linears fake-quantized (torchao QAT, optimize/qat.py)
     sparsity: str = "none"       # sparsity.method: masks on the blocks' linears (optimize/sparsity.py)
-    # The stack keeping the model states (plan.memory.StackStates): torch (slipstream's trainer;
+    # The stack keeping the model states (plan.memory_states.StackStates): torch (slipstream's trainer;
     # reduce_dtype: FSDP2's MixedPrecisionPolicy.reduce_dtype under bf16), or megatron / deepspeed,
     # measured on an emulation of their mixed-precision states (_measure_stack_emulation), with
     # DeepSpeed's reduce bucket of bucket_mb MiB.
@@ -430,7 +432,7 @@ def _measure_stack_emulation(case: Case, cfg: ModelConfig, batch, targets, fused
     optimizer (stack megatron, zero1 / zero2) or DeepSpeed ZeRO-2 (stack deepspeed, zero2) in bf16,
     emulated on one process: the ranks' collectives move no memory of their own (the gradient
     reduce-scatter is a copy into this rank's slice, the parameter all-gather a copy out of its
-    master shard). What each keeps, as plan.memory.state_buffers describes it:
+    master shard). What each keeps, as plan.memory_states.state_buffers describes it:
       the model itself in bf16 (Float16Module / the engine's bfloat16()), no autocast;
       megatron   an fp32 gradient buffer of every parameter (main_grad; each bf16 .grad is added
                  into it and freed, as Megatron's grad-accumulation hooks do); the optimizer's fp32

@@ -78,7 +78,9 @@ def plan_training_memory(cfg, world: int, dp_strategy: str, dp_shard: int, devic
     """The planner's MemoryEstimate of one training step of `cfg` (its vocabulary resolved), with
     its compression switches (quant.qat's fake-quantized linears, sparsity's masks) and FSDP2's
     reduce dtype (parallel.reduce_dtype; none: parallel.param_dtype's, as data_parallel.apply_fsdp)."""
-    from slipstream.plan.memory import Compression, StackStates, estimate_memory
+    from slipstream.plan.memory import estimate_memory
+    from slipstream.plan.memory_activations import Compression
+    from slipstream.plan.memory_states import StackStates
     from slipstream.plan.space import PlanModel, strategy_from_config
 
     strategy = strategy_from_config(cfg, world, dp_strategy, dp_shard)

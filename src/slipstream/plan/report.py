@@ -27,7 +27,8 @@ from dataclasses import dataclass
 
 from slipstream.plan.efficiency import PRIORS, Fit
 from slipstream.plan.hardware import make_cluster
-from slipstream.plan.memory import GIB, StackStates, estimate_memory, model_state_bytes
+from slipstream.plan.memory import GIB, estimate_memory
+from slipstream.plan.memory_states import StackStates, model_state_bytes
 from slipstream.plan.published import PublishedRun
 from slipstream.plan.published_inputs import plan_gpu, plan_model, plan_strategy
 from slipstream.plan.published_more import ALL_PUBLISHED_RUNS

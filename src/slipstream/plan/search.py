@@ -54,7 +54,8 @@ from slipstream.config.dims import PP_ONE_STAGE, PP_V_SHAPED
 from slipstream.models.transformer import mlp_hidden, padded_vocab_size
 from slipstream.errors import UserError
 from slipstream.plan.hardware import Cluster
-from slipstream.plan.memory import GIB, MemoryEstimate, StackStates, estimate_memory
+from slipstream.plan.memory import GIB, MemoryEstimate, estimate_memory
+from slipstream.plan.memory_states import StackStates
 from slipstream.plan.space import (AC_MODES, DP_STRATEGIES, PRECISIONS, PlanModel, Strategy, Workload,
                                    schedule_name)
 from slipstream.plan.timing import TimeEstimate, estimate_time

@@ -71,7 +71,7 @@ from slipstream.plan.collectives import (Collective, Span, _rows, all_reduce, al
 from slipstream.plan.efficiency import Fit, Rates
 from slipstream.plan.experts import experts_of
 from slipstream.plan.hardware import DEFAULT_MATMUL_EFFICIENCY, Cluster
-from slipstream.plan.memory import _dtypes
+from slipstream.plan.memory_activations import _dtypes
 from slipstream.config.dims import PP_ONE_STAGE
 from slipstream.errors import UserError
 from slipstream.plan.space import SCHEDULE_VIRTUAL, ZERO_BUBBLE_SCHEDULES, PlanModel, Strategy, Workload
