@@ -1,4 +1,4 @@
-"""Tests for slipstream.perf.probe on CPU: compute, memory, storage, and a real world-2 comm run."""
+"""Tests for slipstream.perf.probe (and probe_comm) on CPU: compute, memory, storage, and a real world-2 comm run."""
 
 import json
 import os
@@ -12,7 +12,7 @@ import torch
 
 from slipstream.errors import UserError
 from slipstream.observe import peaks
-from slipstream.perf import probe
+from slipstream.perf import probe, probe_comm
 from slipstream.plan.hardware import CpuFacts, make_cluster
 
 SRC = str(Path(__file__).resolve().parents[2] / "src")
@@ -128,17 +128,17 @@ def test_comm_without_distributed_launch_is_a_user_error(monkeypatch):
 
 def test_bus_bandwidth_formulas():
     # nccl-tests definitions.
-    assert probe.bus_bandwidth("all_reduce", 10.0, 4) == pytest.approx(10.0 * 2 * 3 / 4)
-    assert probe.bus_bandwidth("all_gather", 10.0, 4) == pytest.approx(7.5)
-    assert probe.bus_bandwidth("reduce_scatter", 10.0, 8) == pytest.approx(10.0 * 7 / 8)
-    assert probe.bus_bandwidth("all_to_all", 10.0, 2) == pytest.approx(5.0)
-    assert probe.bus_bandwidth("broadcast", 10.0, 8) == pytest.approx(10.0)
+    assert probe_comm.bus_bandwidth("all_reduce", 10.0, 4) == pytest.approx(10.0 * 2 * 3 / 4)
+    assert probe_comm.bus_bandwidth("all_gather", 10.0, 4) == pytest.approx(7.5)
+    assert probe_comm.bus_bandwidth("reduce_scatter", 10.0, 8) == pytest.approx(10.0 * 7 / 8)
+    assert probe_comm.bus_bandwidth("all_to_all", 10.0, 2) == pytest.approx(5.0)
+    assert probe_comm.bus_bandwidth("broadcast", 10.0, 8) == pytest.approx(10.0)
     # A single process moves nothing over the bus (except a broadcast's buffer "once").
-    assert probe.bus_bandwidth("all_reduce", 10.0, 1) == 0.0
+    assert probe_comm.bus_bandwidth("all_reduce", 10.0, 1) == 0.0
     with pytest.raises(ValueError):
-        probe.bus_bandwidth("gather", 1.0, 2)
+        probe_comm.bus_bandwidth("gather", 1.0, 2)
     with pytest.raises(ValueError):
-        probe.bus_bandwidth_factor("all_reduce", 0)
+        probe_comm.bus_bandwidth_factor("all_reduce", 0)
 
 
 COMM_SCRIPT = """
@@ -179,7 +179,7 @@ def test_comm_world_2_with_torchrun(tmp_path):
     assert (inter["world_size"], inter["groups"]) == (2, 1)
     assert [row["bytes"] for row in inter["collectives"]["all_reduce"]] == [1024, 65536]
     for row in inter["collectives"]["all_reduce"]:
-        assert row["busbw_gbs"] == pytest.approx(row["bytes"] / row["seconds"] / 1e9 * probe.bus_bandwidth_factor(
+        assert row["busbw_gbs"] == pytest.approx(row["bytes"] / row["seconds"] / 1e9 * probe_comm.bus_bandwidth_factor(
             "all_reduce", 2))
     # The planner reads that file's inter level as the link between nodes.
     path = tmp_path / "probe.json"
@@ -189,11 +189,11 @@ def test_comm_world_2_with_torchrun(tmp_path):
     assert cluster.inter.bandwidth_gbs == pytest.approx(largest["busbw_gbs"])
     assert cluster.inter.latency_us == pytest.approx(inter["collectives"]["all_reduce"][0]["seconds"] * 1e6 / 2)
     assert cluster.intra.name == "shm" and "(measured)" not in cluster.intra.description
-    assert set(comm["collectives"]) == set(probe.COLLECTIVES)
+    assert set(comm["collectives"]) == set(probe_comm.COLLECTIVES)
     for name, rows in comm["collectives"].items():
         assert [row["bytes"] for row in rows] == [1024, 65536]
         for row in rows:
             assert row["seconds"] > 0 and row["algbw_gbs"] > 0
             assert row["algbw_gbs"] == pytest.approx(row["bytes"] / row["seconds"] / 1e9)
-            assert row["busbw_gbs"] == pytest.approx(row["algbw_gbs"] * probe.bus_bandwidth_factor(name, 2))
+            assert row["busbw_gbs"] == pytest.approx(row["algbw_gbs"] * probe_comm.bus_bandwidth_factor(name, 2))
             assert row["busbw_gbs"] > 0

@@ -1,6 +1,6 @@
 """Any cluster: a GPU of one's own (TOML file or flags), more datasheet rows, links given by
 bandwidth and latency, NICs per node, and two-level / several probe files (plan/hardware.py,
-plan/gpus.py, cli/hardware_args.py, perf/probe.comm_groups)."""
+plan/gpus.py, cli/hardware_args.py, perf/probe_comm.comm_groups)."""
 
 import argparse
 import json
@@ -9,7 +9,7 @@ import pytest
 
 from slipstream.cli.hardware_args import add_hardware_arguments, cluster_from_args, hardware_input_files
 from slipstream.errors import UserError
-from slipstream.perf.probe import comm_groups
+from slipstream.perf.probe_comm import comm_groups
 from slipstream.plan import gpus
 from slipstream.plan.gpus import gpu_from_flags, read_gpu_file
 from slipstream.plan.hardware import GPU_MEMORY_RESERVE_GIB, LINKS, known_gpus, make_cluster, parse_link
