@@ -1,5 +1,5 @@
 """observe/comm.py: the bytes every collective of a step moves, counted exactly, and the
-planner's step_collectives (plan/timing.py) against the counts of real tp2 and cp2 runs.
+planner's step_collectives (plan/timing_comm.py) against the counts of real tp2 and cp2 runs.
 
 One torchrun launch (2 ranks, gloo; tests/unit/comm_worker.py, ~15 s on 2 cores) runs every
 case: collectives of known sizes (c10d, functional, DTensor, DDP's reducer), and two 2-step
@@ -18,7 +18,7 @@ import pytest
 
 from slipstream.config import load_config
 from slipstream.observe.comm import StepComm, compare_with_plan, plan_dim
-from slipstream.plan.timing import bus_factor
+from slipstream.plan.collectives import bus_factor
 from tests.distributed.test_data_parallel import _env, _run
 
 WORKER = Path(__file__).resolve().parent / "comm_worker.py"

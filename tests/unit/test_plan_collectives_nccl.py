@@ -1,6 +1,6 @@
 """The planner's collectives as NCCL runs them (plan/collectives.py, issue 23 part 1): ring and tree
 with NCCL's tuning constants, the protocol crossover, hierarchical steps, NVLink SHARP, the
-stacks' gradient buckets and ZeRO collectives in plan/timing.py, and the comparisons with measured
+stacks' gradient buckets and ZeRO collectives in plan/timing_comm.py, and the comparisons with measured
 gloo collectives (benchmarks/collectives-gloo-cpu.json) and published nccl-tests figures
 (plan/nccl_tests.py). Pure arithmetic: well under a second each."""
 
@@ -20,8 +20,9 @@ from slipstream.plan.hardware import LINKS, Link, _ring, make_cluster
 from slipstream.plan.model import resolve_model
 from slipstream.plan.nccl_tests import FIGURES
 from slipstream.plan.space import Strategy, Workload
-from slipstream.plan.timing import (DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, DEEPSPEED_BUCKET_ELEMENTS,
-                                    MEGATRON_BUCKET_PARAMS, estimate_time, gradient_buckets, step_collectives)
+from slipstream.plan.timing import estimate_time
+from slipstream.plan.timing_comm import (DDP_BUCKET_BYTES, DDP_FIRST_BUCKET_BYTES, DEEPSPEED_BUCKET_ELEMENTS,
+                                         MEGATRON_BUCKET_PARAMS, gradient_buckets, step_collectives)
 
 GLOO = Path(__file__).resolve().parents[2] / "benchmarks" / "collectives-gloo-cpu.json"
 MIB = 2**20

@@ -1,4 +1,5 @@
-"""Tests for slipstream.plan.timing: ring collectives and the step-time model, against hand-computed values."""
+"""Tests for slipstream.plan.timing (and timing_compute, timing_comm): ring collectives and the step-time
+model, against hand-computed values."""
 
 import dataclasses
 import math
@@ -11,12 +12,13 @@ from slipstream.plan import efficiency
 from slipstream.plan.hardware import LOCAL, Link, make_cluster
 from slipstream.plan.model import resolve_model
 from slipstream.plan.space import PlanModel, Strategy, Workload
-from slipstream.plan.timing import (ADAM_BYTES_PER_PARAM, BACKWARD_OPS_PER_FORWARD_OP, CAUSAL_WORK,
-                                    FUSED_ATTENTION_BACKWARD, LAYOUT_OPS, LOSS_BYTES_CASTS, LOSS_BYTES_FP32,
-                                    POINTWISE_BACKWARD, ZERO_BUBBLE_RESIDUAL, Collective, all_reduce, all_to_all_time,
-                                    estimate_time, gather_or_scatter, gemm_seconds, pipeline_bubble, ring_time,
-                                    step_collectives)
-from slipstream.plan.timing import call_time, gradient_buckets, span
+from slipstream.plan.collectives import (Collective, all_reduce, all_to_all_time, call_time, gather_or_scatter,
+                                         ring_time, span)
+from slipstream.plan.timing import ADAM_BYTES_PER_PARAM, ZERO_BUBBLE_RESIDUAL, estimate_time, pipeline_bubble
+from slipstream.plan.timing_comm import gradient_buckets, step_collectives
+from slipstream.plan.timing_compute import (BACKWARD_OPS_PER_FORWARD_OP, CAUSAL_WORK, FUSED_ATTENTION_BACKWARD,
+                                            LAYOUT_OPS, LOSS_BYTES_CASTS, LOSS_BYTES_FP32, POINTWISE_BACKWARD,
+                                            gemm_seconds)
 
 LINK = Link("test", 100.0, 5.0, "100 GB/s, 5 us per step")
 NO_LATENCY = Link("fast", 100.0, 0.0, "100 GB/s, no latency")

@@ -1,4 +1,4 @@
-"""The time model's costs per operation class (plan/timing.py, plan/efficiency.py), against hand
+"""The time model's costs per operation class (plan/timing_compute.py, plan/efficiency.py), against hand
 computations: each switch (activation checkpointing, attention implementation, sequence parallel,
 uneven pipeline stages, GPU generation, calibration) moves the prediction the right way by the
 right amount, and the CPU calibration's committed predictions are today's."""
@@ -18,10 +18,12 @@ from slipstream.plan.efficiency import FITTED, Fit
 from slipstream.plan.hardware import make_cluster
 from slipstream.plan.model import resolve_model
 from slipstream.plan.space import PlanModel, Strategy, Workload
-from slipstream.plan.timing import (ALIBI_BIAS_READS_BACKWARD, ALIBI_BIAS_READS_FORWARD, ALIBI_SCORE_PASSES,
-                                    CAUSAL_WORK, FUSED_ATTENTION_BACKWARD, PARTIAL_ROPE_OPS, POINTWISE_BACKWARD,
-                                    ROPE_OPS, SCORE_PASSES_BACKWARD, SCORE_PASSES_FORWARD, attention_kernel,
-                                    estimate_time, gemm_seconds, step_collectives)
+from slipstream.plan.timing import estimate_time
+from slipstream.plan.timing_comm import step_collectives
+from slipstream.plan.timing_compute import (ALIBI_BIAS_READS_BACKWARD, ALIBI_BIAS_READS_FORWARD, ALIBI_SCORE_PASSES,
+                                            CAUSAL_WORK, FUSED_ATTENTION_BACKWARD, PARTIAL_ROPE_OPS,
+                                            POINTWISE_BACKWARD, ROPE_OPS, SCORE_PASSES_BACKWARD,
+                                            SCORE_PASSES_FORWARD, attention_kernel, gemm_seconds)
 
 ROOT = Path(__file__).resolve().parents[2]
 T = 4096
@@ -299,7 +301,7 @@ def test_partial_rotary_launches_its_copies(llama):
     quarter = PlanModel("q", dataclasses.replace(llama.cfg, rotary_fraction=0.25))
     launch = efficiency.rates("hopper").launch_s
     a, b = estimate_time(quarter, small, work, cluster), estimate_time(llama, small, work, cluster)
-    from slipstream.plan.timing import BACKWARD_OPS_PER_FORWARD_OP
+    from slipstream.plan.timing_compute import BACKWARD_OPS_PER_FORWARD_OP
     extra_ops = llama.cfg.n_layer * PARTIAL_ROPE_OPS * (1 + BACKWARD_OPS_PER_FORWARD_OP)
     assert a.compute_s["launch"] > 0 and b.compute_s["launch"] > 0     # host-bound: the step is the host's ops
     assert a.breakdown["compute"] - b.breakdown["compute"] == pytest.approx(extra_ops * launch, rel=1e-9)

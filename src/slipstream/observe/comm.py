@@ -10,12 +10,12 @@ inside it is recorded with its kind, its process group and its size. Per call it
     bytes       the call's full buffer: all_reduce the tensor, all_gather the gathered output,
                 reduce_scatter the input before scattering, all_to_all this rank's input,
                 gather / scatter the root's whole buffer (this rank's piece x n), broadcast /
-                send / recv the tensor (nccl-tests' "size"; what plan/timing.py's
+                send / recv the tensor (nccl-tests' "size"; what plan/timing_comm.py's
                 step_collectives predicts)
     bus_bytes   what each rank moves on a ring algorithm: bytes x 2(n-1)/n for all_reduce,
                 x (n-1)/n for all_gather / reduce_scatter / all_to_all / gather / scatter, x 1
                 for broadcast and point-to-point (nccl-tests' bus-bandwidth factors; the
-                planner's time model uses the same, plan.timing.bus_factor)
+                planner's time model uses the same, plan.collectives.bus_factor)
 
 What it sees (checked on torch 2.13, CPU, gloo):
 - c10d ops, i.e. every `torch.distributed` call: FSDP2's all-gathers and reduce-scatters,
@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from slipstream.plan.timing import bus_factor  # the ring factors the planner's time model uses
+from slipstream.plan.collectives import bus_factor  # the ring factors the planner's time model uses
 
 # c10d op -> (kind, index of the argument whose tensors are the full buffer)
 _C10D = {
@@ -182,7 +182,7 @@ class CommCounter(TorchDispatchMode):
 
 
 def planned_step_comm(cfg, dims, model=None) -> dict[str, dict[str, int]] | None:
-    """The planner's bytes per step by dim and kind (plan/timing.step_collectives) for a run of
+    """The planner's bytes per step by dim and kind (plan/timing_comm.step_collectives) for a run of
     `cfg` on the resolved `dims`; None for models the planner cannot describe (a user module),
     or when the planner fails: a prediction is a check, it never stops a run."""
     import warnings
@@ -192,8 +192,9 @@ def planned_step_comm(cfg, dims, model=None) -> dict[str, dict[str, int]] | None
     if model is not None and not isinstance(model, Transformer):
         return None
     try:
+        from slipstream.plan.collectives import collectives_by_dim
         from slipstream.plan.space import PlanModel, Workload, strategy_from_config
-        from slipstream.plan.timing import collectives_by_dim, step_collectives
+        from slipstream.plan.timing_comm import step_collectives
 
         model_cfg = model.cfg if model is not None else cfg.model
         strategy = strategy_from_config(cfg, dims.dp, dims.strategy, dims.dp_shard)

@@ -12,7 +12,7 @@ gathered for attention) is why the measured ratios are above 1/N: the table show
 
 The same step's communication (`metrics.comm_volume`, rank 0) is recorded by mesh dim and kind,
 bytes (each collective's full buffer) and bus bytes (what a ring moves per rank), next to the
-planner's prediction (plan/timing.step_collectives) and their ratio.
+planner's prediction (plan/timing_comm.step_collectives) and their ratio.
 """
 
 from __future__ import annotations

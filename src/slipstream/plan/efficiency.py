@@ -1,6 +1,6 @@
 """How fast each kind of work runs on each GPU generation: the planner's achievable rates.
 
-A training step is three kinds of work, each limited by something else (plan/timing.py):
+A training step is three kinds of work, each limited by something else (plan/timing_compute.py):
 
     gemm        projections, MLP, output head: FLOP/s, a fraction of the dense datasheet peak
     attention   the attention kernel (QK^T, softmax, AV): FLOP/s, a fraction of the peak that

@@ -259,7 +259,7 @@ class CpuFacts:
     peak_flops: Callable[[str], float]
 
 
-# Training stacks whose data-parallel collectives the planner knows (plan/timing.py):
+# Training stacks whose data-parallel collectives the planner knows (plan/timing_comm.py):
 #   torch      slipstream / PyTorch DDP (25 MiB buckets, zero1 = all-reduce + broadcast), FSDP2
 #   megatron   Megatron-LM (grad-buffer buckets; its distributed optimizer = reduce-scatter + all-gather)
 #   deepspeed  DeepSpeed ZeRO (reduce_bucket_size buckets; ZeRO-1/2 = reduce-scatter + all-gather)
@@ -294,7 +294,7 @@ class Cluster:
     host_link_gbs: float         # host<->device GB/s per GPU (CPU offload)
     sources: tuple[str, ...]     # one line per number that is not a table default
     short_name: str = ""         # the known_gpus() name, e.g. "H100" (for prices)
-    # The training stack whose collectives the plan times (plan/timing.py: its gradient bucket
+    # The training stack whose collectives the plan times (plan/timing_comm.py: its gradient bucket
     # size, its ZeRO collectives): one of STACKS. And a gradient bucket size in MB (2**20 bytes)
     # that replaces the stack's default (DDP's bucket_cap_mb, Megatron's bucket_size, DeepSpeed's
     # reduce_bucket_size); None: the stack's default.
@@ -314,7 +314,7 @@ class Cluster:
 
     @property
     def overlaps_grad_reduce(self) -> bool:
-        """Whether the data-parallel gradient reduction runs behind backward (plan/timing.py)."""
+        """Whether the data-parallel gradient reduction runs behind backward (plan/timing_comm.py)."""
         if self.overlap_grad_reduce is not None:
             return self.overlap_grad_reduce
         return STACK_OVERLAPS_GRAD_REDUCE[self.stack]

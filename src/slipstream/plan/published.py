@@ -95,8 +95,8 @@ class PublishedRun:
     step_time_s: float | None = None  # seconds per optimizer step (iteration), as stated
     flops_convention: str | None = None  # of tflops_per_gpu: "hardware", "model" or None (see above)
     # the training stack the run names (plan.hardware.STACKS): its gradient buckets and ZeRO
-    # collectives (plan/timing.py). "torch" where the source names PyTorch DDP / FSDP or a stack on
-    # them (torchtitan, llm-foundry, metaseq's FSDP, Meta's Llama 3 stack), or names none.
+    # collectives (plan/timing_comm.py). "torch" where the source names PyTorch DDP / FSDP or a
+    # stack on them (torchtitan, llm-foundry, metaseq's FSDP, Meta's Llama 3 stack), or names none.
     stack: str = "torch"
     # whether the run overlapped its gradient reduction with backward, where the source says
     # (Cluster.overlap_grad_reduce); None: the stack's default (hardware.STACK_OVERLAPS_GRAD_REDUCE).
