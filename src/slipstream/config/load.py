@@ -376,6 +376,34 @@ def check_architecture_rules(cfg: Config) -> None:
                         "--model.position=rope")
 
 
+def check_cp_attention_rules(cfg: Config) -> None:
+    """parallel.cp_attention = ring runs torch's ring attention: its per-step kernels are CUDA's
+    fused SDPA ops, and it knows the causal mask only. (Checked again with the resolved device
+    and the installed torch by distributed/context_parallel.check_context_parallel.)"""
+    p = cfg.parallel
+    if p.cp_attention != "ring" or p.cp <= 1:
+        return
+    fix = "--parallel.cp_attention=allgather"
+    if not cfg.train.device.startswith(("auto", "cuda")):
+        raise UserError(f"parallel.cp_attention = ring runs torch's ring attention on CUDA's fused attention kernels "
+                        f"(flash, efficient, cuDNN); train.device = {cfg.train.device} has none. Use {fix} (any device)")
+    if cfg.data.packing == "document":
+        raise UserError("parallel.cp_attention = ring supports the causal mask only (torch's ring attention takes "
+                        "is_causal, not a mask), but data.packing = document masks attention at document ends; use "
+                        "--data.packing=eos")
+    if cfg.model.dropout > 0:
+        # torch's ring backward replays every step's attention with the random state of the last
+        # step only, so the dropped elements would not be those of the forward.
+        raise UserError(f"parallel.cp_attention = ring with model.dropout = {cfg.model.dropout:g} is not supported "
+                        f"(torch's ring attention does not replay each step's dropout mask in its backward); set "
+                        f"--model.dropout=0, or {fix}")
+    if cfg.compile.scope != "off" and cfg.compile.fullgraph:
+        # The ring runs eagerly inside compiled blocks (distributed/ring_attention.py says why).
+        raise UserError(f"parallel.cp_attention = ring breaks the compiled graph at attention (torch's ring runs "
+                        f"eagerly there), which compile.fullgraph = true refuses; set --compile.fullgraph=false, "
+                        f"or {fix}")
+
+
 def check_consistency(cfg: Config) -> None:
     """Rules that involve several fields and need nothing but the config: checked when the
     config is loaded, before any data is prepared or model built. Rules that need the world
@@ -426,6 +454,7 @@ def check_consistency(cfg: Config) -> None:
                         "is off or only at the end (train.eval_interval, eval_steps and eval_tokens must all be > 0); "
                         "set them, or train.target_val_loss = 0")
     check_architecture_rules(cfg)
+    check_cp_attention_rules(cfg)
     check_training_rules(cfg)
     check_data_rules(cfg)
     check_pipeline_config(cfg)

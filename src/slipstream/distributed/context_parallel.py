@@ -1,12 +1,18 @@
 """Context parallelism: the sequence of every batch split over the `cp` ranks of the mesh.
 
 Each cp rank holds T / cp tokens of every sequence, so every activation of the model is 1/cp
-per rank; attention is the one place where tokens meet. There each rank all-gathers the keys
+per rank; attention is the one place where tokens meet. parallel.cp_attention picks how.
+
+allgather (the default, any device): each rank all-gathers the keys
 and values of the whole sequence over the cp group (as Llama 3's context parallelism does:
 K/V are n_kv_head / n_head of the size of the queries, and their all-gather overlaps nothing
 here but is exact) and computes attention for its own queries with the causal mask of their
 global positions. The all-gather is torch's autograd-aware functional collective: its backward
 reduce-scatters the gradients of K and V back to the ranks that own them.
+
+ring (CUDA): torch's ring attention (distributed/ring_attention.py): the K/V shards travel
+around the cp group while each step runs a fused SDPA kernel; no rank holds the whole sequence's
+keys and values.
 
 Load balancing (parallel.cp_load_balance): under a causal mask the last tokens attend to the
 most keys, so contiguous pieces would give the last rank the most work. The sequence is cut
@@ -33,11 +39,14 @@ from slipstream.config.schema import Config
 from slipstream.errors import UserError
 
 
-def check_context_parallel(cfg: Config, cp: int, tp: int) -> None:
-    """What context parallelism cannot split (before any work starts)."""
+def check_context_parallel(cfg: Config, cp: int, tp: int, device: torch.device | None = None) -> None:
+    """What context parallelism cannot split (before any work starts). device: the run's, if
+    known (else resolved from train.device)."""
     if cp <= 1:
         return
     p = cfg.parallel
+    if p.cp_attention == "ring":
+        check_ring_attention(cfg, device)
     pieces = 2 * cp if p.cp_load_balance else cp
     sp = tp if (tp > 1 and p.sequence_parallel) else 1
     if cfg.train.seq_len % (pieces * sp):
@@ -54,6 +63,22 @@ def check_context_parallel(cfg: Config, cp: int, tp: int) -> None:
         raise UserError(f"model.dropout > 0 with compile.scope = {cfg.compile.scope} and parallel.cp > 1 is not "
                         "supported yet (the per-rank dropout streams cannot be traced); set --compile.scope=off "
                         "or --model.dropout=0")
+
+
+def check_ring_attention(cfg: Config, device: torch.device | None = None) -> None:
+    """parallel.cp_attention = ring: the config rules (again: a Config built in code was never
+    loaded), a CUDA device and a torch that has the ring."""
+    from slipstream.config.load import check_cp_attention_rules
+    from slipstream.distributed.ring_attention import torch_ring_attention
+    from slipstream.runtime import resolve_device
+
+    check_cp_attention_rules(cfg)
+    device = device if device is not None else resolve_device(cfg.train.device)
+    if device.type != "cuda":
+        raise UserError(f"parallel.cp_attention = ring runs torch's ring attention on CUDA's fused attention kernels "
+                        f"(flash, efficient, cuDNN); this run is on {device.type}, which has none. Use "
+                        "--parallel.cp_attention=allgather (any device)")
+    torch_ring_attention()
 
 
 def chunk_order(cp: int, rank: int, load_balance: bool) -> list[int]:
@@ -77,12 +102,22 @@ def shard_sequence(x: torch.Tensor, cp: int, rank: int, load_balance: bool) -> t
 
 
 class ContextParallel:
-    """The cp rank's view of the job: splits batches, knows its positions, gathers K/V."""
+    """The cp rank's view of the job: splits batches, knows its positions, and its attention
+    kernel `attend` (kernel: parallel.cp_attention)."""
 
-    def __init__(self, cp_mesh, load_balance: bool):
+    def __init__(self, cp_mesh, load_balance: bool, kernel: str = "allgather"):
         self.mesh, self.load_balance = cp_mesh, load_balance
         self.cp, self.rank = cp_mesh.size(), cp_mesh.get_local_rank()
         self.group = cp_mesh.get_group()
+        if kernel == "allgather":
+            self.attend = self.allgather_attention
+        elif kernel == "ring":
+            from slipstream.distributed.ring_attention import RingAttention
+
+            self.attend = RingAttention(cp_mesh, load_balance)
+        else:
+            raise UserError(f"parallel.cp_attention = {kernel!r}: use allgather or ring")
+        self.kernel = kernel
 
     def shard_batch(self, batch: Any) -> Any:
         """Every tensor of a batch with a sequence dimension (dim 1) cut to this rank's tokens."""
@@ -128,7 +163,8 @@ class ContextParallel:
                 where[c] = chunks[r * per_rank + i]
         return torch.cat([where[c] for c in range(pieces)], dim=2)
 
-    def attention(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    def allgather_attention(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                            enable_gqa=False):
         """Causal attention of this rank's queries over the whole sequence's keys and values."""
         if attn_mask is not None or not is_causal:
             raise UserError("context parallelism supports causal attention without an explicit mask only")
@@ -154,7 +190,7 @@ def apply_context_parallel(model: nn.Module, cp: ContextParallel) -> nn.Module:
     # block's forward during backward and finds the same attention again, and a compiled
     # checkpoint region traces a plain call (entering a mode there is a side effect it refuses).
     for block in model.blocks:
-        block.attn.attend = cp.attention
+        block.attn.attend = cp.attend
     model.context_parallel = cp  # the trainer splits batches with it
     from slipstream.distributed.sharded_dropout import shard_dropout_rng
 

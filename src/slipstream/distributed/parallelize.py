@@ -147,8 +147,9 @@ def apply_context_parallel(model: nn.Module, parallel: Parallel, cfg: Config) ->
     from slipstream.distributed.context_parallel import ContextParallel, check_context_parallel
     from slipstream.distributed.context_parallel import apply_context_parallel as split_the_sequence
 
-    check_context_parallel(cfg, parallel.dims.cp, parallel.dims.tp)
-    return split_the_sequence(model, ContextParallel(parallel.cp_mesh, cfg.parallel.cp_load_balance))
+    check_context_parallel(cfg, parallel.dims.cp, parallel.dims.tp, parallel.device)
+    return split_the_sequence(model, ContextParallel(parallel.cp_mesh, cfg.parallel.cp_load_balance,
+                                                     kernel=cfg.parallel.cp_attention))
 
 
 def apply_sparsity(model: nn.Module, parallel: Parallel, cfg: Config) -> nn.Module:
