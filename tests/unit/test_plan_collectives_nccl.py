@@ -16,7 +16,9 @@ from slipstream.errors import UserError
 from slipstream.models.flops import param_count
 from slipstream.plan import collectives as C
 from slipstream.plan.collectives import Span, bus_factor, call_time, candidates, choice, link_span, span
-from slipstream.plan.hardware import LINKS, Link, _ring, make_cluster
+from slipstream.plan.hardware import make_cluster
+from slipstream.plan.links import LINKS, Link
+from slipstream.plan.probe_files import _ring
 from slipstream.plan.model import resolve_model
 from slipstream.plan.nccl_tests import FIGURES
 from slipstream.plan.space import Strategy, Workload
@@ -377,7 +379,7 @@ def _median_rows(runs: list[dict], kind: str) -> list[dict]:
 def test_gloo_collectives_measured_on_this_cpu_match_the_model():
     """benchmarks/collectives-gloo-cpu.json: `slipstream probe --sections comm` under torchrun at
     world 2 and 4, repeated; per size the median. The link is what the planner reads from a probe
-    (hardware._ring: the largest all_reduce's busbw, the smallest one's time per ring step); the
+    (probe_files._ring: the largest all_reduce's busbw, the smallest one's time per ring step); the
     model is a plain ring (gloo). World 2: all_reduce and all_gather (rings in gloo) within 25 %
     except the listed points, each with its reason; broadcast and reduce_scatter (not rings in gloo)
     in their measured direction. World 4 (oversubscribed cores): recorded, sanity only. This checks

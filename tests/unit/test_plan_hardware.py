@@ -1,4 +1,5 @@
-"""Tests for slipstream.plan.hardware: GPU names, links, probe overrides, the cpu cluster."""
+"""Tests for slipstream.plan.hardware (with plan.links and plan.probe_files): GPU names, links, probe
+overrides, the cpu cluster."""
 
 import json
 import math
@@ -8,7 +9,8 @@ import pytest
 from slipstream.errors import UserError
 from slipstream.observe import peaks
 from slipstream.plan import gpus, hardware
-from slipstream.plan.hardware import LINKS, LOCAL, CpuFacts, known_gpus, make_cluster, parse_gpus
+from slipstream.plan.hardware import CpuFacts, known_gpus, make_cluster, parse_gpus
+from slipstream.plan.links import LINKS, LOCAL
 
 H100_PROBE_NAME = "NVIDIA H100 80GB HBM3"
 

@@ -1,6 +1,7 @@
 """Any cluster: a GPU of one's own (TOML file or flags), more datasheet rows, links given by
 bandwidth and latency, NICs per node, and two-level / several probe files (plan/hardware.py,
-plan/gpus.py, cli/hardware_args.py, perf/probe_comm.comm_groups)."""
+plan/links.py, plan/probe_files.py, plan/gpus.py, cli/hardware_args.py,
+perf/probe_comm.comm_groups)."""
 
 import argparse
 import json
@@ -12,7 +13,8 @@ from slipstream.errors import UserError
 from slipstream.perf.probe_comm import comm_groups
 from slipstream.plan import gpus
 from slipstream.plan.gpus import gpu_from_flags, read_gpu_file
-from slipstream.plan.hardware import GPU_MEMORY_RESERVE_GIB, LINKS, known_gpus, make_cluster, parse_link
+from slipstream.plan.hardware import GPU_MEMORY_RESERVE_GIB, known_gpus, make_cluster
+from slipstream.plan.links import LINKS, parse_link
 
 GIB = 2**30
 
@@ -338,9 +340,9 @@ def test_contradicting_probe_files_are_refused(tmp_path):
 
 
 def test_huge_probe_file_is_refused(tmp_path, monkeypatch):
-    from slipstream.plan import hardware
+    from slipstream.plan import probe_files
 
-    monkeypatch.setattr(hardware, "PROBE_MAX_BYTES", 100)
+    monkeypatch.setattr(probe_files, "PROBE_MAX_BYTES", 100)
     with pytest.raises(UserError, match="larger than"):
         make_cluster("8xH100", probe=probe_file(tmp_path, "big.json", two_level()))
 
@@ -416,7 +418,7 @@ def test_cpu_probe_matmul_rate_has_only_a_sanity_bound(tmp_path):
 
 
 def test_probe_link_and_copy_numbers_are_bounded(tmp_path):
-    from slipstream.plan.hardware import MAX_LINK_GBS
+    from slipstream.plan.links import MAX_LINK_GBS
 
     def ring(busbw=40.0, seconds=1e-5, nbytes=1024):
         rows = ring_rows(busbw, seconds)

@@ -9,7 +9,8 @@ import pytest
 from slipstream.models.transformer import padded_vocab_size
 from slipstream.models.flops import flops_per_token, param_count
 from slipstream.plan import efficiency
-from slipstream.plan.hardware import LOCAL, Link, make_cluster
+from slipstream.plan.hardware import make_cluster
+from slipstream.plan.links import LOCAL, Link
 from slipstream.plan.model import resolve_model
 from slipstream.plan.space import PlanModel, Strategy, Workload
 from slipstream.plan.collectives import (Collective, all_reduce, all_to_all_time, call_time, gather_or_scatter,

@@ -29,7 +29,8 @@ import functools
 import math
 from dataclasses import dataclass, replace
 
-from slipstream.plan.hardware import CPU, Cluster, Link
+from slipstream.plan.hardware import CPU, Cluster
+from slipstream.plan.links import Link
 
 NCCL_RELEASE = "v2.27.7-1"   # the release whose src/graph/tuning.cc the constants below are quoted from
 PROTOCOLS = ("LL", "LL128", "Simple")

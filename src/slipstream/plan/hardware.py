@@ -7,18 +7,20 @@
   2. documented defaults here (link bandwidths, matmul efficiency, memory reserve),
   3. `slipstream probe --out FILE` results (one or several files, merged),
   4. explicit overrides: `memory_gib`, `intra` / `inter` (a link name or a bandwidth such as
-     "12.5GB/s", "ib:400Gb/s@5us", see parse_link), `nics_per_node`.
+     "12.5GB/s", "ib:400Gb/s@5us", see links.parse_link), `nics_per_node`.
 Every number that did not come from 1's table or 2 is listed in Cluster.sources, so a plan
 can say what it assumed. `cpu` plans for this machine: its peaks are measured (cached) rates,
 which the caller reads and passes in (`cpu=observe.peaks.this_cpu()`; this module measures
 nothing).
+
+The links themselves (their table and parse_link) are in plan/links.py, the reading of probe
+files in plan/probe_files.py; this module names the GPUs, builds the Cluster and decides which
+probe facts apply to it.
 """
 
 from __future__ import annotations
 
 import difflib
-import json
-import math
 import os
 import re
 from collections.abc import Callable, Sequence
@@ -26,129 +28,11 @@ from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from slipstream.errors import UserError
-from slipstream.plan.gpus import (DTYPE_KEYS, MAX_HOST_LINK_GBS, MAX_MEM_BW_GBS, MAX_PEAK_TFLOPS, GpuDescription,
-                                   GpuSpec, lookup_gpu, read_gpu_file)
+from slipstream.plan.gpus import DTYPE_KEYS, GpuDescription, GpuSpec, lookup_gpu, read_gpu_file
+from slipstream.plan.links import LINKS, LOCAL, NCCL_FABRICS, PER_NODE_LINKS, Link, parse_link
+from slipstream.plan.probe_files import _Fact, _probe_facts, _read_probe
 
-
-@dataclass(frozen=True)
-class Link:
-    name: str             # e.g. "nvlink4", "ib-ndr", "pcie5", "shm"
-    bandwidth_gbs: float  # achievable bus bandwidth per GPU of large ring collectives, GB/s, one direction
-    latency_us: float     # per-step latency of a ring collective (NCCL's Simple protocol) over this link
-    description: str
-    # What NCCL's tuning model calls this link (plan/collectives.py): "nvlink", "pcie" or "net";
-    # "" for links NCCL does not run (gloo between processes, AMD Infinity Fabric under RCCL),
-    # which are planned as a plain ring at latency_us per step.
-    fabric: str = ""
-    # NVLink SHARP (NVLS): the NVSwitch reduces an all-reduce in the switch. The bus bandwidth
-    # nccl-tests reports for it on a full node (0: the switch has none, NCCL runs rings and trees).
-    nvls_busbw_gbs: float = 0.0
-
-
-# Bandwidths are ACHIEVABLE nccl-tests bus bandwidths (busbw) of large ring collectives, not
-# wire rates: a ring moves every byte over every hop, so busbw compares directly with one
-# direction of one GPU's link. Where figures came from:
-# - NVLink: NCCL's own model of one link (src/graph/topo.h: SM70/SM80 20, SM90 20.6, SM100
-#   40.1 GB/s) times the links per GPU (V100 6, A100 12, H100/H200 18, B200 18). NCCL's
-#   maintainers quote ~370 GB/s ring busbw for H100 (nccl-tests#212; 450 GB/s line rate, ~20 %
-#   protocol overhead; NVLink SHARP all_reduce can show ~480), 8xB200 report ~720 ring (nccl#1807).
-#   A100 measures below its 240 model (~200-230 reported in nccl-tests#149, #178): we use 230.
-# - PCIe: x16 raw rate per direction is ~16/32/64 GB/s for gen 3/4/5; rings between GPUs go
-#   through switches or the CPU root complex and rarely reach the copy-engine rate, so we
-#   take ~65 % of it (NCCL itself models a gen3 x16 path at 12 GB/s).
-# - Export NVLink (400 GB/s bidirectional = 8 links, 200 GB/s per direction): A800 = NVLink 3,
-#   NCCL's model 8 x 20 = 160 times the A100's measured/model ratio (230/240) = 153; H800 =
-#   NVLink 4, NCCL's model 8 x 20.6 = 165, and DeepEP measured 153-158 GB/s of NVLink traffic
-#   on H800 ("~160 GB/s NVLink maximum bandwidth", github.com/deepseek-ai/DeepEP docs/legacy.md).
-# - AMD Infinity Fabric (xGMI): 8 MI300X are fully connected by 7 links each (ROCm docs,
-#   docs/conceptual/gpu-arch/mi300.md; 128 GB/s bidirectional per link, 448 GB/s per direction
-#   in all); AMD's own rccl-tests all_reduce on 8 MI300X reaches 309-316 GB/s busbw from 512 MiB
-#   to 8 GiB, and an 8-byte all_reduce takes 40.9 us = 2.9 us per ring step (ROCm docs image
-#   docs/data/how-to/rocm-for-ai/rccl-tests-8-gpu.png). MI250X: the 8 GCDs of a node are joined
-#   by single or double 50 GB/s-per-direction links between packages (4 between the two GCDs of
-#   one package, mi250.md), so a ring over all 8 is bounded by one 50 GB/s link: an ESTIMATE of
-#   80 % of it (the NVLink fraction), not a measurement.
-# - Networks: ~88 % of the wire rate for InfiniBand (nccl-tests#119: 4xHDR per 8 A100 gave
-#   85-96 of 100 GB/s), ~80 % for RoCE and TCP Ethernet (and HPE Slingshot, Ethernet-based).
-#   A network link's bandwidth is ONE NIC's. ib-*, roce-* and slingshot-* default to one NIC per
-#   GPU (rail-optimised HGX/DGX); ethernet-* to one NIC per NODE, shared by its GPUs; a GPU's
-#   table entry or nics_per_node (--nics-per-node) can say otherwise (see _inter_per_gpu).
-# Latencies are per ring step of NCCL's Simple protocol: NCCL's own tuning model, hwLat[.][Ring][Simple]
-# in src/graph/tuning.cc (NCCL v2.27.7-1, lines 143-156): NVLink 3.4 us, PCI 5.7 us, network 14.0 us;
-# plan/collectives.py scales NCCL's other protocol and algorithm latencies by latency_us over these,
-# so a measured or given latency moves them all. TCP Ethernet (25 us) and gloo (50 us) are our
-# estimates (sockets add tens of us; `slipstream probe --sections comm` measures them).
-# NVLink SHARP (nvls_busbw_gbs): the NVSwitch of HGX/DGX H100 and H200 (NVLink 4 with the third-
-# generation NVSwitch) reduces in the switch; NCCL's maintainers quote a peak all_reduce busBw of
-# ~480 GB/s on 8 H100 (nccl-tests#212, sjeaugey 2024-05-06: "On 8 GPUs, you should reach a peak
-# busBw of ~480GB/s (algbw ~275GB/s)"; GTC S62129 quotes the same 480, nccl#1374). Not set for
-# NVLink 5 (B200) or the 400 GB/s export parts: no quoted figure here.
-LINKS: dict[str, Link] = {
-    link.name: link
-    for link in (
-        Link("nvlink2", 120.0, 3.4, "NVLink 2 (V100 SXM2): 6 links x 25 GB/s, hybrid cube-mesh", "nvlink"),
-        Link("nvlink3", 230.0, 3.4, "NVLink 3 (A100 SXM): 600 GB/s bidirectional = 300 per direction", "nvlink"),
-        Link("nvlink4", 370.0, 3.4, "NVLink 4 (H100/H200 SXM): 900 GB/s bidirectional = 450 per direction", "nvlink",
-             nvls_busbw_gbs=480.0),
-        Link("nvlink5", 720.0, 3.4, "NVLink 5 (B200): 1800 GB/s bidirectional = 900 per direction", "nvlink"),
-        Link("nvlink3-400", 150.0, 3.4, "NVLink 3 at 400 GB/s bidirectional (A800): 8 links, 200 per direction",
-             "nvlink"),
-        Link("nvlink4-400", 155.0, 3.4, "NVLink 4 at 400 GB/s bidirectional (H800): 8 links, 200 per direction",
-             "nvlink"),
-        Link("xgmi-mi300x", 315.0, 3.0, "AMD Infinity Fabric, 8 MI300X fully connected (7 links per GPU)"),
-        Link("xgmi-mi250x", 40.0, 3.0, "AMD Infinity Fabric between the 8 GCDs of 4 MI250X (estimate)"),
-        Link("pcie3", 10.0, 5.7, "PCIe gen3 x16 (~16 GB/s raw per direction)", "pcie"),
-        Link("pcie4", 20.0, 5.7, "PCIe gen4 x16 (~32 GB/s raw per direction)", "pcie"),
-        Link("pcie5", 40.0, 5.7, "PCIe gen5 x16 (~64 GB/s raw per direction)", "pcie"),
-        Link("ib-hdr", 22.0, 14.0, "InfiniBand HDR, one 200 Gb/s NIC per GPU", "net"),
-        Link("ib-ndr", 44.0, 14.0, "InfiniBand NDR, one 400 Gb/s NIC per GPU", "net"),
-        Link("roce-400g", 40.0, 14.0, "RoCE, one 400 Gb/s NIC per GPU", "net"),
-        Link("slingshot-200g", 20.0, 14.0, "HPE Slingshot, a 200 Gb/s NIC", "net"),
-        Link("ethernet-100g", 10.0, 25.0, "TCP Ethernet, one 100 Gb/s NIC per node", "net"),
-        Link("ethernet-25g", 2.5, 25.0, "TCP Ethernet, one 25 Gb/s NIC per node", "net"),
-        # gloo between processes of one machine (TCP over loopback / shared memory). A rough
-        # figure for a CPU development box; `slipstream probe --sections comm` measures it.
-        Link("shm", 3.0, 50.0, "gloo between processes of one machine"),
-    )
-}
-# These NICs serve a whole node by default: each GPU's share is the bandwidth / GPUs per node.
-PER_NODE_LINKS = frozenset({"ethernet-100g", "ethernet-25g"})
-
-# The fabrics NCCL's tuning model knows (Link.fabric; plan/collectives.py).
-NCCL_FABRICS = ("nvlink", "pcie", "net")
-
-# A link given by its number instead of its name (parse_link): "KIND:RATE" is a WIRE rate, of
-# which the kind's achievable fraction applies; a bare rate is an achievable bus bandwidth.
-# Fractions from the figures above: InfiniBand 0.88, RoCE / Ethernet 0.80 (the network note);
-# NVLink 0.80 (H100 370 of 450, B200 720 of 900, A100 230 of 300 GB/s per direction); PCIe 0.65;
-# xGMI 0.70 (MI300X 315 of 448). Latencies per ring step as the named links of each kind.
-WIRE_KINDS: dict[str, tuple[float, float, str]] = {  # kind -> (achievable fraction, latency us, what)
-    "ib": (0.88, 14.0, "InfiniBand"),
-    "roce": (0.80, 14.0, "RoCE"),
-    "eth": (0.80, 25.0, "TCP Ethernet"),
-    "slingshot": (0.80, 14.0, "HPE Slingshot"),
-    "nvlink": (0.80, 3.4, "NVLink"),
-    "pcie": (0.65, 5.7, "PCIe"),
-    "xgmi": (0.70, 3.0, "AMD Infinity Fabric"),
-}
-# The fabric (Link.fabric) of a link given by kind: what NCCL's tuning model calls it.
-_KIND_FABRIC = {"ib": "net", "roce": "net", "eth": "net", "slingshot": "net", "nvlink": "nvlink", "pcie": "pcie",
-                "xgmi": ""}
-_KIND_ALIASES = {"infiniband": "ib", "ethernet": "eth", "tcp": "eth"}
-_UNIT_SCALE = {"": 1.0, "k": 1e3, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12}
-_LATENCY_SCALE = {"ns": 1e-3, "us": 1.0, "µs": 1.0, "ms": 1e3}
-_NUMBER = r"(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?"
-_LINK_SPEC = re.compile(
-    rf"\s*(?:(?P<kind>[A-Za-z]+)\s*:\s*)?(?P<value>{_NUMBER})\s*(?P<prefix>[kKMGT]?)(?P<unit>[Bb])(?:/s|ps)"
-    rf"(?:\s*@\s*(?P<latency>{_NUMBER})\s*(?P<latency_unit>ns|us|µs|ms))?\s*")
 MAX_NICS_PER_NODE = 64
-# Plausibility ceilings of a link, given (parse_link) or measured (a probe file): 100 TB/s per
-# GPU is a unit slip (B for b, or T for G), not a real link (NVLink 5 is 0.9 TB/s per direction);
-# a second per ring step is no network.
-MAX_LINK_GBS = 100_000.0
-MAX_LINK_LATENCY_US = 1e6
-# A group of one rank communicates with nobody: infinite bandwidth, no latency.
-LOCAL = Link("local", math.inf, 0.0, "no communication (group of one rank)")
 
 
 class _Usual(NamedTuple):
@@ -402,59 +286,6 @@ def _unknown_gpu(name: str) -> UserError:
                      "--gpu-mem-bw 2000.")
 
 
-def parse_link(text: str, flag: str, replaces: Link | None = None) -> Link:
-    """A link by name (LINKS) or by its numbers.
-
-    "12.5GB/s", "100Gb/s": an ACHIEVABLE bus bandwidth per GPU (what nccl-tests' busbw and
-        `slipstream probe --sections comm` report), used as given; GB = 10^9 bytes, Gb = 10^9
-        bits (so 100Gb/s is 12.5 GB/s); k, M, T prefixes and "Gbps" spellings work too.
-    "ib:400Gb/s": a WIRE rate (per direction) of a kind in WIRE_KINDS; its achievable fraction
-        applies (ib 0.88: 400Gb/s -> 44 GB/s, as the named ib-ndr).
-    "...@5us": the latency per ring step (ns, us, ms). Default: the kind's; for a bare bandwidth
-        the latency of the link it replaces (`replaces`, the GPU's usual one), else 5 us.
-    """
-    text = str(text)
-    if text.strip() in LINKS:
-        return LINKS[text.strip()]
-    how = (f"give a link name ({', '.join(LINKS)}), an achievable bus bandwidth such as 12.5GB/s or "
-           f"100Gb/s (GB = bytes, Gb = bits), or a wire rate with its kind such as ib:400Gb/s "
-           f"({', '.join(f'{k} x{f:g}' for k, (f, _, _) in WIRE_KINDS.items())}); add @5us for the latency "
-           "per ring step")
-    match = _LINK_SPEC.fullmatch(text)
-    if not match:
-        raise UserError(f"{flag} {text!r}: not a link; {how}.")
-    kind = match["kind"]
-    if kind is not None:
-        kind = _KIND_ALIASES.get(kind.lower(), kind.lower())
-        if kind not in WIRE_KINDS:
-            raise UserError(f"{flag} {text!r}: unknown link kind {match['kind']!r}; {how}.")
-    rate = float(match["value"]) * _UNIT_SCALE[match["prefix"]] / 1e9 / (8 if match["unit"] == "b" else 1)
-    if not 0 < rate < math.inf:
-        raise UserError(f"{flag} {text!r}: the bandwidth must be greater than 0; {how}.")
-    if rate > MAX_LINK_GBS:
-        raise UserError(f"{flag} {text!r} is {rate:g} GB/s per GPU, implausibly fast; check the unit: {how}.")
-    if kind is None:
-        bandwidth, what = rate, f"{rate:.4g} GB/s achievable bus bandwidth"
-    else:
-        fraction, _, kind_name = WIRE_KINDS[kind]
-        bandwidth, what = rate * fraction, f"{kind_name} wire rate {rate:.4g} GB/s x {fraction:g} achievable"
-    if match["latency"] is not None:
-        latency = float(match["latency"]) * _LATENCY_SCALE[match["latency_unit"]]
-        said = "given"
-        if latency > MAX_LINK_LATENCY_US:
-            raise UserError(f"{flag} {text!r}: a latency of {latency:g} us per step is implausible; give e.g. @5us.")
-    elif kind is not None:
-        latency, said = WIRE_KINDS[kind][1], f"the usual {WIRE_KINDS[kind][2]} one"
-    elif replaces is not None:
-        latency, said = replaces.latency_us, f"that of {replaces.name}"
-    else:
-        latency, said = 5.0, "assumed"
-    fabric = _KIND_FABRIC[kind] if kind is not None else (replaces.fabric if replaces is not None else "")
-    # a link given by its numbers has no NVLink SHARP: the user's bandwidth is the one planned
-    return Link(re.sub(r"\s+", "", text), bandwidth, latency,
-                f"{flag} {text.strip()}: {what}, {latency:g} us per step ({said})", fabric)
-
-
 def _inter_per_gpu(link: Link, per_node: int, nics: int) -> Link:
     """The network per GPU when `nics` NICs of `link` serve a node of `per_node` GPUs: NCCL runs
     one ring per NIC side by side, so a node moves nics x one NIC and each GPU gets its share."""
@@ -565,173 +396,10 @@ def _cpu_spec(processes: int, measured: dict[str, float], cpu: CpuFacts | None) 
     return GpuSpec(f"CPU {cpu.name}", tflops, ram_gib, CPU_MEMORY_BW_GBS, "cpu")
 
 
-# A probe file is a few KB (our own JSON); the cap keeps a wrong or hostile file from exhausting memory.
-PROBE_MAX_BYTES = 16 * 2**20
 # Two probe files may measure the same thing (a single-node probe and a multi-node one both time
 # the intra-node ring). Repeated nccl-tests runs on one machine agree within a few percent; a
 # different link or GPU is 2x or more apart. 25 % keeps noise apart from a real contradiction.
 PROBE_AGREEMENT = 0.25
-PROBE_HOW = "make one with `slipstream probe --out FILE` (add --sections comm under torchrun for links)"
-
-
-class _Fact(NamedTuple):
-    value: float   # the number compared when two probe files measure the same thing
-    detail: dict
-    path: str
-
-
-PROBE_REDO = "re-run `slipstream probe --out FILE` (add --sections comm under torchrun for links)"
-# A measured matmul rate cannot beat the datasheet's dense peak, which already is the boost-clock
-# rate; 20 % above it leaves room for timer noise and a rounded datasheet figure. More is a unit
-# slip, another GPU, or a broken timer, and would plan with an efficiency above 1.
-PROBE_MAX_OF_PEAK = 1.2
-
-
-def _read_probe(path: str) -> dict:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(PROBE_MAX_BYTES + 1)
-    except OSError as e:
-        raise UserError(f"cannot read probe file {path}: {e.strerror or e}; {PROBE_HOW}.") from None
-    if len(raw) > PROBE_MAX_BYTES:
-        raise UserError(f"probe file {path} is larger than {PROBE_MAX_BYTES // 2**20} MiB: not a probe result; "
-                        f"{PROBE_HOW}.")
-    try:
-        data = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the decoder's stack
-        raise UserError(f"probe file {path} is not valid JSON ({e}); {PROBE_HOW}.") from None
-    sections = data.get("sections") if isinstance(data, dict) else None
-    if not isinstance(sections, dict) or not any(s in sections for s in ("compute", "memory", "comm")):
-        raise UserError(f"probe file {path} has no compute, memory or comm section; {PROBE_HOW}.")
-    # The top levels are checked here, the deeper ones by their readers, before any .get() or .items().
-    _table(data, "machine", path, "machine")
-    for name in ("compute", "memory", "comm"):
-        _table(sections, name, path, f"sections.{name}")
-    return data
-
-
-def _json_kind(value: object) -> str:
-    for kind, name in ((bool, "true/false"), ((int, float), "a number"), (str, "a string"), (list, "a list"),
-                       (dict, "an object")):
-        if isinstance(value, kind):
-            return name
-    return "null"
-
-
-def _table(parent: dict, key: str, path: str, where: str) -> dict | None:
-    """parent[key] when it is a JSON object, None when there is no such key; anything else
-    means the file is not (or no longer) what `slipstream probe` writes."""
-    if key not in parent:
-        return None
-    value = parent[key]
-    if not isinstance(value, dict):
-        raise UserError(f"probe file {path}: {where} should be an object, got {_json_kind(value)}; {PROBE_REDO}.")
-    return value
-
-
-def _number(value: object, path: str, where: str, ceiling: float, unit: str) -> float:
-    """A positive finite number (not a bool) at most `ceiling` (in `unit`, which may explain it)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (0 < value < math.inf):
-        raise UserError(f"probe file {path}: {where} should be a positive number, got {value!r}; {PROBE_REDO}.")
-    if value > ceiling:
-        raise UserError(f"probe file {path}: {where} = {value:g} is implausibly large (more than {ceiling:g}"
-                        f"{unit}); {PROBE_REDO}.")
-    return float(value)
-
-
-def _host_gbs(memory: dict, path: str) -> tuple[float, str] | None:
-    """Offload copies both ways: the slower direction, pinned buffers if measured. A direction
-    the probe could not measure is a string ("n/a (no accelerator)")."""
-    for kind in ("pinned", "pageable"):
-        h2d, d2h = memory.get(f"h2d_{kind}"), memory.get(f"d2h_{kind}")
-        if isinstance(h2d, dict) and isinstance(d2h, dict):
-            return min(_number(h2d.get("gbs"), path, f"sections.memory.h2d_{kind}.gbs", MAX_HOST_LINK_GBS, " GB/s"),
-                       _number(d2h.get("gbs"), path, f"sections.memory.d2h_{kind}.gbs", MAX_HOST_LINK_GBS,
-                               " GB/s")), kind
-    return None
-
-
-def _ring(section: dict, path: str, where: str) -> dict | None:
-    """A link measured by all_reduce over one group: the largest message's bus bandwidth, and
-    the smallest message's time per ring step (a ring all_reduce takes 2(n-1) steps; a tiny
-    message is all latency). None when the group had fewer than 2 ranks or no rows."""
-    world = section.get("world_size")
-    if isinstance(world, bool) or not isinstance(world, int) or world < 1:
-        raise UserError(f"probe file {path}: {where}.world_size should be a whole number of ranks >= 1, got "
-                        f"{world!r}; {PROBE_REDO}.")
-    collectives = _table(section, "collectives", path, f"{where}.collectives") or {}
-    rows = collectives.get("all_reduce", [])
-    if not isinstance(rows, list) or not all(isinstance(r, dict) and type(r.get("bytes")) is int and r["bytes"] > 0
-                                             for r in rows):
-        raise UserError(f"probe file {path}: {where}.collectives.all_reduce should be a list of rows (objects), "
-                        f"each with a whole positive number of bytes; {PROBE_REDO}.")
-    if world < 2 or not rows:
-        return None
-    largest, smallest = max(rows, key=lambda r: r["bytes"]), min(rows, key=lambda r: r["bytes"])
-    bandwidth = _number(largest.get("busbw_gbs"), path, f"{where}.collectives.all_reduce.busbw_gbs",
-                        MAX_LINK_GBS, " GB/s, no real link")
-    steps = 2 * (world - 1)
-    seconds = _number(smallest.get("seconds"), path, f"{where}.collectives.all_reduce.seconds",
-                      MAX_LINK_LATENCY_US / 1e6 * steps, f" s, over {MAX_LINK_LATENCY_US / 1e6:g} s per ring step")
-    groups = section.get("groups")
-    return {"bandwidth": bandwidth, "latency": seconds * 1e6 / steps, "world": world,
-            "bytes": largest["bytes"], "groups": groups if type(groups) is int else None,
-            "small_bytes": smallest["bytes"], "small_seconds": seconds}
-
-
-def _probe_facts(data: dict, path: str, per_node: int, notes: list[str], peaks: dict[str, float]) -> dict[str, _Fact]:
-    """What one probe file measured, by name: "<dtype> matmul" (TFLOP/s), "host<->device" and
-    "memory copy" (GB/s), "intra-node link" and "inter-node link" (bus bandwidth GB/s).
-    peaks: the planned GPU's datasheet TFLOP/s per dtype (PROBE_MAX_OF_PEAK bounds a measured
-    rate); empty for a CPU cluster, whose measured rates are its peaks."""
-    sections, facts = data["sections"], {}
-    compute = sections.get("compute") or {}
-    for key, entry in (_table(compute, "dtypes", path, "sections.compute.dtypes") or {}).items():
-        where = f"sections.compute.dtypes.{key}"
-        if not isinstance(entry, dict):
-            raise UserError(f"probe file {path}: {where} should be an object, got {_json_kind(entry)}; {PROBE_REDO}.")
-        if entry.get("status") != "ok":
-            continue
-        if key in peaks:
-            ceiling, unit = PROBE_MAX_OF_PEAK * peaks[key], (f" TFLOP/s = {PROBE_MAX_OF_PEAK:g} x the datasheet's "
-                                                             f"{peaks[key]:g}; probe the GPU you plan for, or fix its "
-                                                             "peak (--peak-tflops or the GPU file)")
-        else:
-            ceiling, unit = MAX_PEAK_TFLOPS, " TFLOP/s"
-        facts[f"{key} matmul"] = _Fact(_number(entry.get("best_tflops"), path, f"{where}.best_tflops", ceiling, unit),
-                                       {}, path)
-    memory = sections.get("memory")
-    if memory is not None:
-        host = _host_gbs(memory, path)
-        if host is not None:
-            facts["host<->device"] = _Fact(host[0], {"kind": host[1]}, path)
-        copy = _table(memory, "copy", path, "sections.memory.copy")
-        if copy is not None:
-            facts["memory copy"] = _Fact(_number(copy.get("gbs"), path, "sections.memory.copy.gbs", MAX_MEM_BW_GBS,
-                                                 " GB/s"), {}, path)
-    comm = sections.get("comm")
-    if comm is None:
-        return facts
-    backend = comm.get("backend")
-    if "intra" in comm or "inter" in comm:
-        # Two-level probe (multi-node, or a single node that says so): each level is its own group.
-        for level, label in (("intra", "intra-node link"), ("inter", "inter-node link")):
-            group = _table(comm, level, path, f"sections.comm.{level}")
-            ring = _ring(group, path, f"sections.comm.{level}") if group is not None else None
-            if ring is not None:
-                facts[label] = _Fact(ring["bandwidth"], ring | {"backend": backend}, path)
-        return facts
-    # One group over the whole launch (older probes): a node's link only if it fits in one node.
-    ring = _ring(comm, path, "sections.comm")
-    if ring is not None:
-        ring["backend"] = backend
-    if ring is not None and ring["world"] <= per_node:
-        facts["intra-node link"] = _Fact(ring["bandwidth"], ring, path)
-    elif ring is not None:
-        notes.append(f"probe file {path}: comm over {ring['world']} rank(s) does not measure one node of "
-                     f"{per_node}; link defaults kept (probe under torchrun on several nodes to measure both "
-                     "levels)")
-    return facts
 
 
 def _check_machine(data: dict, path: str, short: str, spec: GpuSpec | None, seen: dict[str, str]) -> None:

@@ -2,7 +2,7 @@
 checked against: tests/unit/test_plan_collectives_nccl.py, docs/planner-collectives.md.
 
 Each figure is quoted from its source as stated there; nothing is read off a plot. A figure that
-also set a constant of the link table (plan/hardware.py) is marked `sets_constant`: the model
+also set a constant of the link table (plan/links.py) is marked `sets_constant`: the model
 meets it by construction, so it checks the model's wiring, not its prediction. The others are
 predictions: NCCL's tuning constants and the link table meet a measurement they were not made from.
 """
