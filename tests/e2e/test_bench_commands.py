@@ -232,7 +232,8 @@ def test_bench_pipeline(tmp_path, data_dir):
 
 @pytest.mark.parametrize("cases", [pytest.param("stratified"), pytest.param("grid", marks=slow_bench)])
 def test_bench_planner(tmp_path, cases):
-    from slipstream.plan.accuracy import TARGET_ERROR, default_cases, stratified_cases
+    from slipstream.plan.accuracy import TARGET_ERROR
+    from slipstream.plan.accuracy_cases import default_cases, stratified_cases
 
     # exit 0: the worst error within the target
     _bench("planner", "--cases", cases, "--out", tmp_path / "p.json", cwd=tmp_path, threads=COUNTED)

@@ -12,7 +12,7 @@ The layers of DESIGN.md ("Layers (imports point down only)"), lowest first:
     3 services    checkpoint/, resilience/                           save/load/reshard; guards
     4 train       train/                                             the Trainer, the LM job, resume
     5 tools       perf/, tune/, report/, plan.accuracy,              tools that run the trainer
-                  plan.render, plan.report                           (or read its run dirs for the CLI)
+                  plan.accuracy_measure, plan.render, plan.report    (or read its run dirs for the CLI)
     6 cli         cli/, slipstream.__main__, slipstream (the package facade that exports Trainer;
                   `from slipstream import __version__` is metadata any layer may read)
 
@@ -48,6 +48,7 @@ PACKAGE_LAYERS = {
 MODULE_LAYERS = {
     "slipstream": "cli",               # the package facade: lazy `slipstream.Trainer`
     "slipstream.plan.accuracy": "tools",  # measures real steps against the estimators
+    "slipstream.plan.accuracy_measure": "tools",  # runs those steps (models, optimize, distributed, observe)
     "slipstream.plan.render": "tools",  # tables and files of `slipstream plan`; only the CLI uses it
     "slipstream.plan.report": "tools",  # calibration against published runs and finished run dirs (CLI)
 }

@@ -16,7 +16,9 @@ from slipstream.config.presets import PRESETS
 from slipstream.config.schema import ModelConfig, QuantConfig, SparsityConfig
 from slipstream.models.transformer import build_model
 from slipstream.optimize.activations import activation_memory_bytes, apply_activation_checkpointing
-from slipstream.plan.accuracy import TARGET_ERROR, Case, compression_cases, measure_case, plan_case, stratified_cases
+from slipstream.plan.accuracy import TARGET_ERROR, plan_case
+from slipstream.plan.accuracy_cases import Case, compression_cases, stratified_cases
+from slipstream.plan.accuracy_measure import measure_case
 from slipstream.plan.memory import estimate_memory
 from slipstream.plan.memory_activations import (NO_COMPRESSION, Compression, block_activation_bytes, qat_weight_bytes,
                                                 sparsity_masked_values)

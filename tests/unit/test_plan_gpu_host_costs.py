@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from slipstream.plan import efficiency
-from slipstream.plan.accuracy import device_cases, device_step_errors
+from slipstream.plan.accuracy import device_step_errors
+from slipstream.plan.accuracy_cases import device_cases
 from slipstream.plan.hardware import make_cluster
 from slipstream.plan.space import PlanModel, Strategy, Workload
 from slipstream.plan.timing import estimate_time

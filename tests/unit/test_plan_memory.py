@@ -16,7 +16,9 @@ from slipstream.config.schema import ModelConfig
 from slipstream.models.flops import param_count
 from slipstream.models.transformer import build_model
 from slipstream.optimize.activations import activation_memory_bytes, apply_activation_checkpointing
-from slipstream.plan.accuracy import TARGET_ERROR, Case, default_cases, measure_case, plan_case, stratified_cases
+from slipstream.plan.accuracy import TARGET_ERROR, plan_case
+from slipstream.plan.accuracy_cases import Case, default_cases, stratified_cases
+from slipstream.plan.accuracy_measure import measure_case
 from slipstream.plan.memory import GIB, estimate_memory, in_flight_microbatches
 from slipstream.plan.memory_activations import block_activation_bytes
 from slipstream.plan.memory_states import model_state_bytes
@@ -186,7 +188,8 @@ def test_case_labels_are_unique():
 
 def test_device_accuracy_path_runs_on_cpu():
     """`bench planner --device cuda` runs this code on a GPU; here the same path on the CPU."""
-    from slipstream.plan.accuracy import device_cases, run_device_accuracy
+    from slipstream.plan.accuracy import run_device_accuracy
+    from slipstream.plan.accuracy_cases import device_cases
 
     assert len(device_cases()) >= 10 and all(c.seq_len == 1024 for c in device_cases())
     case = Case("tiny", Strategy(micro_batch=4, precision="fp32"), seq_len=64)

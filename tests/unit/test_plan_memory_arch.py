@@ -14,7 +14,9 @@ from slipstream.config.presets import PRESETS
 from slipstream.config.schema import ModelConfig
 from slipstream.models.transformer import build_model, mlp_hidden
 from slipstream.optimize.activations import activation_memory_bytes, apply_activation_checkpointing
-from slipstream.plan.accuracy import TARGET_ERROR, Case, architecture_cases, measure_case, plan_case
+from slipstream.plan.accuracy import TARGET_ERROR, plan_case
+from slipstream.plan.accuracy_cases import Case, architecture_cases
+from slipstream.plan.accuracy_measure import measure_case
 from slipstream.plan.experts import experts_of
 from slipstream.plan.memory import estimate_memory
 from slipstream.plan.memory_activations import block_activation_bytes

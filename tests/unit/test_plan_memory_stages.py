@@ -12,7 +12,9 @@ from slipstream.config.presets import PRESETS
 from slipstream.config.schema import ModelConfig
 from slipstream.models.flops import param_count
 from slipstream.models.transformer import mlp_hidden, padded_vocab_size
-from slipstream.plan.accuracy import TARGET_ERROR, measure_case, pipeline_cases, plan_case
+from slipstream.plan.accuracy import TARGET_ERROR, plan_case
+from slipstream.plan.accuracy_cases import pipeline_cases
+from slipstream.plan.accuracy_measure import measure_case
 from slipstream.plan.memory import estimate_memory, in_flight_microbatches, rank_memory
 from slipstream.plan.memory_activations import block_activation_bytes
 from slipstream.plan.model import resolve_model

@@ -15,7 +15,9 @@ from slipstream.config import load_config
 from slipstream.config.schema import ModelConfig
 from slipstream.errors import UserError
 from slipstream.models.flops import param_count
-from slipstream.plan.accuracy import TARGET_ERROR, default_cases, measure_case, plan_case, stack_cases, stratified_cases
+from slipstream.plan.accuracy import TARGET_ERROR, plan_case
+from slipstream.plan.accuracy_cases import default_cases, stack_cases, stratified_cases
+from slipstream.plan.accuracy_measure import measure_case
 from slipstream.plan.hardware import make_cluster
 from slipstream.plan.memory import estimate_memory
 from slipstream.plan.memory_states import (DEEPSPEED_REDUCE_BUCKET_ELEMENTS, StackStates, model_state_bytes,

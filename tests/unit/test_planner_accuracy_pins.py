@@ -17,7 +17,9 @@ from pathlib import Path
 
 import pytest
 
-from slipstream.plan.accuracy import default_cases, measure_case, plan_case
+from slipstream.plan.accuracy import plan_case
+from slipstream.plan.accuracy_cases import default_cases
+from slipstream.plan.accuracy_measure import measure_case
 from slipstream.plan.efficiency import FITTED
 from slipstream.plan.published_more import ALL_PUBLISHED_RUNS
 from slipstream.plan.report import (SPEED_METRICS, fit_constants, fit_efficiency, fit_record, held_out_summary,

@@ -143,7 +143,8 @@ def cmd_bench_planner(args: argparse.Namespace, extra: list[str]) -> int:
     import json
 
     from slipstream.observe.env import collect_env, write_json_atomic
-    from slipstream.plan.accuracy import TARGET_ERROR, run_accuracy, stratified_cases
+    from slipstream.plan.accuracy import TARGET_ERROR, run_accuracy
+    from slipstream.plan.accuracy_cases import stratified_cases
     from slipstream.plan.efficiency import FITTED, PRIORS
     from slipstream.plan.report import (SPEED_METRICS, fit_constants, fit_efficiency, fit_record, held_out_summary,
                                         published_report)

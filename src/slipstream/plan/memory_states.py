@@ -10,7 +10,8 @@ reduce dtype. Megatron-LM and DeepSpeed put the model itself in 16 bits: 16-bit 
 gradients (fp32 with fp32 gradient accumulation, Megatron's default under bf16), the fp32 master
 copy and moments sharded over dp under zero1 / zero2 (Megatron's distributed optimizer, DeepSpeed
 ZeRO-1), the gradients sharded too under DeepSpeed ZeRO-2, with its reduce buckets in backward.
-Checked against emulations of both on the fake process group (plan/accuracy.py, stack_cases).
+Checked against emulations of both on the fake process group (plan/accuracy_cases.py, stack_cases;
+plan/accuracy_measure.py runs them).
 
 Low-bit optimizer states (optim.state_dtype int8 / int4): torchao's block-quantized moments,
 tensor by tensor (low_bit_optimizer_bytes).
