@@ -58,9 +58,11 @@ _QUIET_RUN = ("--run.dir={work}/run", "--train.device=cuda", "--train.grad_accum
 # on the fix and are the ones to check on the next run.
 ITEMS: tuple[Item, ...] = (
     Item("cuda-tests", 40, "pytest", ("{repo}/tests/gpu/test_gpu_cuda_paths.py",
-                                      "{repo}/tests/gpu/test_gpu_sparse_kernel.py"),
+                                      "{repo}/tests/gpu/test_gpu_sparse_kernel.py",
+                                      "{repo}/tests/gpu/test_gpu_ring_attention.py"),
          "CUDA equivalence tests: TF32 and fp8 training vs fp32/bf16, pinned-memory prefetch batches and resume, "
-         "allocator-stat memory phases, the allocator snapshot file, the 2:4 sparse matmul vs dense",
+         "allocator-stat memory phases, the allocator snapshot file, the 2:4 sparse matmul vs dense, torch's ring "
+         "attention (parallel.cp_attention=ring) on a cp mesh of 1 vs plain SDPA",
          collect="pytest"),
     Item("fused-ce-tests", 45, "pytest", ("{repo}/tests/gpu/test_gpu_fused_ce.py",),
          "the Triton fused linear + cross-entropy kernels on CUDA tensors vs the fp32 reference (fp32, bf16, "
