@@ -216,8 +216,8 @@ _STRATIFIED = (
     ("tiny", dict(dp_strategy="fsdp", precision="bf16", fsdp_mixed=False)),   # the grid's worst (+7.7 %)
 )
 # Fields of a Case (not of its Strategy) an entry of _STRATIFIED may name, with their plain values.
-_COMPRESSION_FIELDS = {"state_dtype": "fp32", "qat": "none", "sparsity": "none"}
-_CASE_FIELDS = {**_COMPRESSION_FIELDS, "stack": "torch", "reduce_dtype": "fp32"}
+COMPRESSION_FIELDS = {"state_dtype": "fp32", "qat": "none", "sparsity": "none"}
+_CASE_FIELDS = {**COMPRESSION_FIELDS, "stack": "torch", "reduce_dtype": "fp32"}
 
 
 def stratified_cases() -> list[Case]:

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from slipstream.config.schema import ModelConfig
-from slipstream.plan.accuracy_cases import _COMPRESSION_FIELDS, Case
+from slipstream.plan.accuracy_cases import COMPRESSION_FIELDS, Case
 from slipstream.plan.space import Strategy
 
 def _train_step(model, optimizer, batch, targets, s: Strategy, fused_loss) -> None:
@@ -103,7 +103,7 @@ def _measure_one(case: Case) -> int:
 
     if s.dp_strategy == "none":
         return int(measure_on_device(case, "cpu", steps=0)["peak_bytes"])
-    if (case.state_dtype, case.qat, case.sparsity) != tuple(_COMPRESSION_FIELDS.values()):
+    if (case.state_dtype, case.qat, case.sparsity) != tuple(COMPRESSION_FIELDS.values()):
         raise ValueError("the accuracy grid runs low-bit states, QAT and sparsity on one process only")
     if case.states().keeps_16bit_model(s):
         return _measure_stack_emulation(case, cfg, batch, targets, fused)

@@ -339,7 +339,7 @@ def all_to_all_time(rows: list[Collective], cluster: Cluster, stride: int) -> fl
     return total
 
 
-def _rows(rows: list[Collective], dim: str, part: str | None = None) -> list[Collective]:
+def rows_of(rows: list[Collective], dim: str, part: str | None = None) -> list[Collective]:
     return [r for r in rows if r.dim == dim and (part is None or r.part == part)]
 
 

@@ -30,7 +30,7 @@ from typing import NamedTuple
 from slipstream.errors import UserError
 from slipstream.plan.gpus import DTYPE_KEYS, GpuDescription, GpuSpec, lookup_gpu, read_gpu_file
 from slipstream.plan.links import LINKS, LOCAL, NCCL_FABRICS, PER_NODE_LINKS, Link, parse_link
-from slipstream.plan.probe_files import _Fact, _probe_facts, _read_probe
+from slipstream.plan.probe_files import ProbeFact, probe_facts, read_probe
 
 MAX_NICS_PER_NODE = 64
 
@@ -426,16 +426,16 @@ def _check_machine(data: dict, path: str, short: str, spec: GpuSpec | None, seen
 
 
 def _read_probes(paths: Sequence[str], per_node: int, short: str, spec: GpuSpec | None,
-                 sources: list[str]) -> dict[str, _Fact]:
+                 sources: list[str]) -> dict[str, ProbeFact]:
     """The facts of every probe file, merged: each from the first file that has it; a fact two
     files measured more than PROBE_AGREEMENT apart is a contradiction and refused."""
-    facts: dict[str, _Fact] = {}
+    facts: dict[str, ProbeFact] = {}
     seen: dict[str, str] = {}
     peaks = spec.peaks if spec is not None and short != CPU else {}
     for path in paths:
-        data = _read_probe(path)
+        data = read_probe(path)
         _check_machine(data, path, short, spec, seen)
-        for key, fact in _probe_facts(data, path, per_node, sources, peaks).items():
+        for key, fact in probe_facts(data, path, per_node, sources, peaks).items():
             first = facts.setdefault(key, fact)
             if first is fact:
                 continue

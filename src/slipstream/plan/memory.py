@@ -46,9 +46,10 @@ from dataclasses import dataclass, field
 
 from slipstream.models.flops import param_count
 from slipstream.plan.experts import experts_of
-from slipstream.plan.memory_activations import (NO_COMPRESSION, Compression, _block_backward_transient, _dtypes,
-                                                _forward_saved_bytes, _scores_bytes, block_activation_bytes,
-                                                qat_activation_bytes, qat_weight_bytes, sparsity_masked_values)
+from slipstream.plan.memory_activations import (NO_COMPRESSION, Compression, attention_scores_bytes,
+                                                block_activation_bytes, block_backward_transient_bytes,
+                                                forward_saved_bytes, qat_activation_bytes, qat_weight_bytes,
+                                                sparsity_masked_values, strategy_dtypes)
 from slipstream.plan.memory_states import (LOW_BIT_FORMATS, LOW_BIT_MIN_NUMEL, TORCH_STATES, StackStates,
                                            low_bit_optimizer_bytes, model_state_bytes, muon_matrix_params,
                                            stack_reduce_bucket_bytes, state_buffers)
@@ -247,7 +248,7 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
     sixteen = states.keeps_16bit_model(s)
     zero_stack = states.zero_optimizer(s)   # the stack's own ZeRO (any precision): not FSDP
     sa = dataclasses.replace(s, dp_strategy="fsdp", fsdp_mixed=True) if sixteen else s
-    cfg, dt = model.cfg, _dtypes(sa)
+    cfg, dt = model.cfg, strategy_dtypes(sa)
     pc = param_count(cfg)
     ex = experts_of(model)
     shard_grad = s.shards()[1]
@@ -335,7 +336,7 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
     if cfg.norm == "rmsnorm":
         final_norm += tokens * cfg.d_model * 4 // seq_split
     final_norm *= last
-    forward_saved = _forward_saved_bytes(model, tokens, sa, seq_len, first)
+    forward_saved = forward_saved_bytes(model, tokens, sa, seq_len, first)
     in_flight = in_flight_microbatches(s, part.rank)
     head_in_flight = _head_in_flight(s)
     one_micro = stage_acts + forward_saved + final_norm
@@ -386,7 +387,7 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
             acts += held_loss * (head_in_flight - 1)
 
     # Materialized attention: the top block's scores exist next to their softmax in the forward.
-    scores_fwd = _scores_bytes(model, tokens, sa, seq_len) if s.attention == "materialized" and layers else 0
+    scores_fwd = attention_scores_bytes(model, tokens, sa, seq_len) if s.attention == "materialized" and layers else 0
 
     # ---- gathered parameters and communication buffers
     gather_unit = block_params * dt.gathered
@@ -439,7 +440,7 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
     if sixteen or zero_stack:   # the stack's gradient bytes per parameter (16-bit, fp32 accumulation, fp32)
         head_grad = head_matmul * last * grad_bytes / max(local_params, 1)
         block_grad = block_params * grad_bytes / max(local_params, 1)
-    transient = _block_backward_transient(model, tokens, sa, seq_len=seq_len)
+    transient = block_backward_transient_bytes(model, tokens, sa, seq_len=seq_len)
     # A checkpointed block's backward first recomputes what it did not keep.
     recompute = block_activation_bytes(model, tokens, sa, mode="none", seq_len=seq_len,
                                        compression=compression) - per_block if s.ac != "none" else 0
@@ -451,7 +452,7 @@ def _rank_memory(model: PlanModel, s: Strategy, seq_len: int, part: RankPart, n_
         # (and recompute) is the one alive at each point.
         expert_grads = experts / s.expert_shard_group if shard_grad else experts
         block_grad = (sharded(stage_blocks - experts, shard_grad) + expert_grads) / layers * 4
-        transient = max(transient, _block_backward_transient(model, tokens, sa, moe=True, seq_len=seq_len))
+        transient = max(transient, block_backward_transient_bytes(model, tokens, sa, moe=True, seq_len=seq_len))
         if s.ac != "none":
             recompute = max(recompute, block_activation_bytes(model, tokens, sa, mode="none", moe=True, seq_len=seq_len)
                             - moe_acts)

@@ -76,7 +76,7 @@ class _Dtypes:
     reduce: int        # gradient reduction
 
 
-def _dtypes(s: Strategy) -> _Dtypes:
+def strategy_dtypes(s: Strategy) -> _Dtypes:
     low = s.precision != "fp32"
     # Sharded strategies run low precision as FSDP mixed precision (parameters gathered in
     # bf16, gradients reduced in fp32): no autocast, so the residual stream is low precision too.
@@ -94,7 +94,7 @@ def block_activation_bytes(model: PlanModel, tokens: int, s: Strategy, mode: str
     to (materialized attention keeps tokens x seq_len scores per head); default the sequence
     the tokens come from, tokens x cp / micro_batch. compression: quant.qat's fake-quantized
     linears change what the block keeps (qat_activation_bytes)."""
-    cfg, dt = model.cfg, _dtypes(s)
+    cfg, dt = model.cfg, strategy_dtypes(s)
     ex = experts_of(model) if moe else None
     mode = s.ac if mode is None else mode
     d, n, tp = cfg.d_model, tokens, s.tp
@@ -125,7 +125,7 @@ def block_activation_bytes(model: PlanModel, tokens: int, s: Strategy, mode: str
         if ex is not None:
             return block_input + qkv + attention + projections + _moe_saved(ex, cfg, n, s, "selective")
         return block_input + qkv + attention + projections * 2 + mlp_inner * n_up + qparams
-    attention = attn_output + (_scores_bytes(model, n, s, seq_len, kept=True) if materialized
+    attention = attn_output + (attention_scores_bytes(model, n, s, seq_len, kept=True) if materialized
                                else _logsumexp_bytes(cfg, n, s))
     stats = n * 4 * (1 if cfg.norm == "rmsnorm" else 2) // seq_split
     rms_extra = n * d * 4 // seq_split if cfg.norm == "rmsnorm" else 0
@@ -164,21 +164,22 @@ def _keys(tokens: int, s: Strategy, seq_len: int | None) -> int:
     return seq_len if seq_len is not None else tokens * s.cp // max(1, s.micro_batch)
 
 
-def _scores_bytes(model: PlanModel, tokens: int, s: Strategy, seq_len: int | None, kept: bool = False) -> int:
+def attention_scores_bytes(model: PlanModel, tokens: int, s: Strategy, seq_len: int | None,
+                           kept: bool = False) -> int:
     """One layer's tokens x keys x heads attention matrix in the compute dtype (tp splits the heads).
     kept: what materialized attention keeps for backward: the softmax probabilities, and with
     dropout its mask (1 byte) and its output (Korthikanti et al. 2022, sec. 4.1)."""
-    cfg, a = model.cfg, _dtypes(s).compute
+    cfg, a = model.cfg, strategy_dtypes(s).compute
     cells = tokens * _keys(tokens, s, seq_len) * cfg.n_head // s.tp
     if kept and cfg.dropout > 0:
         return cells * (2 * a + 1)
     return cells * a
 
 
-def _forward_saved_bytes(model: PlanModel, tokens: int, s: Strategy, seq_len: int, first: bool) -> int:
+def forward_saved_bytes(model: PlanModel, tokens: int, s: Strategy, seq_len: int, first: bool) -> int:
     """What one micro-batch's forward keeps outside its blocks, on the rank holding the first
     stage (first) or any other: the embedding norm's input and statistics, and ALiBi's bias."""
-    cfg, dt = model.cfg, _dtypes(s)
+    cfg, dt = model.cfg, strategy_dtypes(s)
     seq_split = s.tp if (s.tp > 1 and s.sequence_parallel) else 1
     saved = 0
     if first and cfg.embedding_norm:
@@ -194,7 +195,7 @@ def _forward_saved_bytes(model: PlanModel, tokens: int, s: Strategy, seq_len: in
 
 def _moe_saved(ex: Experts, cfg, n: int, s: Strategy, mode: str) -> int:
     """What an MoE layer saves for backward for the n tokens of its micro-batch (module doc)."""
-    dt = _dtypes(s)
+    dt = strategy_dtypes(s)
     d, r, a = cfg.d_model, dt.residual, dt.compute
     n_up = 2 if cfg.mlp == "swiglu" else 1
     routed = n * ex.top_k
@@ -281,7 +282,7 @@ def qat_activation_bytes(model: PlanModel, tokens: int, s: Strategy, compression
     only. int8-weight quantizes no activation."""
     if compression.qat != "int8-dynact-int4-weight":
         return 0
-    dt = _dtypes(s)
+    dt = strategy_dtypes(s)
     dtype_of = {"norm": dt.residual, "attention": dt.compute, "mlp": dt.compute}
     total = sum(_fake_quant_bytes(tokens * fan_in, tokens, dtype_of[source], dt.compute, kept=not checkpointed)
                 for _, fan_in, _, source in _block_linears(model))
@@ -295,7 +296,7 @@ def qat_weight_bytes(model: PlanModel, s: Strategy, compression: Compression, ke
     keeps anyway (weight_copies)."""
     if compression.qat == "none":
         return 0
-    dt = _dtypes(s)
+    dt = strategy_dtypes(s)
     total = 0
     for _, fan_in, fan_out, _ in _block_linears(model):
         values = fan_in * fan_out
@@ -327,8 +328,8 @@ def sparsity_masked_values(model: PlanModel, method: str) -> tuple[int, int]:
     return sum(sizes), max(sizes)
 
 
-def _block_backward_transient(model: PlanModel, tokens: int, s: Strategy, moe: bool = False,
-                              seq_len: int | None = None) -> int:
+def block_backward_transient_bytes(model: PlanModel, tokens: int, s: Strategy, moe: bool = False,
+                                   seq_len: int | None = None) -> int:
     """Gradients of activations alive while one block is differentiated, beyond what the block
     already saved: the MLP's inner gradient (gelu, relu: one n x F tensor; swiglu: two, the gate's
     and the up projection's) next to the residual stream's gradient and its copy. An MoE
@@ -337,11 +338,11 @@ def _block_backward_transient(model: PlanModel, tokens: int, s: Strategy, moe: b
     attention's backward holds the gradients of its probabilities and of its scores (two T x T
     matrices per head), after the MLP's backward has freed the MLP's saved inner tensors: those
     instead, where they are larger."""
-    cfg, dt = model.cfg, _dtypes(s)
+    cfg, dt = model.cfg, strategy_dtypes(s)
     n_up = 2 if cfg.mlp == "swiglu" else 1
     ex = experts_of(model) if moe else None
     residual_grads = 2 * tokens * cfg.d_model * dt.residual
-    attention = 2 * _scores_bytes(model, tokens, s, seq_len) if s.attention == "materialized" else 0
+    attention = 2 * attention_scores_bytes(model, tokens, s, seq_len) if s.attention == "materialized" else 0
     if ex is not None:
         routed = tokens * ex.top_k
         inner = (routed * ex.hidden + tokens * ex.shared_hidden) * dt.compute * n_up

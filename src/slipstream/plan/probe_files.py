@@ -1,6 +1,6 @@
 """Reading `slipstream probe --out FILE` results for the planner: a probe file is JSON from
 elsewhere, so it is read with a size cap and every value is checked (type, sign, a plausible
-ceiling) before use, then turned into facts by name (_probe_facts: matmul rates, host link,
+ceiling) before use, then turned into facts by name (probe_facts: matmul rates, host link,
 memory copy, the intra- and inter-node links). plan/hardware.py checks that a file measured the
 machine planned and merges several files into the Cluster.
 """
@@ -20,7 +20,7 @@ PROBE_MAX_BYTES = 16 * 2**20
 PROBE_HOW = "make one with `slipstream probe --out FILE` (add --sections comm under torchrun for links)"
 
 
-class _Fact(NamedTuple):
+class ProbeFact(NamedTuple):
     value: float   # the number compared when two probe files measure the same thing
     detail: dict
     path: str
@@ -33,7 +33,7 @@ PROBE_REDO = "re-run `slipstream probe --out FILE` (add --sections comm under to
 PROBE_MAX_OF_PEAK = 1.2
 
 
-def _read_probe(path: str) -> dict:
+def read_probe(path: str) -> dict:
     try:
         with open(path, "rb") as f:
             raw = f.read(PROBE_MAX_BYTES + 1)
@@ -125,7 +125,8 @@ def _ring(section: dict, path: str, where: str) -> dict | None:
             "small_bytes": smallest["bytes"], "small_seconds": seconds}
 
 
-def _probe_facts(data: dict, path: str, per_node: int, notes: list[str], peaks: dict[str, float]) -> dict[str, _Fact]:
+def probe_facts(data: dict, path: str, per_node: int, notes: list[str],
+                peaks: dict[str, float]) -> dict[str, ProbeFact]:
     """What one probe file measured, by name: "<dtype> matmul" (TFLOP/s), "host<->device" and
     "memory copy" (GB/s), "intra-node link" and "inter-node link" (bus bandwidth GB/s).
     peaks: the planned GPU's datasheet TFLOP/s per dtype (PROBE_MAX_OF_PEAK bounds a measured
@@ -144,17 +145,17 @@ def _probe_facts(data: dict, path: str, per_node: int, notes: list[str], peaks: 
                                                              "peak (--peak-tflops or the GPU file)")
         else:
             ceiling, unit = MAX_PEAK_TFLOPS, " TFLOP/s"
-        facts[f"{key} matmul"] = _Fact(_number(entry.get("best_tflops"), path, f"{where}.best_tflops", ceiling, unit),
-                                       {}, path)
+        facts[f"{key} matmul"] = ProbeFact(_number(entry.get("best_tflops"), path, f"{where}.best_tflops",
+                                                   ceiling, unit), {}, path)
     memory = sections.get("memory")
     if memory is not None:
         host = _host_gbs(memory, path)
         if host is not None:
-            facts["host<->device"] = _Fact(host[0], {"kind": host[1]}, path)
+            facts["host<->device"] = ProbeFact(host[0], {"kind": host[1]}, path)
         copy = _table(memory, "copy", path, "sections.memory.copy")
         if copy is not None:
-            facts["memory copy"] = _Fact(_number(copy.get("gbs"), path, "sections.memory.copy.gbs", MAX_MEM_BW_GBS,
-                                                 " GB/s"), {}, path)
+            facts["memory copy"] = ProbeFact(_number(copy.get("gbs"), path, "sections.memory.copy.gbs",
+                                                     MAX_MEM_BW_GBS, " GB/s"), {}, path)
     comm = sections.get("comm")
     if comm is None:
         return facts
@@ -165,14 +166,14 @@ def _probe_facts(data: dict, path: str, per_node: int, notes: list[str], peaks: 
             group = _table(comm, level, path, f"sections.comm.{level}")
             ring = _ring(group, path, f"sections.comm.{level}") if group is not None else None
             if ring is not None:
-                facts[label] = _Fact(ring["bandwidth"], ring | {"backend": backend}, path)
+                facts[label] = ProbeFact(ring["bandwidth"], ring | {"backend": backend}, path)
         return facts
     # One group over the whole launch (older probes): a node's link only if it fits in one node.
     ring = _ring(comm, path, "sections.comm")
     if ring is not None:
         ring["backend"] = backend
     if ring is not None and ring["world"] <= per_node:
-        facts["intra-node link"] = _Fact(ring["bandwidth"], ring, path)
+        facts["intra-node link"] = ProbeFact(ring["bandwidth"], ring, path)
     elif ring is not None:
         notes.append(f"probe file {path}: comm over {ring['world']} rank(s) does not measure one node of "
                      f"{per_node}; link defaults kept (probe under torchrun on several nodes to measure both "

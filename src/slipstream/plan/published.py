@@ -146,13 +146,13 @@ _LLAMA3_COMMON_NOTE = (
     "Peak memory per GPU not stated. "
 )
 
-_MEGATRON_PAPER = (
+MEGATRON_PAPER = (
     "Efficient Large-Scale Language Model Training on GPU Clusters Using Megatron-LM, Narayanan, "
     "Shoeybi, Casper, LeGresley, Patwary, Korthikanti, Vainbrand, Kashinkunti, Bernauer, "
     "Catanzaro, Phanishayee, Zaharia (NVIDIA et al.), SC21 / 2021, Table 1 (weak-scaling "
     "throughput), Sec. 5 and 5.1; https://arxiv.org/abs/2104.04473"
 )
-_MEGATRON_HW = (
+MEGATRON_HW = (
     "Selene: 8x NVIDIA 80-GB A100 per node over NVLink/NVSwitch; eight 200Gbps HDR InfiniBand "
     "HCAs per node for application communication (+2 for storage); three-level fat tree"
 )
@@ -160,7 +160,7 @@ _MEGATRON_HW = (
 # "custom kernels to enable the fusion of scale, mask, and softmax (reduction) operations"
 # (no flash attention before 2022), and it has no sequence parallelism (added by Korthikanti et
 # al. 2022, below). Both are recorded as attention="materialized", sequence_parallel=False.
-_MEGATRON_COMMON_NOTE = (
+MEGATRON_COMMON_NOTE = (
     "All Table 1 models: vocabulary 51,200, sequence length 2048, interleaved pipeline schedule "
     "with scatter/gather optimization. Throughput is end-to-end (data loading, optimizer, "
     "communication, logging). FLOPs are counted with eq. (3) F = 96*B*s*l*h^2*(1 + s/6h + "
@@ -276,10 +276,10 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
         name="megatron-gpt-1t-3072gpu",
         stack="megatron",
-        source=_MEGATRON_PAPER,
+        source=MEGATRON_PAPER,
         n_layer=128, d_model=25600, n_head=160, n_kv_head=160, d_ff=4 * 25600, vocab_size=51200,
         mlp="gelu", tie_embeddings=True,
-        gpu="A100", gpus=3072, gpus_per_node=8, network=_MEGATRON_HW,
+        gpu="A100", gpus=3072, gpus_per_node=8, network=MEGATRON_HW,
         tp=8, pp=64, cp=1, dp=6, dp_strategy="ddp",
         pp_schedule="interleaved-1f1b", virtual_stages=None,
         micro_batch=None, global_batch=3072, seq_len=2048,
@@ -292,16 +292,16 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
             "TP 8 | PP 64 | 3072 GPUs | batch 3072 | 163 teraFLOP/s per GPU | 52% of theoretical "
             "peak FLOP/s | 502.0 petaFLOP/s aggregate. Abstract: '1 trillion parameters at 502 "
             "petaFLOP/s on 3072 GPUs with achieved per-GPU throughput of 52% of theoretical "
-            "peak'. dp = 3072/(8*64) = 6 (derived). " + _MEGATRON_COMMON_NOTE
+            "peak'. dp = 3072/(8*64) = 6 (derived). " + MEGATRON_COMMON_NOTE
         ),
     ),
     PublishedRun(
         name="megatron-gpt-145b-1536gpu",
         stack="megatron",
-        source=_MEGATRON_PAPER,
+        source=MEGATRON_PAPER,
         n_layer=80, d_model=12288, n_head=96, n_kv_head=96, d_ff=4 * 12288, vocab_size=51200,
         mlp="gelu", tie_embeddings=True,
-        gpu="A100", gpus=1536, gpus_per_node=8, network=_MEGATRON_HW,
+        gpu="A100", gpus=1536, gpus_per_node=8, network=MEGATRON_HW,
         tp=8, pp=8, cp=1, dp=24, dp_strategy="ddp",
         pp_schedule="interleaved-1f1b", virtual_stages=None,
         micro_batch=None, global_batch=2304, seq_len=2048,
@@ -313,7 +313,7 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
             "Table 1 row: 145.6B parameters | 96 attention heads | hidden 12288 | 80 layers | "
             "TP 8 | PP 8 | 1536 GPUs | batch 2304 | 148 teraFLOP/s per GPU | 47% of theoretical "
             "peak FLOP/s | 227.1 petaFLOP/s aggregate. "
-            "dp = 1536/(8*8) = 24 (derived). " + _MEGATRON_COMMON_NOTE
+            "dp = 1536/(8*8) = 24 (derived). " + MEGATRON_COMMON_NOTE
         ),
     ),
     # ---- FSDP / 2D / 3D on H100: torchtitan Llama 3.1 (PyTorch) ------------------------------

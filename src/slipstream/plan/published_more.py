@@ -10,7 +10,7 @@ set (ALL_PUBLISHED_RUNS); then the two names can become one.
 from __future__ import annotations
 
 # The Megatron-LM SC21 paper's source, hardware and common note: both sets quote it.
-from slipstream.plan.published import (_MEGATRON_COMMON_NOTE, _MEGATRON_HW, _MEGATRON_PAPER, PUBLISHED_RUNS,
+from slipstream.plan.published import (MEGATRON_COMMON_NOTE, MEGATRON_HW, MEGATRON_PAPER, PUBLISHED_RUNS,
                                        PublishedRun)
 
 _BLOOM_README = (
@@ -29,8 +29,8 @@ _OPT_PAPER = (
     "https://github.com/facebookresearch/metaseq"
 )
 
-_MEGATRON_TABLE2 = _MEGATRON_PAPER.replace("Table 1 (weak-scaling throughput), Sec. 5 and 5.1",
-                                           "Table 2 (PTD parallelism vs ZeRO-3), Sec. 5.2")
+_MEGATRON_TABLE2 = MEGATRON_PAPER.replace("Table 1 (weak-scaling throughput), Sec. 5 and 5.1",
+                                          "Table 2 (PTD parallelism vs ZeRO-3), Sec. 5.2")
 
 _KORTHIKANTI_PAPER = (
     "Reducing Activation Recomputation in Large Transformer Models, Korthikanti, Casper, Lym, "
@@ -181,10 +181,10 @@ MORE_PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun(
         name="megatron-gpt-1.7b-32gpu",
         stack="megatron",
-        source=_MEGATRON_PAPER,
+        source=MEGATRON_PAPER,
         n_layer=24, d_model=2304, n_head=24, n_kv_head=24, d_ff=4 * 2304, vocab_size=51200,
         mlp="gelu", tie_embeddings=True,
-        gpu="A100", gpus=32, gpus_per_node=8, network=_MEGATRON_HW,
+        gpu="A100", gpus=32, gpus_per_node=8, network=MEGATRON_HW,
         tp=1, pp=1, cp=1, dp=32, dp_strategy="ddp",
         micro_batch=None, global_batch=512, seq_len=2048,
         activation_checkpointing="full", precision="mixed-16bit",
@@ -195,16 +195,16 @@ MORE_PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
             "Table 1 row: 1.7B parameters | 24 attention heads | hidden 2304 | 24 layers | TP 1 | PP "
             "1 | 32 GPUs | batch 512 | 137 teraFLOP/s per GPU | 44% of theoretical peak FLOP/s | 4.4 "
             "petaFLOP/s aggregate. 'We achieve ... 44% of peak device throughput for the smallest "
-            "model.' dp = 32 (derived). " + _MEGATRON_COMMON_NOTE
+            "model.' dp = 32 (derived). " + MEGATRON_COMMON_NOTE
         ),
     ),
     PublishedRun(
         name="megatron-gpt-310b-1920gpu",
         stack="megatron",
-        source=_MEGATRON_PAPER,
+        source=MEGATRON_PAPER,
         n_layer=96, d_model=16384, n_head=128, n_kv_head=128, d_ff=4 * 16384, vocab_size=51200,
         mlp="gelu", tie_embeddings=True,
-        gpu="A100", gpus=1920, gpus_per_node=8, network=_MEGATRON_HW,
+        gpu="A100", gpus=1920, gpus_per_node=8, network=MEGATRON_HW,
         tp=8, pp=16, cp=1, dp=15, dp_strategy="ddp",
         pp_schedule="interleaved-1f1b", virtual_stages=None,
         micro_batch=None, global_batch=2160, seq_len=2048,
@@ -216,16 +216,16 @@ MORE_PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
             "Table 1 row: 310.1B parameters | 128 attention heads | hidden 16384 | 96 layers | TP 8 | "
             "PP 16 | 1920 GPUs | batch 2160 | 155 teraFLOP/s per GPU | 50% of theoretical peak "
             "FLOP/s | 297.4 petaFLOP/s aggregate. dp = 1920 / (8 x 16) = 15 (derived; a "
-            "non-power-of-two data-parallel degree). " + _MEGATRON_COMMON_NOTE
+            "non-power-of-two data-parallel degree). " + MEGATRON_COMMON_NOTE
         ),
     ),
     PublishedRun(
         name="megatron-gpt-530b-2520gpu",
         stack="megatron",
-        source=_MEGATRON_PAPER,
+        source=MEGATRON_PAPER,
         n_layer=105, d_model=20480, n_head=128, n_kv_head=128, d_ff=4 * 20480, vocab_size=51200,
         mlp="gelu", tie_embeddings=True,
-        gpu="A100", gpus=2520, gpus_per_node=8, network=_MEGATRON_HW,
+        gpu="A100", gpus=2520, gpus_per_node=8, network=MEGATRON_HW,
         tp=8, pp=35, cp=1, dp=9, dp_strategy="ddp",
         pp_schedule="interleaved-1f1b", virtual_stages=None,
         micro_batch=None, global_batch=2520, seq_len=2048,
@@ -238,7 +238,7 @@ MORE_PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
             "| PP 35 | 2520 GPUs | batch 2520 | 163 teraFLOP/s per GPU | 52% of theoretical peak "
             "FLOP/s | 410.2 petaFLOP/s aggregate. dp = 2520 / (8 x 35) = 9 (derived). 105 layers over "
             "35 stages = 3 per stage; chunks per stage of the interleaved schedule not stated. "
-            + _MEGATRON_COMMON_NOTE
+            + MEGATRON_COMMON_NOTE
         ),
     ),
     # ---- Megatron-LM SC21 Table 2: DeepSpeed ZeRO-3 without model parallelism ------------------
@@ -248,7 +248,7 @@ MORE_PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         source=_MEGATRON_TABLE2,
         n_layer=96, d_model=12288, n_head=96, n_kv_head=96, d_ff=4 * 12288, vocab_size=51200,
         mlp="gelu", tie_embeddings=True,
-        gpu="A100", gpus=384, gpus_per_node=8, network=_MEGATRON_HW,
+        gpu="A100", gpus=384, gpus_per_node=8, network=MEGATRON_HW,
         tp=1, pp=1, cp=1, dp=384, dp_strategy="zero3",
         micro_batch=4, global_batch=1536, seq_len=2048,
         activation_checkpointing="full", precision="mixed-16bit",
@@ -266,7 +266,7 @@ MORE_PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
             "dp_strategy zero3 = DeepSpeed ZeRO stage 3 (parameters, gradients and optimizer state "
             "sharded over all 384 ranks). Gradient accumulation: 1536 / (384 x 4) = 1 (derived). "
             "Whether this run recomputed activations is not stated; the teraFLOP/s are eq. (3)'s, "
-            "which count the recomputed forward either way. " + _MEGATRON_COMMON_NOTE
+            "which count the recomputed forward either way. " + MEGATRON_COMMON_NOTE
         ),
     ),
     PublishedRun(
@@ -275,7 +275,7 @@ MORE_PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
         source=_MEGATRON_TABLE2,
         n_layer=96, d_model=12288, n_head=96, n_kv_head=96, d_ff=4 * 12288, vocab_size=51200,
         mlp="gelu", tie_embeddings=True,
-        gpu="A100", gpus=1536, gpus_per_node=8, network=_MEGATRON_HW,
+        gpu="A100", gpus=1536, gpus_per_node=8, network=MEGATRON_HW,
         tp=1, pp=1, cp=1, dp=1536, dp_strategy="zero3",
         micro_batch=1, global_batch=1536, seq_len=2048,
         activation_checkpointing="full", precision="mixed-16bit",
@@ -288,7 +288,7 @@ MORE_PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
             "tokens. Sec. 5.2: 'by doubling the number of GPUs (keeping the batch size the same), "
             "PTD-P outperforms ZeRO-3 by 70% for both models due to less cross-node communication.' "
             "A communication-bound point: one sequence per rank per step. See the 384-GPU row for "
-            "the rest. " + _MEGATRON_COMMON_NOTE
+            "the rest. " + MEGATRON_COMMON_NOTE
         ),
     ),
     # ---- Megatron-LM with sequence parallelism + selective recompute (Korthikanti et al.) -------

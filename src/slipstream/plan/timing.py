@@ -29,15 +29,15 @@ from dataclasses import dataclass, field
 
 from slipstream.config.dims import PP_ONE_STAGE
 from slipstream.models.flops import flops_per_token
-from slipstream.plan.collectives import _rows, all_to_all_time, collective_time, span
+from slipstream.plan.collectives import all_to_all_time, collective_time, rows_of, span
 from slipstream.plan.efficiency import Fit
 from slipstream.plan.experts import experts_of
 from slipstream.plan.hardware import Cluster
 from slipstream.plan.space import SCHEDULE_VIRTUAL, ZERO_BUBBLE_SCHEDULES, PlanModel, Strategy, Workload
-from slipstream.plan.timing_comm import _data_parallel_collectives, _data_parallel_time, step_collectives
-from slipstream.plan.timing_compute import (_dtype_key, _hardware_flops_per_token, _rank_compute, _speeds,
-                                            _Speeds)
-from slipstream.plan.timing_ranks import _optimizer_params_per_gpu, _rank_blocks
+from slipstream.plan.timing_comm import data_parallel_collectives, data_parallel_time, step_collectives
+from slipstream.plan.timing_compute import (Speeds, achievable_speeds, hardware_flops_per_token, rank_compute,
+                                            strategy_dtype_key)
+from slipstream.plan.timing_ranks import optimizer_params_per_gpu, rank_blocks
 
 # A calibration factor on the compute rates, 1 = the rates of plan/efficiency.py (fitted to the
 # published runs per operation class). `slipstream tune system` and --calibrate measure it for a
@@ -122,17 +122,17 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
     published runs); plan/report.py passes its candidates while it fits.
     """
     cfg = model.cfg
-    dtype = _dtype_key(s)
-    sp = _speeds(model, s, cluster, efficiency, fit)
+    dtype = strategy_dtype_key(s)
+    sp = achievable_speeds(model, s, cluster, efficiency, fit)
     tokens_step = work.global_batch * work.seq_len
     if model.traced is not None:
         return _traced_time(model, s, work, cluster, sp, dtype)
     micro_batches = s.grad_accum
     tokens_micro = s.micro_batch * work.seq_len // s.cp
-    ranks = _rank_compute(model, s, work, sp)
+    ranks = rank_compute(model, s, work, sp)
     busy = max(ranks, key=lambda rc: rc.total)
     compute_s = busy.total
-    blocks = _rank_blocks(model, s, work.seq_len)
+    blocks = rank_blocks(model, s, work.seq_len)
 
     out: dict[str, float] = {"compute": compute_s}
     collectives = step_collectives(model, s, work, cluster.stack, cluster.bucket_mb, cluster.overlaps_grad_reduce)  # the bytes every comm term moves
@@ -150,18 +150,18 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
     # micro-batch), on the critical path. The embedding's, head's and loss's (4 more per
     # micro-batch, ~1/n_layer of these) are counted in step_collectives' bytes but left out of the time.
     if s.tp > 1:
-        out["tp_comm"] = collective_time(_rows(collectives, "tp", "blocks"), span(cluster, s.tp, 1))
+        out["tp_comm"] = collective_time(rows_of(collectives, "tp", "blocks"), span(cluster, s.tp, 1))
 
     # ---- context parallel: K and V all-gathered (backward: reduce-scattered), hidden behind attention
     if s.cp > 1:
-        ring = collective_time(_rows(collectives, "cp"), span(cluster, s.cp, s.tp))
+        ring = collective_time(rows_of(collectives, "cp"), span(cluster, s.cp, s.tp))
         out["cp_comm"] = max(0.0, ring - busy.classes["attention"])
 
     # ---- expert parallel: all-to-all dispatch and combine, forward and backward (+ recompute),
     # over ep consecutive data-parallel ranks (stride tp x cp); exposed
     ex = experts_of(model)
     if s.ep > 1 and ex:
-        out["ep_comm"] = all_to_all_time(_rows(collectives, "ep"), cluster, s.tp * s.cp)
+        out["ep_comm"] = all_to_all_time(rows_of(collectives, "ep"), cluster, s.tp * s.cp)
     # ---- MoE token counts: E integers all-reduced over the data-parallel ranks per MoE block,
     # exposed; latency-bound: NCCL's model runs them LL, as a tree across nodes (collectives.py)
     counts = [r for r in collectives if r.part == "router" and r.kind == "all_reduce"]
@@ -171,10 +171,10 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
             for r in counts)
 
     # ---- data parallel
-    out.update(_data_parallel_time(model, s, cluster, busy.forward, busy.backward, collectives, blocks))
+    out.update(data_parallel_time(model, s, cluster, busy.forward, busy.backward, collectives, blocks))
 
     # ---- optimizer step: memory-bound over this rank's share of the state
-    local_params = _optimizer_params_per_gpu(model, s, work.seq_len)
+    local_params = optimizer_params_per_gpu(model, s, work.seq_len)
     mem_bw = cluster.gpu.mem_bw_gbs * 1e9
     if s.offload:
         out["offload"] = (local_params * 4 * 2 / (cluster.host_link_gbs * 1e9)
@@ -186,7 +186,7 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
     tokens_per_s = tokens_step / step
     peak = cluster.peak_flops(dtype)
     model_flops = flops_per_token(cfg, work.seq_len)
-    recompute, kernel = _hardware_flops_per_token(model, s, work.seq_len)
+    recompute, kernel = hardware_flops_per_token(model, s, work.seq_len)
     per_gpu = tokens_per_s / s.world
     classes = busy.classes | {"recompute": busy.recompute}
     return TimeEstimate(step_s=step, tokens_per_s=tokens_per_s, mfu=per_gpu * model_flops / peak, breakdown=out,
@@ -196,7 +196,7 @@ def estimate_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluste
                         recompute_tflops_per_gpu=per_gpu * (model_flops + recompute) / 1e12, compute_s=classes)
 
 
-def _traced_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluster, sp: _Speeds,
+def _traced_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluster, sp: Speeds,
                  dtype: str) -> TimeEstimate:
     """A user module (plan/trace.py): its measured FLOPs at the GEMM rate, its kept activation
     bytes through memory (POINTWISE_TRAFFIC times), a host cost per op (TRACED_OPS per micro-batch:
@@ -209,10 +209,10 @@ def _traced_time(model: PlanModel, s: Strategy, work: Workload, cluster: Cluster
     host = TRACED_OPS * sp.rates.launch_s * s.grad_accum
     compute = max(device, host) if sp.rates.launch_overlaps else device + host
     out = {"compute": compute}
-    out.update(_data_parallel_time(model, s, cluster, compute / 3, compute * 2 / 3,
-                                   _data_parallel_collectives(model, s, None, cluster.stack, cluster.bucket_mb,
-                                                              cluster.overlaps_grad_reduce),
-                                   1.0))
+    out.update(data_parallel_time(model, s, cluster, compute / 3, compute * 2 / 3,
+                                  data_parallel_collectives(model, s, None, cluster.stack, cluster.bucket_mb,
+                                                            cluster.overlaps_grad_reduce),
+                                  1.0))
     mem_bw = cluster.gpu.mem_bw_gbs * 1e9
     out["optimizer"] = t.n_params / (s.shard_group if s.shards()[0] else 1) * ADAM_BYTES_PER_PARAM / mem_bw
     step = sum(out.values())

@@ -25,11 +25,11 @@ import math
 from collections import Counter
 
 from slipstream.models.flops import param_count
-from slipstream.plan.collectives import Collective, _rows, call_time, collective_time, span
+from slipstream.plan.collectives import Collective, call_time, collective_time, rows_of, span
 from slipstream.plan.experts import experts_of
 from slipstream.plan.hardware import Cluster
 from slipstream.plan.space import PlanModel, Strategy, Workload
-from slipstream.plan.timing_ranks import _expert_params_per_gpu, _params_per_gpu, _rank_blocks
+from slipstream.plan.timing_ranks import expert_params_per_gpu, params_per_gpu, rank_blocks
 
 # Gradient buckets of each stack (Cluster.stack; `--bucket-mb` replaces the cap), reduced as
 # backward produces them:
@@ -95,7 +95,7 @@ def step_collectives(model: PlanModel, s: Strategy, work: Workload, stack: str =
     cfg = model.cfg
     micro = s.grad_accum
     tokens_micro = s.micro_batch * work.seq_len // s.cp
-    layers = _rank_blocks(model, s, work.seq_len)
+    layers = rank_blocks(model, s, work.seq_len)
     elem = 4 if s.precision == "fp32" else 2
     recompute = 1 if s.ac == "full" else 0
     ex = experts_of(model)
@@ -158,7 +158,7 @@ def step_collectives(model: PlanModel, s: Strategy, work: Workload, stack: str =
         else:
             add("dp", "all_reduce", "router", s.dp * s.cp, counts, (1 + again) * moe_layers * micro)
 
-    rows += _data_parallel_collectives(model, s, work.seq_len, stack, bucket_mb, overlap)
+    rows += data_parallel_collectives(model, s, work.seq_len, stack, bucket_mb, overlap)
     return rows
 
 
@@ -226,17 +226,17 @@ def gradient_buckets(grad_bytes: float, elem: int, stack: str, dp: int, bucket_m
     return buckets
 
 
-def _data_parallel_collectives(model: PlanModel, s: Strategy, seq_len: int | None, stack: str = "torch",
-                               bucket_mb: float | None = None, overlap: bool = True) -> list[Collective]:
+def data_parallel_collectives(model: PlanModel, s: Strategy, seq_len: int | None, stack: str = "torch",
+                              bucket_mb: float | None = None, overlap: bool = True) -> list[Collective]:
     """The gradient and parameter collectives of step_collectives (see there)."""
     group = s.dp * s.cp  # the cp ranks average gradients with the data-parallel ones
     if s.dp_strategy == "none" or group <= 1:
         return []
     # tp splits the matmuls; the norms and the row-parallel biases stay whole on every tp rank
-    blocks = _rank_blocks(model, s, seq_len) if model.traced is None else 1.0
-    params = _params_per_gpu(model, s, seq_len) + _tp_replicated_params(model, s, blocks) * (1 - 1 / s.tp)
+    blocks = rank_blocks(model, s, seq_len) if model.traced is None else 1.0
+    params = params_per_gpu(model, s, seq_len) + _tp_replicated_params(model, s, blocks) * (1 - 1 / s.tp)
     # ep > 1: the routed experts reduce over the dp / ep ranks that hold the same ones (below)
-    experts = _expert_params_per_gpu(model, s, blocks) if model.traced is None else 0.0
+    experts = expert_params_per_gpu(model, s, blocks) if model.traced is None else 0.0
     params -= experts
     grad_bytes = params * 4
     rows = []
@@ -321,13 +321,13 @@ def _fsdp_units(model: PlanModel, s: Strategy, blocks: float) -> int:
 def _root_params_per_gpu(model: PlanModel, s: Strategy) -> float:
     """Parameters of FSDP's root unit on one GPU: embeddings, the final norm and an untied head."""
     if model.traced is not None:
-        return _params_per_gpu(model, s)
+        return params_per_gpu(model, s)
     pc = param_count(model.cfg)
     return (pc.embedding + pc.head + pc.norm) / (s.tp * s.pp)
 
 
-def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward_s: float,
-                        backward_s: float, collectives: list[Collective], blocks: float) -> dict[str, float]:
+def data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward_s: float,
+                       backward_s: float, collectives: list[Collective], blocks: float) -> dict[str, float]:
     """Exposed seconds of the data-parallel collectives (step_collectives' dp rows) per step, for
     a rank of `blocks` blocks (the busiest pp rank) whose compute is forward_s + backward_s."""
     # The time is taken over the data-parallel ranks alone (stride tp x cp), as the published
@@ -339,12 +339,12 @@ def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward
     group = s.shard_group if fsdp else s.dp
     if s.dp <= 1 or s.dp_strategy == "none":
         return {}
-    dp_rows = [dataclasses.replace(r, group=group) for r in _rows(collectives, "dp")
+    dp_rows = [dataclasses.replace(r, group=group) for r in rows_of(collectives, "dp")
                if r.part in ("parameters", "gradients")]
     where = span(cluster, group, s.tp * s.cp)
     # ep > 1: the routed experts' own collectives, over the dp / ep ranks holding the same ones
     # (the run's dp_mod_ep mesh dim: stride ep x cp x tp)
-    expert_rows = _rows(collectives, "dp", "experts")
+    expert_rows = rows_of(collectives, "dp", "experts")
     expert_where = span(cluster, max(1, s.dp // s.ep), s.ep * s.tp * s.cp) if expert_rows else where
     if not fsdp:
         # The gradients, in the stack's buckets as backward fills them, once per step (no_sync
@@ -352,7 +352,7 @@ def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward
         # last hides behind the backward of the micro-batch that fills it, the last is exposed.
         # A stack that does not overlap (Cluster.overlaps_grad_reduce: Megatron's and DeepSpeed's
         # defaults) reduces them blocking: every bucket is exposed.
-        grads = _rows(dp_rows, "dp", "gradients")[0]
+        grads = rows_of(dp_rows, "dp", "gradients")[0]
         elem = gradient_dtype_bytes(s, cluster.stack)
         reductions = _reductions(s, cluster.stack)
         overlap = cluster.overlaps_grad_reduce
@@ -373,7 +373,7 @@ def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward
                                                         expert_where))
         elif s.dp_strategy == "zero1":
             # ZeroRedundancyOptimizer broadcasts each rank's updated shard after step(): exposed.
-            out["zero1_broadcast"] = collective_time(_rows(dp_rows, "dp", "parameters"), where)
+            out["zero1_broadcast"] = collective_time(rows_of(dp_rows, "dp", "parameters"), where)
         return out
     # FSDP family, per micro-batch: all-gather parameters (forward, and again in backward
     # unless zero2) and reduce-scatter the gradients (slipstream keeps gradients sharded, so
@@ -402,7 +402,7 @@ def _data_parallel_time(model: PlanModel, s: Strategy, cluster: Cluster, forward
     all_units = units + _expert_units(model, s, blocks)
     overhead = FSDP_UNIT_OVERHEAD_S * all_units * collectives_per_unit * (1 if s.pp > 1 else micro)
     out = {"dp_comm": exposed + first_layer, "fsdp_overhead": overhead}
-    replicate = _rows(collectives, "dp_replicate", "gradients")
+    replicate = rows_of(collectives, "dp_replicate", "gradients")
     if replicate:
         out["dp_replicate_comm"] = collective_time(replicate, span(cluster, replicate[0].group, group * s.tp * s.cp))
     return out

@@ -42,7 +42,7 @@ from slipstream.plan import efficiency as rates_table
 from slipstream.plan.efficiency import Fit, Rates
 from slipstream.plan.experts import experts_of
 from slipstream.plan.hardware import DEFAULT_MATMUL_EFFICIENCY, Cluster
-from slipstream.plan.memory_activations import _dtypes
+from slipstream.plan.memory_activations import strategy_dtypes
 from slipstream.plan.space import PlanModel, Strategy, Workload
 from slipstream.plan.stages import RankPart
 from slipstream.plan.timing_ranks import pipeline_ranks
@@ -112,7 +112,7 @@ class _Work:
 
 
 @dataclass
-class _Speeds:
+class Speeds:
     """The achievable rates of one plan: FLOP/s of GEMMs and of the attention kernel, bytes/s of
     memory-bound work, and the element sizes."""
 
@@ -144,18 +144,19 @@ def attention_kernel(model: PlanModel, s: Strategy) -> str:
     return s.attention
 
 
-def _speeds(model: PlanModel, s: Strategy, cluster: Cluster, efficiency: float, fit: Fit | None) -> _Speeds:
-    dtype = _dtype_key(s)
+def achievable_speeds(model: PlanModel, s: Strategy, cluster: Cluster, efficiency: float,
+                      fit: Fit | None) -> Speeds:
+    dtype = strategy_dtype_key(s)
     r = rates_table.rates(cluster.gpu.generation, fit)
     peak = cluster.peak_flops(dtype)
-    dt = _dtypes(s)
-    return _Speeds(gemm=peak * _gemm_fraction(cluster, dtype, r) * efficiency,
-                   attention=peak * r.attention(attention_kernel(model, s)) * efficiency,
-                   bandwidth=cluster.gpu.mem_bw_gbs * 1e9 * r.pointwise * efficiency,
-                   rates=r, compute=dt.compute, residual=dt.residual)
+    dt = strategy_dtypes(s)
+    return Speeds(gemm=peak * _gemm_fraction(cluster, dtype, r) * efficiency,
+                  attention=peak * r.attention(attention_kernel(model, s)) * efficiency,
+                  bandwidth=cluster.gpu.mem_bw_gbs * 1e9 * r.pointwise * efficiency,
+                  rates=r, compute=dt.compute, residual=dt.residual)
 
 
-def _dtype_key(s: Strategy) -> str:
+def strategy_dtype_key(s: Strategy) -> str:
     return "bf16" if s.precision == "bf16" else ("fp16" if s.precision == "fp16" else "tf32")
 
 
@@ -176,7 +177,7 @@ class _BlockCost:
     full: _Work          # the whole forward
 
 
-def _block_cost(model: PlanModel, s: Strategy, tokens: float, seq_len: int, sp: _Speeds) -> _BlockCost:
+def _block_cost(model: PlanModel, s: Strategy, tokens: float, seq_len: int, sp: Speeds) -> _BlockCost:
     """The mean block (dense and MoE blocks in the model's proportion) on one GPU, for `tokens`
     tokens of one micro-batch (tensor parallel splits the heads and the MLP; sequence parallel
     also the norms and residual adds, which run on the whole sequence without it)."""
@@ -286,7 +287,7 @@ def _block_cost(model: PlanModel, s: Strategy, tokens: float, seq_len: int, sp: 
     return _BlockCost(forward, backward, selective, dataclasses.replace(forward, host=forward.host + checkpoint))
 
 
-def _head_cost(model: PlanModel, s: Strategy, tokens: float, sp: _Speeds) -> tuple[_Work, _Work]:
+def _head_cost(model: PlanModel, s: Strategy, tokens: float, sp: Speeds) -> tuple[_Work, _Work]:
     """Forward and backward of the final norm, the output head and the loss (the last pp rank)."""
     from slipstream.models.transformer import padded_vocab_size
 
@@ -303,7 +304,7 @@ def _head_cost(model: PlanModel, s: Strategy, tokens: float, sp: _Speeds) -> tup
     return forward, backward
 
 
-def _embedding_cost(model: PlanModel, s: Strategy, tokens: float, sp: _Speeds) -> tuple[_Work, _Work]:
+def _embedding_cost(model: PlanModel, s: Strategy, tokens: float, sp: Speeds) -> tuple[_Work, _Work]:
     """Forward and backward of the embedding lookup, learned positions and an embedding norm (the
     first pp rank): rows written, positions added; backward scatter-adds the rows' gradients."""
     cfg, a, r = model.cfg, sp.compute, sp.residual
@@ -332,7 +333,7 @@ class _RankCompute:
         return self.forward + self.backward
 
 
-def _rank_compute(model: PlanModel, s: Strategy, work: Workload, sp: _Speeds) -> list[_RankCompute]:
+def rank_compute(model: PlanModel, s: Strategy, work: Workload, sp: Speeds) -> list[_RankCompute]:
     """Every pp rank's compute of one step: grad_accum micro-batches through its blocks (and the
     embedding, head and loss where it holds them)."""
     tokens = s.micro_batch * work.seq_len / s.cp
@@ -361,7 +362,7 @@ def _rank_compute(model: PlanModel, s: Strategy, work: Workload, sp: _Speeds) ->
     return out
 
 
-def _hardware_flops_per_token(model: PlanModel, s: Strategy, seq_len: int) -> tuple[float, float]:
+def hardware_flops_per_token(model: PlanModel, s: Strategy, seq_len: int) -> tuple[float, float]:
     """Training FLOPs per token beyond models.flops' count: (activation checkpointing's recomputed
     forward, a fused attention kernel's recomputed scores). Full AC re-runs every block's forward:
     2 x its (active) matmul parameters + the attention's 4 T d; selective re-runs no weight matmul,

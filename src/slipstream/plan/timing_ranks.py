@@ -44,7 +44,7 @@ def busiest_rank(model: PlanModel, s: Strategy, seq_len: int) -> RankPart:
                key=lambda p: p.blocks * w.block + w.embedding * p.embedding + w.head * p.head)
 
 
-def _rank_blocks(model: PlanModel, s: Strategy, seq_len: int | None) -> float:
+def rank_blocks(model: PlanModel, s: Strategy, seq_len: int | None) -> float:
     """Blocks of the busiest pp rank (all of them without a pipeline; n_layer / pp when the
     sequence length, which weighs the split, is not known)."""
     if s.pp <= 1:
@@ -54,7 +54,7 @@ def _rank_blocks(model: PlanModel, s: Strategy, seq_len: int | None) -> float:
     return float(busiest_rank(model, s, seq_len).blocks)
 
 
-def _params_per_gpu(model: PlanModel, s: Strategy, seq_len: int | None = None) -> float:
+def params_per_gpu(model: PlanModel, s: Strategy, seq_len: int | None = None) -> float:
     """Parameters one GPU holds before data-parallel sharding: TP splits the model, EP the routed
     experts (an MoE layer is not split by tp); under a pipeline the busiest rank's whole blocks,
     the embedding on the first rank and the head and final norm on the last."""
@@ -83,7 +83,7 @@ def _final_norm_params(cfg) -> int:
     return cfg.d_model * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
 
 
-def _expert_params_per_gpu(model: PlanModel, s: Strategy, blocks: float) -> float:
+def expert_params_per_gpu(model: PlanModel, s: Strategy, blocks: float) -> float:
     """The routed-expert parameters of one GPU that data parallelism treats apart: ep > 1 only
     (E / ep per MoE layer, of the rank's `blocks`); with ep = 1 they are part of their blocks."""
     ex = experts_of(model)
@@ -92,14 +92,14 @@ def _expert_params_per_gpu(model: PlanModel, s: Strategy, blocks: float) -> floa
     return ex.layers * ex.routed_params / s.ep * blocks / model.cfg.n_layer
 
 
-def _optimizer_params_per_gpu(model: PlanModel, s: Strategy, seq_len: int | None = None) -> float:
+def optimizer_params_per_gpu(model: PlanModel, s: Strategy, seq_len: int | None = None) -> float:
     """Parameters whose AdamW update runs on one GPU: its share after data-parallel sharding
     (ep > 1: the routed experts over the dp / ep ranks that hold the same ones)."""
     group = s.shard_group if s.shards()[0] else 1
-    total = _params_per_gpu(model, s, seq_len)
+    total = params_per_gpu(model, s, seq_len)
     if model.traced is not None:
         return total / group
-    experts = _expert_params_per_gpu(model, s, _rank_blocks(model, s, seq_len))
+    experts = expert_params_per_gpu(model, s, rank_blocks(model, s, seq_len))
     if not experts:
         return total / group
     return (total - experts) / group + experts / s.expert_shard_group
