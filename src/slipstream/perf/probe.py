@@ -36,7 +36,7 @@ import torch.distributed as dist
 from slipstream.errors import UserError
 from slipstream.observe import peaks
 from slipstream.observe.env import collect_env, write_json_atomic
-from slipstream.perf.probe_comm import _sync, comm_section
+from slipstream.perf.probe_comm import comm_section, sync_device
 
 SECTIONS = ("compute", "memory", "comm", "storage")
 DEFAULT_SECTIONS = ("compute", "memory")
@@ -220,13 +220,13 @@ def compute_section(device: torch.device, sizes: list[int] | None = None, cache_
 
 def _best_copy_seconds(dst: torch.Tensor, src: torch.Tensor, device: torch.device, repeats: int) -> float:
     dst.copy_(src, non_blocking=True)  # warm-up: first-touch page faults, allocator, driver
-    _sync(device)
+    sync_device(device)
     best = math.inf
     for _ in range(repeats):
-        _sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         dst.copy_(src, non_blocking=True)
-        _sync(device)
+        sync_device(device)
         best = min(best, time.perf_counter() - t0)
     return best
 

@@ -52,7 +52,7 @@ def bus_bandwidth(collective: str, algbw: float, world_size: int) -> float:
     return algbw * bus_bandwidth_factor(collective, world_size)
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     """Wait for the device's queued work (CPU work is done when the call returns); probe.py times with it too."""
     if device.type != "cpu":
         torch.accelerator.synchronize(device)
@@ -96,11 +96,11 @@ def _time_rows(name: str, sizes: list[int], world: int, device: torch.device, tr
         iters = max(COMM_MIN_ITERS, min(COMM_MAX_ITERS, traffic // nbytes))
         for _ in range(COMM_WARMUP):
             run()
-        _sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         for _ in range(iters):
             run()
-        _sync(device)
+        sync_device(device)
         # Ranks finish at slightly different times; the collective is as slow as the slowest.
         elapsed = torch.tensor([(time.perf_counter() - t0) / iters], dtype=torch.float64, device=device)
         dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
