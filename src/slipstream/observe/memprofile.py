@@ -233,7 +233,7 @@ class _StepMemTracker(PeakMemTracker):
 
 
 @contextlib.contextmanager
-def _reset_tracker_per_top_level_forward(tracker: MemTracker) -> Iterator[None]:
+def reset_tracker_per_top_level_forward(tracker: MemTracker) -> Iterator[None]:
     """MemTracker refuses a second forward of a top-level module within one tracking
     context ("multiple iterative calls"), which gradient accumulation does by design.
     Dropping that module's per-module stats before each of its top-level forwards lifts that;
@@ -286,7 +286,7 @@ def measure_step_memory(model: nn.Module, optimizer: torch.optim.Optimizer | lis
     # The model and optimizer exist before the step: register their tensors (parameters,
     # buffers, existing gradients, optimizer state) so they are counted from the start.
     tracker.track_external(model, *optimizers)
-    with _reset_tracker_per_top_level_forward(tracker), tracker:
+    with reset_tracker_per_top_level_forward(tracker), tracker:
         with tracker.section("forward_backward"):
             run_forward_backward()
         with tracker.section("optimizer"):

@@ -75,24 +75,24 @@ class Report:
         lines = []
         for a in self.analyses:
             lines.append(f"rank {a.rank} ({a.device} trace, {len(a.steps)} steps): {a.path}")
-            lines.append(f"  step {_ms(a.step_us)} (median {_ms(a.step_us_median)}): "
-                         f"compute {_pct(a.share(a.compute_us))}, exposed communication "
-                         f"{_pct(a.share(a.comm_exposed_us))}, memory copies {_pct(a.share(a.memcpy_us))}, "
-                         f"idle {_pct(a.share(a.idle_us))}; data wait "
-                         + (_pct(a.share(a.data_wait_us)) if a.data_wait_us is not None else "unknown"))
+            lines.append(f"  step {format_ms(a.step_us)} (median {format_ms(a.step_us_median)}): "
+                         f"compute {format_pct(a.share(a.compute_us))}, exposed communication "
+                         f"{format_pct(a.share(a.comm_exposed_us))}, memory copies {format_pct(a.share(a.memcpy_us))}, "
+                         f"idle {format_pct(a.share(a.idle_us))}; data wait "
+                         + (format_pct(a.share(a.data_wait_us)) if a.data_wait_us is not None else "unknown"))
             if a.top_ops:
-                tops = ", ".join(f"{_short(o['name'])} {_ms(o['per_step_us'])}" for o in a.top_ops[:5])
+                tops = ", ".join(f"{_short(o['name'])} {format_ms(o['per_step_us'])}" for o in a.top_ops[:5])
                 lines.append(f"  top host ops per step: {tops}")
             if a.top_kernels:
-                tops = ", ".join(f"{_short(o['name'])} {_ms(o['per_step_us'])}" for o in a.top_kernels[:5])
+                tops = ", ".join(f"{_short(o['name'])} {format_ms(o['per_step_us'])}" for o in a.top_kernels[:5])
                 lines.append(f"  top kernels per step: {tops}")
             if a.pipeline_us is not None:
-                lines.append(f"  pipeline: {_ms(a.pipeline_us)} per step in {PIPELINE_LABEL}, waiting on its "
-                             f"transfers {_ms(a.pp_wait_us)} ({_pct(a.share(a.pp_wait_us))} of step, "
-                             f"{_pct(a.pp_bubble)} of the pipeline; {a.pp_transfers_per_step:g} sends/receives)")
+                lines.append(f"  pipeline: {format_ms(a.pipeline_us)} per step in {PIPELINE_LABEL}, waiting on its "
+                             f"transfers {format_ms(a.pp_wait_us)} ({format_pct(a.share(a.pp_wait_us))} of step, "
+                             f"{format_pct(a.pp_bubble)} of the pipeline; {a.pp_transfers_per_step:g} sends/receives)")
             if a.a2a_wait_us is not None:
-                lines.append(f"  all-to-all (MoE dispatch): waiting {_ms(a.a2a_wait_us)} per step "
-                             f"({_pct(a.share(a.a2a_wait_us))} of step) with no compute running")
+                lines.append(f"  all-to-all (MoE dispatch): waiting {format_ms(a.a2a_wait_us)} per step "
+                             f"({format_pct(a.share(a.a2a_wait_us))} of step) with no compute running")
             for note in a.notes:
                 lines.append(f"  note: {note}")
         lines.append("")
@@ -104,7 +104,7 @@ class Report:
             if len(self.analyses) > 1 and f.rule not in ("imbalance", "pipeline_bubble", "moe_dispatch"):
                 where = f" (rank {f.rank})" if len(f.ranks) <= 1 else \
                     f" (worst: rank {f.rank}; on ranks {', '.join(map(str, f.ranks))})"
-            lines.append(f"{i}. [{_pct(f.severity)} of step] {f.title}{where}")
+            lines.append(f"{i}. [{format_pct(f.severity)} of step] {f.title}{where}")
             lines.append(f"   evidence: {f.evidence}")
             lines.append(f"   fix: {f.fix}")
             if f.overrides:
@@ -116,7 +116,7 @@ class Report:
         return "\n".join(lines)
 
 
-def _ms(us: float) -> str:
+def format_ms(us: float) -> str:
     # Sub-0.1 ms amounts (a sync call, a short gap) would read as "0.00 ms".
     return f"{us:.1f} µs" if abs(us) < 100 else f"{us / 1000:.2f} ms"
 
@@ -127,7 +127,7 @@ def _short(name: str, width: int = 48) -> str:
     return name if len(name) <= width else name[: width - 3] + "..."
 
 
-def _pct(share: float | None) -> str:
+def format_pct(share: float | None) -> str:
     return "unknown" if share is None else f"{100 * share:.0f}%"
 
 
@@ -208,8 +208,8 @@ def _rule_data_wait(a: TraceAnalysis, cfg) -> Finding | None:
     if a.device == "cuda" and (cfg is None or not cfg.data.pin_memory):
         overrides.append("--data.pin_memory=true")
     return Finding(
-        "data_wait", f"the step waits for data: data wait is {_pct(share)} of step time",
-        f"{_ms(a.data_wait_us)} of {_ms(a.step_us)} per step inside slipstream/data "
+        "data_wait", f"the step waits for data: data wait is {format_pct(share)} of step time",
+        f"{format_ms(a.data_wait_us)} of {format_ms(a.step_us)} per step inside slipstream/data "
         f"(mean of {len(a.steps)} steps)",
         share, "raise data.num_workers and enable pinned prefetch (data.prefetch, data.pin_memory); "
                "if batches are built by a slow data.augment, workers run it in parallel",
@@ -229,7 +229,7 @@ def _rule_sync(a: TraceAnalysis, cfg) -> Finding | None:
     share = a.share(a.sync_us)
     return Finding(
         "sync", f"{per_step:g} host-device sync points per step",
-        f"per step: {ops} ({_ms(a.sync_us)} in the sync calls; on a GPU each one also "
+        f"per step: {ops} ({format_ms(a.sync_us)} in the sync calls; on a GPU each one also "
         f"drains the launch queue){note}",
         share, "remove .item() / .cpu() / tensor printing from the step (e.g. in the loss) and keep "
                "metrics as tensors; slipstream syncs only every logging.log_interval steps",
@@ -245,7 +245,7 @@ def _rule_launch_bound(a: TraceAnalysis, cfg) -> Finding | None:
     return Finding(
         "launch_bound", f"launch-bound: {a.ops_per_step:.0f} small ops per step",
         f"{a.ops_per_step:.0f} top-level ops per step, median {a.median_op_us:.1f} µs each; runs of tiny "
-        f"ops take {_ms(a.tiny_stretch_us)} of {_ms(a.step_us)} per step",
+        f"ops take {format_ms(a.tiny_stretch_us)} of {format_ms(a.step_us)} per step",
         share, "fuse the small ops with compile.scope=blocks (or model), and use a larger "
                "train.micro_batch_size so each op does more work",
         overrides, {"ops_per_step": a.ops_per_step, "median_op_us": a.median_op_us,
@@ -259,9 +259,9 @@ def _rule_comm_exposed(a: TraceAnalysis, cfg) -> Finding | None:
     if share < COMM_EXPOSED_MIN:
         return None
     return Finding(
-        "comm_exposed", f"communication is not hidden: {_pct(share)} of step time waits on collectives",
-        f"{_ms(a.comm_us)} of communication per step, {_ms(a.comm_overlapped_us)} overlapped with compute, "
-        f"{_ms(a.comm_exposed_us)} exposed",
+        "comm_exposed", f"communication is not hidden: {format_pct(share)} of step time waits on collectives",
+        f"{format_ms(a.comm_us)} of communication per step, {format_ms(a.comm_overlapped_us)} overlapped with compute, "
+        f"{format_ms(a.comm_exposed_us)} exposed",
         share, "DDP bucket size and overlap options are not in slipstream yet (they come later); "
                "until then a larger train.micro_batch_size raises compute per all-reduce",
         [], {"comm_us": a.comm_us, "comm_exposed_us": a.comm_exposed_us,
@@ -274,8 +274,8 @@ def _rule_memcpy(a: TraceAnalysis, cfg) -> Finding | None:
         return None
     overrides = [] if cfg is not None and cfg.data.pin_memory else ["--data.pin_memory=true"]
     return Finding(
-        "memcpy", f"memory copies take {_pct(share)} of step time",
-        f"{_ms(a.memcpy_us)} per step in Memcpy/Memset not overlapped with compute",
+        "memcpy", f"memory copies take {format_pct(share)} of step time",
+        f"{format_ms(a.memcpy_us)} per step in Memcpy/Memset not overlapped with compute",
         share, "copy batches from pinned memory with non_blocking=True (data.pin_memory=true) and avoid "
                ".to(device) / .cpu() round trips inside the step",
         overrides, {"memcpy_us": a.memcpy_us})
@@ -289,11 +289,11 @@ def _rule_idle(a: TraceAnalysis, cfg) -> Finding | None:
     if share < IDLE_MIN:
         return None
     host = [(name, us) for name, us in a.idle_by_host.items() if name != DATA_LABEL]
-    what = ", ".join(f"{name} {_ms(us)}" for name, us in host[:3]) or "nothing recorded"
+    what = ", ".join(f"{name} {format_ms(us)}" for name, us in host[:3]) or "nothing recorded"
     who = "the device sits idle" if a.device == "cuda" else "no op runs"
     return Finding(
-        "idle", f"{who} for {_pct(share)} of the step, outside the data wait",
-        f"{_ms(unexplained)} per step in idle gaps outside slipstream/data; the host meanwhile: {what}",
+        "idle", f"{who} for {format_pct(share)} of the step, outside the data wait",
+        f"{format_ms(unexplained)} per step in idle gaps outside slipstream/data; the host meanwhile: {what}",
         share, "look at what the host does in the gaps (listed above); compile.scope=blocks cuts Python "
                "overhead, and sleeps or blocking calls in the step show up here",
         [], {"idle_us": a.idle_us, "unexplained_idle_us": unexplained, "idle_by_host": a.idle_by_host})
@@ -312,8 +312,8 @@ def _rule_compute(a: TraceAnalysis, cfg) -> Finding | None:
         overrides.append("--compile.scope=blocks")
     top = ", ".join(_short(o["name"]) for o in (a.top_kernels or a.top_ops)[:3])
     return Finding(
-        "compute", f"compute-bound: compute is {_pct(share)} of step time",
-        f"{_ms(a.compute_us)} of {_ms(a.step_us)} per step in compute; largest: {top}",
+        "compute", f"compute-bound: compute is {format_pct(share)} of step time",
+        f"{format_ms(a.compute_us)} of {format_ms(a.step_us)} per step in compute; largest: {top}",
         share, "make the compute cheaper: precision.autocast=bf16 (GPUs), compile.scope=blocks "
                "(train.fused_loss saves logits memory, it does not speed the step up on CPU)",
         overrides, {"compute_us": a.compute_us})
@@ -339,15 +339,15 @@ def _rule_imbalance(analyses: list[TraceAnalysis]) -> Finding | None:
         return None
     by_rank = {a.rank: a for a in analyses}
     waiter = max(by_rank, key=lambda r: by_rank[r].comm_exposed_us + by_rank[r].idle_us)
-    per_rank = ", ".join(f"rank {r} {_ms(steps[r])}" for r in sorted(steps))
+    per_rank = ", ".join(f"rank {r} {format_ms(steps[r])}" for r in sorted(steps))
     s, f = by_rank[slow], by_rank[fast]
-    detail = (f"rank {slow} idles {_ms(s.idle_us)} per step vs {_ms(f.idle_us)} on rank {fast}")
+    detail = (f"rank {slow} idles {format_ms(s.idle_us)} per step vs {format_ms(f.idle_us)} on rank {fast}")
     if s.data_wait_us is not None and f.data_wait_us is not None:
-        detail += f"; data wait {_ms(s.data_wait_us)} vs {_ms(f.data_wait_us)}"
+        detail += f"; data wait {format_ms(s.data_wait_us)} vs {format_ms(f.data_wait_us)}"
     if any(a.comm_us > 0 for a in analyses):
         detail += f"; rank {waiter} waits longest (collectives and idle)"
     return Finding(
-        "imbalance", f"rank {slow} is slower than the others (step-time spread {_pct(spread)})",
+        "imbalance", f"rank {slow} is slower than the others (step-time spread {format_pct(spread)})",
         f"step time {per_rank}; {detail}",
         spread, f"check rank {slow}: data sharding (uneven shards or sequence lengths), a slower or busier "
                 "device/host, or work only that rank does (logging, checkpointing)",
@@ -405,8 +405,8 @@ def _rule_pipeline_bubble(analyses: list[TraceAnalysis], run: RunContext) -> Fin
     worst = max(piped, key=lambda a: shares[a.rank])
     if shares[worst.rank] < PIPELINE_BUBBLE_MIN:
         return None
-    per_rank = ", ".join(f"rank {a.rank} {_pct(shares[a.rank])} of step ({_ms(a.pp_wait_us)}; "
-                         f"{_pct(a.pp_bubble)} of the pipeline)" for a in sorted(piped, key=lambda a: a.rank))
+    per_rank = ", ".join(f"rank {a.rank} {format_pct(shares[a.rank])} of step ({format_ms(a.pp_wait_us)}; "
+                         f"{format_pct(a.pp_bubble)} of the pipeline)" for a in sorted(piped, key=lambda a: a.rank))
     cfg = run.cfg
     planned, where = run.pp_bubble_planned, "pp_bubble_planned in the run's metrics.jsonl"
     setup, overrides = "", []
@@ -424,11 +424,11 @@ def _rule_pipeline_bubble(analyses: list[TraceAnalysis], run: RunContext) -> Fin
     if planned is None:
         evidence += "; planned bubble unknown (no metrics.jsonl or config.toml beside the traces)"
     else:
-        evidence += f"; planned bubble {_pct(planned)} of the pipeline{setup}, from {where}"
+        evidence += f"; planned bubble {format_pct(planned)} of the pipeline{setup}, from {where}"
     share = shares[worst.rank]
     return Finding(
         "pipeline_bubble",
-        f"the pipeline bubble: rank {worst.rank} waits on other stages for {_pct(share)} of the step",
+        f"the pipeline bubble: rank {worst.rank} waits on other stages for {format_pct(share)} of the step",
         evidence, share,
         "give the pipeline more micro-batches per step (parallel.pp_microbatches, which must divide "
         "train.micro_batch_size x grad_accum_steps; or a larger train.grad_accum_steps, which also grows "
@@ -528,8 +528,8 @@ def _compare_text(before: dict[str, Any], after: dict[str, Any], overrides: list
 
     lines = [f"--apply: {' '.join(overrides)}  (profiled steps)",
              f"{'':8} {'step time':>12} {'tokens/s':>12}",
-             f"{'before':8} {_ms(before['step_us']):>12} {fmt_tps(before['tokens_per_s']):>12}",
-             f"{'after':8} {_ms(after['step_us']):>12} {fmt_tps(after['tokens_per_s']):>12}"]
+             f"{'before':8} {format_ms(before['step_us']):>12} {fmt_tps(before['tokens_per_s']):>12}",
+             f"{'after':8} {format_ms(after['step_us']):>12} {fmt_tps(after['tokens_per_s']):>12}"]
     if after["step_us"] > 0:
         lines.append(f"speedup: {before['step_us'] / after['step_us']:.2f}x")
     return "\n".join(lines)

@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from slipstream.errors import UserError
-from slipstream.perf.doctor import Finding, RunContext, _ms, _pct
+from slipstream.perf.doctor import Finding, RunContext, format_ms, format_pct
 from slipstream.perf.trace import TraceAnalysis
 
 MOE_DISPATCH_MIN = 0.10  # a rank waiting on the all-to-all for this share of its step
@@ -139,18 +139,18 @@ def rule_moe_dispatch(analyses: list[TraceAnalysis], cfg, loads: dict[str, list[
     if not waiting:
         return None
     share, waiter, heavy_rank = max(waiting)
-    per_rank = ", ".join(f"rank {r} {_ms(timed[r].a2a_wait_us)} ({_pct(wait[r])})" for r in sorted(timed))
+    per_rank = ", ".join(f"rank {r} {format_ms(timed[r].a2a_wait_us)} ({format_pct(wait[r])})" for r in sorted(timed))
     local = len(loads[worst_layer]) // ep
-    per_ep = ", ".join(f"ep rank {j} (experts {j * local}-{(j + 1) * local - 1}) {_pct(token[j])} ({ratio[j]:.1f}x)"
-                       for j in range(ep))
+    per_ep = ", ".join(f"ep rank {j} (experts {j * local}-{(j + 1) * local - 1}) {format_pct(token[j])} "
+                       f"({ratio[j]:.1f}x)" for j in range(ep))
     where = f"step {metrics_step}" if metrics_step is not None else "the last log interval"
     others = ", ".join(f"{layer} {max(s) * ep:.1f}x" for layer, s in shares.items() if layer != worst_layer)
     return Finding(
         "moe_dispatch",
-        f"rank {waiter} waits on the MoE all-to-all for {_pct(share)} of the step: rank {heavy_rank}'s experts "
+        f"rank {waiter} waits on the MoE all-to-all for {format_pct(share)} of the step: rank {heavy_rank}'s experts "
         f"get {ratio[heavy]:.1f}x their share of the tokens",
         f"all-to-all wait per step with no compute running: {per_rank}; tokens routed to each ep rank's experts "
-        f"in {worst_layer}, the worst layer (metrics.jsonl, {where}; fair share {_pct(1 / ep)}): {per_ep}"
+        f"in {worst_layer}, the worst layer (metrics.jsonl, {where}; fair share {format_pct(1 / ep)}): {per_ep}"
         + (f"; the most loaded ep rank in the other layers: {others}" if others else ""),
         share,
         "balance the experts' load: raise model.moe_aux_loss (the auxiliary load-balancing loss), or turn on "

@@ -142,7 +142,7 @@ def _measure_sharded(case: Case, cfg: ModelConfig, batch, targets, fused) -> int
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from slipstream.models.transformer import Transformer
-    from slipstream.observe.memprofile import _reset_tracker_per_top_level_forward
+    from slipstream.observe.memprofile import reset_tracker_per_top_level_forward
     from slipstream.optimize.activations import apply_activation_checkpointing
 
     s = case.strategy
@@ -170,7 +170,7 @@ def _measure_sharded(case: Case, cfg: ModelConfig, batch, targets, fused) -> int
         tracker.track_inputs((batch, targets))
         # Accumulation runs several forwards in one tracked step, which the tracker refuses
         # unless its per-module stats are cleared before each (the peaks are kept).
-        with _reset_tracker_per_top_level_forward(tracker), tracker:
+        with reset_tracker_per_top_level_forward(tracker), tracker:
             _train_step(model, optimizer, batch, targets, s, fused)
             _optimizer_step(model, optimizer)
         return _peak_total(tracker)
