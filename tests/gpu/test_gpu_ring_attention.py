@@ -1,14 +1,20 @@
 """parallel.cp_attention = ring on one CUDA device (skipped without a GPU).
 
 tests/distributed/test_ring_attention.py runs torch's ring algorithm on CPU over 2 and 4 ranks,
-with the SDPA call routed to the flash op and CPU kernels registered for it. Here nothing is
-routed: the kernel's own SDPA call on CUDA DTensors picks a fused kernel (flash for bf16,
+with the SDPA call routed to the flash or memory-efficient op and CPU kernels registered for
+them. Here nothing is routed: the kernel's own SDPA call on CUDA DTensors picks a fused kernel (flash for bf16,
 memory-efficient for fp32, or cuDNN), and torch's CP dispatcher must turn it into its ring
 (`_templated_ring_attention` and its backward, counted here) over a cp mesh of one rank, whose
-one step is the whole causal attention: output and q/k/v gradients equal plain SDPA's.
+one step is the whole causal attention: output and q/k/v gradients equal plain SDPA's. The fused
+op torch's ring was handed is recorded: memory-efficient attention for fp32, flash or cuDNN for
+bf16 (the CPU test stands in for flash and memory-efficient). One rank never merges steps, so the
+memory-efficient kernel's log-sum-exp padding, which torch's merge cannot take
+(config/load.RING_QUERY_ALIGN), is checked on the kernel itself.
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -28,13 +34,15 @@ def ring(tmp_path_factory):
     from slipstream.distributed.ring_attention import torch_ring_attention
 
     torch_cp = torch_ring_attention()
-    calls = {"forward": 0, "backward": 0}
+    calls = {"forward": 0, "backward": 0, "ops": []}
     originals = torch_cp._templated_ring_attention, torch_cp._templated_ring_attention_backward
+    options = torch_cp._cp_options.enable_load_balance, torch_cp._cp_options.rotate_method
 
     def count(kind, fn):
-        def counted(*args, **kwargs):
+        def counted(group, seq_dim, op, *args, **kwargs):
             calls[kind] += 1
-            return fn(*args, **kwargs)
+            calls["ops"].append(str(op).removesuffix(".default"))  # the fused op torch's SDPA handler reached
+            return fn(group, seq_dim, op, *args, **kwargs)
         return counted
 
     # torch's handlers look its ring functions up in their module at every call.
@@ -50,6 +58,7 @@ def ring(tmp_path_factory):
         yield ContextParallel(mesh, load_balance=True, kernel="ring").attend, calls
     finally:
         torch_cp._templated_ring_attention, torch_cp._templated_ring_attention_backward = originals
+        torch_cp._cp_options.enable_load_balance, torch_cp._cp_options.rotate_method = options
         torch_cp._disable_context_parallel_dispatcher()
         if own_group:
             dist.destroy_process_group()
@@ -68,14 +77,33 @@ def test_ring_kernel_matches_sdpa_on_cuda(ring, dtype, n_kv, tol):
     k, v = (torch.randn(B, n_kv, T, D, device="cuda", generator=g, dtype=dtype) for _ in range(2))
     grad = torch.randn(B, H, T, D, device="cuda", generator=g, dtype=dtype)
     results = []
-    calls.update(forward=0, backward=0)
+    calls.update(forward=0, backward=0, ops=[])
     for kernel in (attend, F.scaled_dot_product_attention):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = kernel(*leaves, is_causal=True, enable_gqa=n_kv != H)
         out.backward(grad)
         results.append((out.detach(), *(t.grad for t in leaves)))
-    assert calls == {"forward": 1, "backward": 1}, calls  # torch's ring ran, not plain SDPA
+    assert calls["forward"] == 1 and calls["backward"] == 1, calls  # torch's ring ran, not plain SDPA
+    # The fused kernel SDPA picked: fp32 has memory-efficient attention only; bf16 flash or cuDNN.
+    kernels = {torch.float32: ("efficient",), torch.bfloat16: ("flash", "cudnn")}[dtype]
+    forward_op, backward_op = calls["ops"]
+    assert forward_op in [f"aten._scaled_dot_product_{k}_attention" for k in kernels], calls
+    assert backward_op == f"{forward_op}_backward", calls
     for name, got, want in zip(("out", "dq", "dk", "dv"), *results):
         assert got.shape == want.shape and got.dtype == want.dtype, name
         err = (got.float() - want.float()).abs().max().item()
         assert err <= tol * max(1.0, want.float().abs().max().item()), (name, err)
+
+
+@pytest.mark.skipif(torch.version.hip is not None, reason="ROCm's memory-efficient kernel does not pad its log-sum-exp")
+@pytest.mark.parametrize("queries", [48, 64])
+def test_efficient_kernel_pads_its_lse_to_32_queries(queries):
+    """The premise of config/load.RING_QUERY_ALIGN on this GPU: CUDA's memory-efficient attention
+    returns the log-sum-exp of L queries padded to ceil(L / 32) * 32, which torch's ring merge
+    meets with the unpadded output (tests/unit/test_ring_attention_config.py)."""
+    from slipstream.config.load import RING_QUERY_ALIGN
+
+    q, k, v = (torch.randn(1, 2, queries, 64, device="cuda") for _ in range(3))
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, is_causal=True)
+    assert out.shape == q.shape
+    assert lse.shape == (1, 2, math.ceil(queries / RING_QUERY_ALIGN) * RING_QUERY_ALIGN), lse.shape

@@ -376,6 +376,23 @@ def check_architecture_rules(cfg: Config) -> None:
                         "--model.position=rope")
 
 
+# CUDA's memory-efficient attention kernel (what SDPA picks for fp32, and for bf16 where flash
+# cannot run) returns its log-sum-exp padded to a multiple of 32 queries (kAlignLSE = 32: torch/
+# _meta_registrations.py, meta__scaled_dot_product_efficient_attention: math.ceil(M / 32) * 32).
+# torch's ring merges each step's log-sum-exp with that step's unpadded output, so the shapes agree
+# only when every step's queries are a multiple of 32 (with cp_load_balance a step takes both local
+# chunks or the second one: seq_len / (2 cp) queries each; without it seq_len / cp).
+RING_QUERY_ALIGN = 32
+
+
+def ring_needs_cuda(device: str) -> UserError:
+    """The refusal of the ring kernel off CUDA (here by train.device; by the resolved device in
+    distributed/context_parallel.check_ring_attention). device: what the run has, e.g. "train.device = cpu"."""
+    return UserError(f"parallel.cp_attention = ring runs torch's ring attention on CUDA's fused attention kernels "
+                     f"(flash, efficient, cuDNN), which {device} does not have. Use --parallel.cp_attention=allgather "
+                     "(any device)")
+
+
 def check_cp_attention_rules(cfg: Config) -> None:
     """parallel.cp_attention = ring runs torch's ring attention: its per-step kernels are CUDA's
     fused SDPA ops, and it knows the causal mask only. (Checked again with the resolved device
@@ -385,8 +402,7 @@ def check_cp_attention_rules(cfg: Config) -> None:
         return
     fix = "--parallel.cp_attention=allgather"
     if not cfg.train.device.startswith(("auto", "cuda")):
-        raise UserError(f"parallel.cp_attention = ring runs torch's ring attention on CUDA's fused attention kernels "
-                        f"(flash, efficient, cuDNN); train.device = {cfg.train.device} has none. Use {fix} (any device)")
+        raise ring_needs_cuda(f"train.device = {cfg.train.device}")
     if cfg.data.packing == "document":
         raise UserError("parallel.cp_attention = ring supports the causal mask only (torch's ring attention takes "
                         "is_causal, not a mask), but data.packing = document masks attention at document ends; use "
@@ -402,6 +418,24 @@ def check_cp_attention_rules(cfg: Config) -> None:
         raise UserError(f"parallel.cp_attention = ring breaks the compiled graph at attention (torch's ring runs "
                         f"eagerly there), which compile.fullgraph = true refuses; set --compile.fullgraph=false, "
                         f"or {fix}")
+    if cfg.activations.checkpointing == "offload":
+        # save_on_cpu(pin_memory=True) copies each saved tensor into a pinned plain tensor; the ring
+        # saves DTensors, and copy_ of a DTensor into a plain tensor raises ("got mixed torch.Tensor
+        # and DTensor") on the first CUDA step.
+        raise UserError("parallel.cp_attention = ring with activations.checkpointing = offload is not supported "
+                        "(offloading copies the saved tensors into pinned CPU tensors, and the ring saves DTensors); "
+                        f"set --activations.checkpointing=full or selective, or {fix}")
+    pieces = 2 * p.cp if p.cp_load_balance else p.cp
+    unit = RING_QUERY_ALIGN * pieces
+    if cfg.train.seq_len % unit:
+        valid = [n for n in (cfg.train.seq_len // unit * unit, (cfg.train.seq_len // unit + 1) * unit) if n > 0]
+        what = "2 x cp: parallel.cp_load_balance" if p.cp_load_balance else "cp"
+        raise UserError(f"parallel.cp_attention = ring needs every chunk of the sequence to hold a multiple of "
+                        f"{RING_QUERY_ALIGN} tokens (CUDA's memory-efficient attention pads its log-sum-exp to a "
+                        f"multiple of {RING_QUERY_ALIGN} queries, which torch's ring cannot merge with the unpadded "
+                        f"output), but train.seq_len = {cfg.train.seq_len} in {pieces} chunks ({what}) gives "
+                        f"{cfg.train.seq_len / pieces:g}. Use a train.seq_len divisible by {unit} "
+                        f"(e.g. {' or '.join(map(str, valid))}), or {fix}")
 
 
 def check_consistency(cfg: Config) -> None:

@@ -12,7 +12,8 @@ reduce-scatters the gradients of K and V back to the ranks that own them.
 
 ring (CUDA): torch's ring attention (distributed/ring_attention.py): the K/V shards travel
 around the cp group while each step runs a fused SDPA kernel; no rank holds the whole sequence's
-keys and values.
+keys and values. Its limits (the causal mask only, no dropout, no activation offload, chunks of a
+multiple of 32 tokens) are config/load.check_cp_attention_rules.
 
 Load balancing (parallel.cp_load_balance): under a causal mask the last tokens attend to the
 most keys, so contiguous pieces would give the last rank the most work. The sequence is cut
@@ -35,8 +36,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from slipstream.config.load import check_cp_attention_rules, ring_needs_cuda
 from slipstream.config.schema import Config
+from slipstream.distributed.ring_attention import RingAttention, torch_ring_attention
 from slipstream.errors import UserError
+from slipstream.runtime import resolve_device
 
 
 def check_context_parallel(cfg: Config, cp: int, tp: int, device: torch.device | None = None) -> None:
@@ -68,16 +72,10 @@ def check_context_parallel(cfg: Config, cp: int, tp: int, device: torch.device |
 def check_ring_attention(cfg: Config, device: torch.device | None = None) -> None:
     """parallel.cp_attention = ring: the config rules (again: a Config built in code was never
     loaded), a CUDA device and a torch that has the ring."""
-    from slipstream.config.load import check_cp_attention_rules
-    from slipstream.distributed.ring_attention import torch_ring_attention
-    from slipstream.runtime import resolve_device
-
     check_cp_attention_rules(cfg)
     device = device if device is not None else resolve_device(cfg.train.device)
     if device.type != "cuda":
-        raise UserError(f"parallel.cp_attention = ring runs torch's ring attention on CUDA's fused attention kernels "
-                        f"(flash, efficient, cuDNN); this run is on {device.type}, which has none. Use "
-                        "--parallel.cp_attention=allgather (any device)")
+        raise ring_needs_cuda(f"this run's device ({device.type})")
     torch_ring_attention()
 
 
@@ -112,8 +110,6 @@ class ContextParallel:
         if kernel == "allgather":
             self.attend = self.allgather_attention
         elif kernel == "ring":
-            from slipstream.distributed.ring_attention import RingAttention
-
             self.attend = RingAttention(cp_mesh, load_balance)
         else:
             raise UserError(f"parallel.cp_attention = {kernel!r}: use allgather or ring")

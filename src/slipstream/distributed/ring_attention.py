@@ -20,16 +20,25 @@ How torch's ring reads the layout: with `enable_load_balance` every rank's shard
 2 x cp, rank r holding chunks r and 2cp - 1 - r (its head-tail layout, `_HeadTailLoadBalancer`),
 which is exactly parallel.cp_load_balance's; without it rank r holds chunk r of cp. Its
 `rotate_method` is set to all-to-all, the ring proper (torch's default all-gathers K/V once per
-layer, which is what cp_attention = allgather does already).
+layer, which is what cp_attention = allgather does already). Both are fields of one process-wide
+object (`_cp_options`) that torch reads at every forward and backward call, so each kernel sets
+them to its own before each of its calls (two kernels of one process may differ: `RingAttention.ring`).
 
-Limits (refused before any work, config/load.py and context_parallel.check_context_parallel):
-CUDA only (torch's ring calls CUDA's fused SDPA ops, which have no CPU kernels), is_causal
-without a mask, no attention dropout (the ring's backward replays every step with the last
-step's random state). GQA: torch's ring hands K/V to each step's fused op as they are, and not
-every fused kernel takes fewer K/V heads than query heads, so K/V are repeated to the query heads
-first (the ring then carries n_head / n_kv_head times the bytes of the K/V shards). Under
-torch.compile the ring runs eagerly, a graph break (`RingAttention.ring` says why), so
-compile.fullgraph is refused with it.
+What it sends per layer and micro-batch (torch's _templated_ring_attention[_backward]): forward,
+cp - 1 hops of this rank's K and V (repeated to n_head heads, below) to the next rank; backward,
+cp - 1 such K/V hops again and cp hops of their gradients, in fp32 (torch's `convert_to_f32`);
+activation checkpointing repeats the forward's.
+
+Limits (refused before any work, config/load.check_cp_attention_rules and context_parallel.
+check_context_parallel): CUDA only (torch's ring calls CUDA's fused SDPA ops, which have no CPU
+kernels), is_causal without a mask, no attention dropout (the ring's backward replays every step
+with the last step's random state), no activation offload (its pinned copies cannot take the
+DTensors the ring saves), and chunks of a multiple of 32 tokens (CUDA's memory-efficient kernel
+pads its log-sum-exp to 32 queries, which torch's merge cannot take). GQA: torch's ring hands
+K/V to each step's fused op as they are, and not every fused kernel takes fewer K/V heads than
+query heads, so K/V are repeated to the query heads first (the ring then carries n_head /
+n_kv_head times the bytes of the K/V shards). Under torch.compile the ring runs eagerly, a graph
+break (`RingAttention.ring` says why), so compile.fullgraph is refused with it.
 
 These are private torch APIs; they are looked up by name and a missing one is a UserError that
 names the torch needed and the fix (--parallel.cp_attention=allgather).
@@ -42,6 +51,8 @@ from types import ModuleType
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Shard
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from slipstream.errors import UserError
 
@@ -77,8 +88,6 @@ def fused_causal_attention(q, k, v, scale=None):
     """Causal SDPA on sequence-sharded DTensors, restricted to the fused kernels that torch's CP
     dispatcher turns into ring attention: the math kernel would run on the DTensors as ordinary
     ops, not as the ring, so torch must raise instead of falling back to it."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION]):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
@@ -88,16 +97,13 @@ class RingAttention:
     F.scaled_dot_product_attention on this rank's (B, H, T / cp, D) queries, keys and values."""
 
     def __init__(self, cp_mesh, load_balance: bool):
-        cp = torch_ring_attention()
-        # torch's switches are process-wide (one training job per process): the DTensor
-        # dispatcher for SDPA's fused ops, the layout its ring assumes (read again in the
-        # backward) and the ring exchange itself.
-        cp._enable_context_parallel_dispatcher()
-        cp._cp_options.enable_load_balance = load_balance
-        cp._cp_options.rotate_method = cp._RotateMethod.ALL_TO_ALL
+        self.torch_cp = torch_ring_attention()
+        # Process-wide, the same for every kernel: the DTensor dispatcher for SDPA's fused ops.
+        self.torch_cp._enable_context_parallel_dispatcher()
         self.mesh, self.load_balance = cp_mesh, load_balance
         # The SDPA call on the DTensors; on CPU (whose SDPA lowers to an op torch's ring does not
-        # handle) a test routes it to the flash op with CPU kernels registered for it.
+        # handle) a test routes it to the flash or memory-efficient op, with CPU kernels registered
+        # for them.
         self.sdpa = fused_causal_attention
 
     def __call__(self, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
@@ -119,9 +125,18 @@ class RingAttention:
     # test_ring_attention.py's compiled case without this). Eager, every rank sends in program order.
     @torch.compiler.disable
     def ring(self, q, k, v, scale):
-        from torch.distributed.tensor import DTensor, Shard
-
-        # Communicates: cp - 1 K/V sends around the cp ring forward; the backward's ring sends K/V
-        # and their gradients (torch's _templated_ring_attention[_backward]).
         q, k, v = (DTensor.from_local(t, self.mesh, [Shard(2)], run_check=False) for t in (q, k, v))
-        return self.sdpa(q, k, v, scale=scale).to_local()
+        self.set_torch_options()
+        # Communicates: cp - 1 K/V sends around the cp ring forward; the backward's ring sends K/V
+        # cp - 1 times and their gradients cp times (torch's _templated_ring_attention[_backward]).
+        out = self.sdpa(q, k, v, scale=scale)
+        if out.requires_grad:
+            # A hook on the output runs when autograd reaches this call's backward, just before
+            # torch's ring backward reads the options: a later kernel may have set its own since.
+            out.register_hook(lambda grad: self.set_torch_options())
+        return out.to_local()
+
+    def set_torch_options(self) -> None:
+        """This kernel's layout and exchange in torch's process-wide ring options."""
+        self.torch_cp._cp_options.enable_load_balance = self.load_balance
+        self.torch_cp._cp_options.rotate_method = self.torch_cp._RotateMethod.ALL_TO_ALL
