@@ -8,7 +8,8 @@ import pytest
 import torch
 
 # Tests run on 2 cores; more threads than cores makes everything crawl. Under pytest-xdist
-# (`make test` runs the unit tests in 2 worker processes) each worker gets its share of the cores.
+# (`make test` runs the unit and adversarial tests in 2 worker processes) each worker gets its
+# share of the cores.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1) // _WORKERS))
 os.environ.setdefault("SLIPSTREAM_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".cache" / "test"))
